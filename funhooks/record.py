@@ -1,0 +1,250 @@
+"""Record: the immutable tree of what a run stored, keyed by module path.
+
+Each node maps record names to the values of every call, in call order. A Record holds no
+reference to the model (paths are strings) and, with ``detach=True``, none to the autograd
+graph. It is a registered pytree, so ``torch.func`` transforms return it batched and
+``torch.utils._pytree.tree_map`` sees its tensors.
+
+Memory: a Record keeps every stored value alive; ``rec.map(torch.Tensor.cpu)`` or saving
+and dropping it are the ways to release device memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from . import _torch
+from .errors import FrozenError, RecordError
+
+__all__ = ["Record", "RecordNode"]
+
+_FORMAT = "funhooks.Record"
+_FORMAT_VERSION = 1
+
+
+def _summarise(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_summarise(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(_summarise(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_summarise(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+class _Frozen:
+    __slots__ = ()
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be assigned to, got `.{key} = ...`. Build a new one.")
+
+    def __delattr__(self, key: str) -> None:
+        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be changed, got `del .{key}`. Build a new one.")
+
+
+class RecordNode(_Frozen, Mapping):
+    """What one module stored: record name -> value, for a module that ran once.
+
+    ``node[name]`` is the single value; ``node.calls(name)`` the tuple of every call's value.
+    """
+
+    __slots__ = ("_path", "_values")
+
+    def __init__(self, path: str, values: Mapping[str, tuple[Any, ...]]) -> None:
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_values", values)
+
+    def __getitem__(self, name: str) -> Any:
+        calls = self.calls(name)
+        if len(calls) != 1:
+            raise RecordError(
+                f"Record: `rec[{self._path!r}][{name!r}]` needs a module that ran exactly once, "
+                f"got {len(calls)} calls. Use `rec.calls({self._path!r}, {name!r})` for all of them."
+            )
+        return calls[0]
+
+    def calls(self, name: str) -> tuple[Any, ...]:
+        """Every call's value for `name`, in call order."""
+        try:
+            return self._values[name]
+        except KeyError:
+            raise RecordError(
+                f"Record: module {self._path!r} stored no {name!r}, got names {list(self._values)}. "
+                "Use one of those, or add a spec that stores it."
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k!r}: [{', '.join(_summarise(v) for v in vs)}]" for k, vs in self._values.items())
+        return f"RecordNode({self._path!r}, {{{body}}})"
+
+
+class Record(_Frozen):
+    """An immutable tree of stored values keyed by module path, in module order.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> block = nn.Linear(2, 2)
+        >>> model = nn.Sequential(block, nn.ReLU(), block)  # a shared module runs twice
+        >>> with fh.with_hooks(model, fh.outputs(nn.Linear)) as run:
+        ...     y = model(torch.ones(1, 2))
+        >>> rec = run.record
+        >>> list(rec), len(rec.calls("0", "output")), "1" in rec
+        (['0'], 2, False)
+        >>> torch.equal(rec.calls("0", "output")[1], y)
+        True
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None) -> None:
+        frozen = {str(p): {str(n): tuple(vs) for n, vs in names.items()} for p, names in (data or {}).items()}
+        object.__setattr__(self, "_data", frozen)
+
+    # -- lookup -----------------------------------------------------------------------
+    def __getitem__(self, path: str) -> RecordNode:
+        try:
+            return RecordNode(path, self._data[path])
+        except KeyError:
+            raise RecordError(
+                f"Record: no module path {path!r} in this record, got paths {list(self._data)}. "
+                "Check the selector, or that the module ran."
+            ) from None
+
+    def calls(self, path: str, name: str) -> tuple[Any, ...]:
+        """Every call's value of `name` at `path`, in call order."""
+        return self[path].calls(name)
+
+    def stored(self, name: str = "output") -> list[Any]:
+        """The single value of `name` for every module that stored it, in module order."""
+        return [self[p][name] for p, names in self._data.items() if name in names]
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def items(self) -> Iterator[tuple[str, RecordNode]]:
+        """``(path, node)`` pairs in module order."""
+        return ((p, RecordNode(p, v)) for p, v in self._data.items())
+
+    # -- transformation -----------------------------------------------------------------
+    def map(self, fn: Callable[[torch.Tensor], Any]) -> Record:
+        """A new Record with `fn` applied to every stored tensor.
+
+        Example:
+            >>> import torch, funhooks as fh
+            >>> rec = fh.Record({"fc": {"output": (torch.ones(2),)}})
+            >>> rec.map(lambda t: t * 3)["fc"]["output"]
+            tensor([3., 3.])
+        """
+        def leaf(x: Any) -> Any:
+            return fn(x) if isinstance(x, torch.Tensor) else x
+
+        return Record({p: {n: tuple(_torch.tree_map(leaf, v) for v in vs) for n, vs in names.items()}
+                       for p, names in self._data.items()})
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every stored tensor, in module, name and call order."""
+        return [t for t in _torch.tree_leaves(self) if isinstance(t, torch.Tensor)]
+
+    def equal(self, other: Record, *, rtol: float = 0.0, atol: float = 0.0) -> bool:
+        """True when both records have the same paths, names, call counts and values
+        (tensors compared with ``torch.allclose(rtol, atol)``; exact by default)."""
+        if not isinstance(other, Record) or _structure(self) != _structure(other):
+            return False
+        a, b = _torch.tree_leaves(self), _torch.tree_leaves(other)
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b):
+            if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+                return False
+            if isinstance(x, torch.Tensor):
+                if x.shape != y.shape or x.dtype != y.dtype:
+                    return False
+                if not torch.allclose(x, y.to(x.device), rtol=rtol, atol=atol, equal_nan=True):
+                    return False
+            elif x != y:
+                return False
+        return True
+
+    # -- saving ---------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the record with ``torch.save``; :meth:`load` reads it without unpickling code.
+
+        Raises:
+            TypeError: when a stored value is not a tensor, number, str, bool, None or a
+                list / tuple / dict of those.
+        """
+        data = {p: {n: list(vs) for n, vs in names.items()} for p, names in self._data.items()}
+        for leaf in _torch.tree_leaves(data):
+            if not isinstance(leaf, (torch.Tensor, int, float, str, bool, type(None))):
+                raise TypeError(
+                    f"Record.save: stored values are tensors, numbers, str, bool or None in lists, "
+                    f"tuples and dicts, got {type(leaf).__name__}. Store plain data, or "
+                    "`rec.map(...)` it first."
+                )
+        torch.save({"format": _FORMAT, "version": _FORMAT_VERSION, "data": data}, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, map_location: Any = None) -> Record:
+        """Read a record written by :meth:`save` (``torch.load(weights_only=True)``).
+
+        Example:
+            >>> import tempfile, os, torch, funhooks as fh
+            >>> rec = fh.Record({"fc": {"output": (torch.arange(3),)}})
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     rec.save(os.path.join(d, "rec.pt"))
+            ...     back = fh.Record.load(os.path.join(d, "rec.pt"))
+            >>> back.equal(rec)
+            True
+        """
+        blob = torch.load(path, map_location=map_location, weights_only=True)
+        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+            raise RecordError(
+                f"Record.load: expected a file written by `Record.save`, got {type(blob).__name__} "
+                f"from {os.fspath(path)!r}. Load it with `torch.load` instead."
+            )
+        return cls(blob["data"])
+
+    def __repr__(self) -> str:
+        lines = [f"  {p!r}: {{" + ", ".join(f"{n!r}: [{', '.join(_summarise(v) for v in vs)}]"
+                                              for n, vs in names.items()) + "}"
+                 for p, names in self._data.items()]
+        return "Record({\n" + ",\n".join(lines) + "\n})" if lines else "Record({})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Record, (self._data,))
+
+
+def _structure(rec: Record) -> tuple[Any, ...]:
+    return tuple((p, tuple((n, len(vs)) for n, vs in names.items())) for p, names in rec._data.items())
+
+
+def _flatten(rec: Record) -> tuple[list[Any], Any]:
+    values = [v for names in rec._data.values() for vs in names.values() for v in vs]
+    return values, _structure(rec)
+
+
+def _unflatten(values: Any, context: Any) -> Record:
+    it = iter(values)
+    return Record({p: {n: tuple(next(it) for _ in range(k)) for n, k in names} for p, names in context})
+
+
+_torch.register_pytree(Record, _flatten, _unflatten, "funhooks.Record")

@@ -1,0 +1,634 @@
+"""Context-scoped runs: the only code that registers hooks.
+
+Forward events go through one persistent *dispatcher*: a global forward hook (and a global
+forward-pre hook while a run needs one) that looks the called module up in every active
+run's table and appends what it stores to that run's buffer. Installing a run is a list
+push, not one registration per module, which is why a ``with_hooks`` block costs about what
+hooks registered once cost, and why it works on models compiled before the run.
+Backward events use per-module full backward hooks; ``grads`` uses tensor hooks on the
+outputs (right even when an in-place op follows); ``param_grad`` uses parameter hooks.
+All of them are removed when the block exits, however it exits.
+
+Cost: per module call, one dict lookup for every active run; per stored tensor, a
+``detach()`` and a version-counter read. Resolved plans are cached per model and spec set,
+and invalidated when any module is registered (attribute assignment, ``add_module``); call
+``with_hooks`` after editing ``model._modules`` directly and the cache may be stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.modules.module as _module_hooks
+from torch import nn
+
+from . import _torch
+from .errors import FrozenError, HookError, SpecError, StaleTensorError, TransformError
+from .record import Record
+from .select import resolve
+from .spec import Spec
+
+__all__ = ["Run", "with_hooks"]
+
+Tensor = torch.Tensor
+
+# -- the persistent dispatcher ------------------------------------------------------------
+
+_STACK: list[_Frame] = []
+"""Active frames, outermost first. The global hooks route every module call through it."""
+
+_HANDLES: dict[str, Any] = {}
+_USERS: dict[str, int] = {"forward": 0, "forward_pre": 0}
+
+
+def _on_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    changed = False
+    for frame in _STACK:
+        entries = frame.forward.get(id(module))
+        if entries is None or not frame.active:
+            continue
+        for entry in entries:
+            new = entry(frame, module, args, kwargs, output)
+            if new is not None:
+                output, changed = new, True
+    return output if changed else None
+
+
+def _on_forward_pre(module: nn.Module, args: tuple) -> Any:
+    changed = False
+    for frame in _STACK:
+        entries = frame.forward_pre.get(id(module))
+        if entries is None or not frame.active:
+            continue
+        for entry in entries:
+            new = entry(frame, module, args)
+            if new is not None:
+                args, changed = (new if isinstance(new, tuple) else (new,)), True
+    return args if changed else None
+
+
+def acquire(kind: str) -> None:
+    """Install the global `kind` hook if no run holds it yet (reference counted)."""
+    if _USERS[kind] == 0:
+        if kind == "forward":
+            _HANDLES[kind] = _module_hooks.register_module_forward_hook(_on_forward, with_kwargs=True)
+        else:
+            _HANDLES[kind] = _module_hooks.register_module_forward_pre_hook(_on_forward_pre)
+    _USERS[kind] += 1
+
+
+def release(kind: str) -> None:
+    """Drop one hold on the global `kind` hook; the last one removes it."""
+    _USERS[kind] -= 1
+    if _USERS[kind] == 0:
+        _HANDLES.pop(kind).remove()
+
+
+# -- plan cache --------------------------------------------------------------------------
+
+_GENERATION = [0]
+
+
+def _bump(*_: Any) -> None:
+    _GENERATION[0] += 1
+
+
+# Any module registration anywhere (attribute assignment, add_module) invalidates plans.
+_module_hooks.register_module_module_registration_hook(_bump)
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Spec, ...], _Plan]] = weakref.WeakKeyDictionary()
+_PLANS_PER_MODEL = 32
+
+
+# -- value processing ---------------------------------------------------------------------
+
+
+def _gather(t: Tensor) -> Tensor:
+    dist = torch.distributed
+    if t.ndim == 0:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / dist.get_world_size()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def _preparer(spec: Spec) -> Callable[[Any], Any] | None:
+    """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone)."""
+    steps: list[Callable[[Tensor], Tensor]] = []
+    if spec.detach:
+        steps.append(Tensor.detach)
+    if spec.gather:
+        steps.append(lambda t: _gather(t) if _torch.is_distributed() else t)
+    if spec.cpu:
+        steps.append(Tensor.cpu)
+    if spec.clone:
+        steps.append(Tensor.clone)
+    if not steps:
+        return None
+
+    def prep_tensor(t: Tensor) -> Tensor:
+        for step in steps:
+            t = step(t)
+        return t
+
+    def prep(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return prep_tensor(value)
+        return _torch.tree_map(lambda x: prep_tensor(x) if isinstance(x, Tensor) else x, value)
+
+    return prep
+
+
+def _checks(value: Any) -> Any:
+    """What the record needs to tell later whether `value` was changed in place."""
+    if isinstance(value, Tensor):
+        return value._version
+    return tuple((t, t._version) for t in _torch.tree_leaves(value) if isinstance(t, Tensor))
+
+
+class _Slot:
+    """A value completed after it is appended: inputs (kwargs come later) and grads."""
+
+    __slots__ = ("value", "parts", "treespec", "role")
+
+    def __init__(self, value: Any = None, parts: list | None = None, treespec: Any = None, role: str = "") -> None:
+        self.value, self.parts, self.treespec, self.role = value, parts, treespec, role
+
+    def resolve(self) -> tuple[bool, Any]:
+        if self.parts is None:
+            return True, self.value
+        if all(p is None for p in self.parts):
+            return False, None
+        if self.role == "grad_output":
+            return True, tuple(self.parts)
+        return True, _torch.pytree.tree_unflatten(self.parts, self.treespec)
+
+
+# -- entries: one small function per (spec, module), built once per plan ---------------------
+
+
+def _hook_error(spec: Spec, path: str, err: Exception) -> HookError:
+    where = repr(path) if path else "'' (the root)"
+    return HookError(
+        f"with_hooks: the function of {spec!r} raised {type(err).__name__} on module {where}: {err}. "
+        "Fix the function; the model's hooks were removed."
+    )
+
+
+def _forward_entry(spec: Spec, key: tuple[str, str | None]) -> Callable[..., Any]:
+    prep, path = _preparer(spec), key[0]
+    if spec.role == "output":
+        if prep is not None and spec.detach and not (spec.cpu or spec.gather or spec.clone):
+
+            def store_output(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                if isinstance(output, Tensor):
+                    value = output.detach()
+                    frame.buffer.append((key, value, value._version))
+                else:
+                    value = prep(output)
+                    frame.buffer.append((key, value, _checks(value)))
+
+            return store_output
+
+        def store_any(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            value = output if prep is None else prep(output)
+            frame.buffer.append((key, value, _checks(value)))
+
+        return store_any
+
+    if spec.role == "input":
+
+        def finish_input(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            slot = frame.pending.pop()
+            if kwargs:
+                value = kwargs if prep is None else prep(kwargs)
+                slot.value = (slot.value[0], value)
+                frame.extra_checks.append((key, _checks(value)))
+
+        return finish_input
+
+    if spec.role in ("grad", "grad_output"):
+
+        def watch_grad(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            leaves, treespec = _torch.pytree.tree_flatten(output)
+            wanted = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+            if not wanted:
+                return
+            if _torch.is_functorch_active():
+                raise TransformError(
+                    f"with_hooks: {spec!r} needs autograd's backward, got it inside a torch.func transform "
+                    f"at module {path!r}. Use `fh.activation_grads(model, where, loss_fn)` for gradients "
+                    "of activations under `grad`/`vmap`."
+                )
+            if spec.role == "grad_output":
+                leaves = [t for t in leaves if isinstance(t, Tensor)]
+                wanted = [i for i, t in enumerate(leaves) if t.requires_grad]
+            slot = _Slot(parts=[None] * len(leaves), treespec=treespec, role=spec.role)
+            for i in wanted:
+                leaves[i].register_hook(_grad_hook(frame, slot, i, prep))
+            frame.buffer.append((key, slot, None))
+
+        return watch_grad
+
+    fn = spec.fn
+    assert fn is not None
+    if spec.is_edit:
+
+        def edit_output(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            try:
+                return fn(module, args, output)
+            except Exception as err:
+                raise _hook_error(spec, path, err) from err
+
+        return edit_output
+
+    def observe_output(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if prep is not None:
+            args, output = prep(args), prep(output)
+        try:
+            value = fn(module, args, output)
+        except Exception as err:
+            raise _hook_error(spec, path, err) from err
+        frame.buffer.append((key, value, _checks(value)))
+
+    return observe_output
+
+
+def _grad_hook(frame: _Frame, slot: _Slot, i: int, prep: Callable[[Any], Any] | None) -> Callable[[Tensor], None]:
+    def on_grad(grad: Tensor) -> None:
+        if frame.open and frame.active:
+            slot.parts[i] = grad if prep is None else prep(grad)  # type: ignore[index]
+
+    return on_grad
+
+
+def _forward_pre_entry(spec: Spec, key: tuple[str, str | None]) -> Callable[..., Any]:
+    prep, path = _preparer(spec), key[0]
+    if spec.role == "input":
+
+        def store_input(frame: _Frame, module: nn.Module, args: tuple) -> None:
+            value = args if prep is None else prep(args)
+            slot = _Slot((value, {}))
+            frame.pending.append(slot)
+            frame.buffer.append((key, slot, _checks(value)))
+
+        return store_input
+
+    fn = spec.fn
+    assert fn is not None
+
+    def call_pre(frame: _Frame, module: nn.Module, args: tuple) -> Any:
+        try:
+            value = fn(module, args if spec.is_edit or prep is None else prep(args))
+        except Exception as err:
+            raise _hook_error(spec, path, err) from err
+        if spec.is_edit:
+            return value
+        frame.buffer.append((key, value, _checks(value)))
+        return None
+
+    return call_pre
+
+
+def _backward_entry(spec: Spec, key: tuple[str, str | None], frame: _Frame) -> Callable[..., Any]:
+    """A full backward (pre) hook for `frame`: PyTorch's semantics, registered per module."""
+    prep, path, fn = _preparer(spec), key[0], spec.fn
+    assert fn is not None
+
+    def call_backward(module: nn.Module, *grads: Any) -> Any:
+        if not (frame.open and frame.active):
+            return None
+        try:
+            value = fn(module, *(grads if spec.is_edit or prep is None else [prep(g) for g in grads]))
+        except Exception as err:
+            raise _hook_error(spec, path, err) from err
+        if spec.is_edit:
+            return value
+        frame.buffer.append((key, value, _checks(value)))
+        return None
+
+    return call_backward
+
+
+def _param_entry(spec: Spec, key: tuple[str, str | None], param: nn.Parameter, frame: _Frame) -> Callable[..., Any]:
+    prep, path, fn = _preparer(spec), key[0], spec.fn
+    assert fn is not None
+
+    def call_param(grad: Tensor) -> Any:
+        if not (frame.open and frame.active):
+            return None
+        try:
+            value = fn(param, grad if spec.is_edit or prep is None else prep(grad))
+        except Exception as err:
+            raise _hook_error(spec, path, err) from err
+        if spec.is_edit:
+            return value
+        frame.buffer.append((key, value, _checks(value)))
+        return None
+
+    return call_param
+
+
+# -- plans -------------------------------------------------------------------------------
+
+
+class _Plan:
+    """Specs resolved against one model: per-module entry tables, built once and cached."""
+
+    def __init__(self, model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
+        self.generation = _GENERATION[0]
+        forward: dict[int, list] = {}
+        forward_pre: dict[int, list] = {}
+        self.backward: list[tuple[Spec, tuple[str, str | None], weakref.ref]] = []
+        self.params: list[tuple[Spec, tuple[str, str | None], weakref.ref]] = []
+        self.slots: list[tuple[str, str]] = []
+        order: dict[str, tuple[int, int]] = {}
+        names: dict[tuple[str, str], Spec] = {}
+        module_order = {id(m): i for i, (_, m) in enumerate(_torch.named_modules(model))}
+        for spec in specs:
+            for path, module in resolve(spec.where, model, caller=caller, spec=spec):
+                key = (path, spec.name)
+                if not spec.is_edit:
+                    clash = names.get(key)  # type: ignore[arg-type]
+                    if clash is not None:
+                        raise SpecError(
+                            f"{caller}: two specs store {spec.name!r} on module {path!r}, got {clash!r} and "
+                            f"{spec!r}. Give one of them another `name=`."
+                        )
+                    names[key] = spec  # type: ignore[index]
+                    if spec.event != "param_grad":
+                        self.slots.append(key)  # type: ignore[arg-type]
+                order.setdefault(path, (module_order[id(module)], 0))
+                if spec.event == "forward" or spec.role in ("grad", "grad_output"):
+                    forward.setdefault(id(module), []).append(_forward_entry(spec, key))
+                elif spec.event == "forward_pre":
+                    forward_pre.setdefault(id(module), []).append(_forward_pre_entry(spec, key))
+                    if spec.role == "input":
+                        forward.setdefault(id(module), []).append(_forward_entry(spec, key))
+                elif spec.event in ("backward", "backward_pre"):
+                    self.backward.append((spec, key, weakref.ref(module)))
+                else:  # param_grad
+                    for i, (pname, param) in enumerate(module.named_parameters(recurse=False)):
+                        ppath = f"{path}.{pname}" if path else pname
+                        order.setdefault(ppath, (module_order[id(module)], i + 1))
+                        self.params.append((spec, (ppath, spec.name), weakref.ref(param)))
+        self.forward = {k: tuple(v) for k, v in forward.items()}
+        self.forward_pre = {k: tuple(v) for k, v in forward_pre.items()}
+        self.order = order
+        self.spec_of = names
+
+    @staticmethod
+    def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> _Plan:
+        cache = _PLANS.setdefault(model, {})
+        plan = cache.get(specs)
+        if plan is None or plan.generation != _GENERATION[0]:
+            plan = _Plan(model, specs, caller)
+            if len(cache) >= _PLANS_PER_MODEL:
+                cache.pop(next(iter(cache)))
+            cache[specs] = plan
+        return plan
+
+
+class _Frame:
+    """One active run's mutable state, private to it: the buffer the hooks append to."""
+
+    __slots__ = ("forward", "forward_pre", "buffer", "pending", "extra_checks", "open", "active")
+
+    def __init__(self, plan: _Plan) -> None:
+        self.forward, self.forward_pre = plan.forward, plan.forward_pre
+        self.buffer: list[tuple[Any, Any, Any]] = []
+        self.pending: list[_Slot] = []
+        self.extra_checks: list[tuple[Any, Any]] = []
+        self.open = False
+        self.active = True
+
+
+def _stale(caller: str, key: tuple[str, str], spec: Spec | None) -> StaleTensorError:
+    path, name = key
+    where = repr(path) if path else "'' (the root)"
+    return StaleTensorError(
+        f"{caller}: a stored tensor must not change after it is stored, got the {name!r} of module "
+        f"{where} (spec {spec!r}) changed in place by a later op such as `inplace=True`. "
+        "Pass `clone=True` to the spec to store a copy."
+    )
+
+
+def _is_stale(check: Any, value: Any) -> bool:
+    if check is None:
+        return False
+    if isinstance(check, int):
+        return value._version != check
+    return any(t._version != v for t, v in check)
+
+
+def _build(buffer: list, extra: list, plan: _Plan, caller: str) -> Record:
+    data: dict[str, dict[str, list[Any]]] = {}
+    for key, value, check in buffer:
+        if _is_stale(check, value if isinstance(check, int) else None):
+            raise _stale(caller, key, plan.spec_of.get(key))
+        if type(value) is _Slot:
+            ok, value = value.resolve()
+            if not ok:
+                continue
+        path, name = key
+        data.setdefault(path, {}).setdefault(name, []).append(value)
+    for key, check in extra:
+        if _is_stale(check, None):
+            raise _stale(caller, key, plan.spec_of.get(key))
+    paths = sorted(data, key=plan.order.__getitem__)
+    return Record({p: data[p] for p in paths})
+
+
+# -- the public run ------------------------------------------------------------------------
+
+
+def _as_specs(specs: Spec | Iterable[Spec], caller: str) -> tuple[Spec, ...]:
+    if isinstance(specs, Spec):
+        return (specs,)
+    try:
+        items = tuple(specs)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(s, Spec) for s in items):
+        bad = specs if items is None else next(s for s in items if not isinstance(s, Spec))
+        raise SpecError(
+            f"{caller}: `specs` is a Spec or an iterable of Specs, got {bad!r}. "
+            "Build specs with fh.outputs, fh.inputs, fh.grads, fh.observe or fh.edit."
+        )
+    return tuple(dict.fromkeys(items))  # equal specs are installed once
+
+
+def _check_model(model: Any, caller: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model to hook.")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TransformError(
+            f"{caller}: hooks on a TorchScript module never fire, got {type(model).__name__}. "
+            "Hook the eager model before scripting it."
+        )
+    return model
+
+
+class Run:
+    """A context-scoped run of specs on a model. Use it through :func:`with_hooks`.
+
+    Inside the block the model is called as usual (``model(x)`` or ``run(x)``); hooks are
+    installed on entry and removed on exit, whatever the exit. ``run.record`` is a snapshot
+    valid inside and after the block; ``run.stored`` is fastai's list, one value (the last
+    call's) per hooked module and spec.
+    """
+
+    __slots__ = ("_model", "_specs", "_plan", "_frame", "_handles", "_state", "_caller")
+
+    def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec], *, caller: str = "with_hooks") -> None:
+        set_ = object.__setattr__
+        set_(self, "_caller", caller)
+        set_(self, "_model", _check_model(model, caller))
+        set_(self, "_specs", _as_specs(specs, caller))
+        set_(self, "_plan", _Plan.get(_torch.unwrap(model), self._specs, caller))
+        set_(self, "_frame", _Frame(self._plan))
+        set_(self, "_handles", [])
+        set_(self, "_state", "new")
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise FrozenError(f"Run: a run cannot be assigned to, got `.{key} = ...`. Start a new run.")
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """The specs of this run, equal specs once."""
+        return self._specs
+
+    def __enter__(self) -> Run:
+        if self._state != "new":
+            raise RuntimeError(f"{self._caller}: a run is entered once, got a second `with`. Call `with_hooks` again.")
+        object.__setattr__(self, "_state", "open")
+        frame, plan = self._frame, self._plan
+        try:
+            for kind in ("forward", "forward_pre"):
+                if kind == "forward" or plan.forward_pre:
+                    acquire(kind)
+                    self._handles.append(kind)
+            for spec, key, ref in plan.backward:
+                module = ref()
+                if module is None:
+                    continue
+                register = (module.register_full_backward_hook if spec.event == "backward"
+                            else module.register_full_backward_pre_hook)
+                self._handles.append(register(_backward_entry(spec, key, frame)))
+            for spec, key, ref in plan.params:
+                param = ref()
+                if param is not None and param.requires_grad:
+                    self._handles.append(param.register_hook(_param_entry(spec, key, param, frame)))
+            frame.open = True
+            _STACK.append(frame)
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        frame = self._frame
+        frame.open = False
+        for i, f in enumerate(_STACK):
+            if f is frame:
+                del _STACK[i]
+                break
+        for handle in reversed(self._handles):
+            if isinstance(handle, str):
+                release(handle)
+            else:
+                handle.remove()
+        self._handles.clear()
+        object.__setattr__(self, "_state", "closed")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the model: ``run(x)`` is ``model(x)``."""
+        return self._model(*args, **kwargs)
+
+    @property
+    def record(self) -> Record:
+        """A Record of everything stored so far (a snapshot).
+
+        Raises:
+            StaleTensorError: when a stored tensor was changed in place after it was stored.
+        """
+        return _build(self._frame.buffer, self._frame.extra_checks, self._plan, self._caller)
+
+    def take(self) -> Record:
+        """The Record of everything stored since the last ``take``, then start afresh.
+
+        Use it to get one Record per batch from a single block around a loop.
+        """
+        frame = self._frame
+        rec = _build(frame.buffer, frame.extra_checks, self._plan, self._caller)
+        frame.buffer, frame.extra_checks = [], []
+        return rec
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside this block the run's hooks stay installed but do nothing (and cost a lookup)."""
+        frame = self._frame
+        before, frame.active = frame.active, False
+        try:
+            yield
+        finally:
+            frame.active = before
+
+    @property
+    def stored(self) -> list[Any]:
+        """fastai's ``hooks.stored``: the last call's value for each (spec, module), in spec
+        then module order; ``None`` where the module did not run."""
+        rec = self.record
+        out = []
+        for path, name in self._plan.slots:
+            calls = rec._data.get(path, {}).get(name, ())
+            out.append(calls[-1] if calls else None)
+        return out
+
+    def __repr__(self) -> str:
+        return f"Run({type(self._model).__name__}, specs={list(self._specs)!r}, {self._state})"
+
+
+def with_hooks(model: nn.Module, specs: Spec | Iterable[Spec]) -> Run:
+    """Run `specs` on `model` for the duration of a ``with`` block.
+
+    Everything is validated before anything is registered: selectors must match, module
+    instances must belong to the model, record names must not clash on one module.
+
+    Args:
+        model: the model (DDP, DataParallel and ``torch.compile`` wrappers are looked through:
+            paths are those of the inner model).
+        specs: a Spec or an iterable of Specs; equal specs are installed once.
+
+    Returns:
+        A :class:`Run` to use as a context manager.
+
+    Raises:
+        SpecError: for things that are not specs, or two specs storing one name on one module.
+        SelectorError: for a selector that matches nothing or a foreign module instance.
+        HookError: (inside the block) when a spec's function raises.
+        StaleTensorError: (on reading the record) when a stored tensor was changed in place.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> with fh.with_hooks(model, [fh.outputs(nn.Linear), fh.inputs("2")]) as run:
+        ...     y = model(torch.randn(8, 4))
+        >>> rec = run.record
+        >>> list(rec), rec["2"]["output"].shape
+        (['0', '2'], torch.Size([8, 1]))
+        >>> fh.testing.assert_no_hooks(model)
+    """
+    return Run(model, specs)

@@ -1,0 +1,399 @@
+"""Specs: frozen values that say where, when and what a hook does. They touch no model.
+
+A spec is *where* (a selector), *when* (an event), *what* (a function) and whether the
+function's result is *stored* under a record name (an observer) or *replaces* the value
+PyTorch lets that hook replace (an editor). Specs are hashable, so equal specs are
+installed once and make natural cache keys; they pickle when their function does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+from torch import nn
+
+from .errors import SpecError
+from .select import Selector, Where, select
+
+__all__ = [
+    "EVENTS",
+    "Hook",
+    "Hooks",
+    "Spec",
+    "edit",
+    "grads",
+    "hook_output",
+    "hook_outputs",
+    "inputs",
+    "observe",
+    "outputs",
+]
+
+EVENTS = ("forward_pre", "forward", "backward_pre", "backward", "param_grad")
+"""The hook events, with PyTorch's hook signatures:
+``forward_pre`` ``fn(module, args)``, ``forward`` ``fn(module, args, output)``,
+``backward_pre`` ``fn(module, grad_output)``, ``backward`` ``fn(module, grad_input,
+grad_output)``, ``param_grad`` ``fn(param, grad)``."""
+
+ROLES = ("output", "input", "grad", "grad_output", "call")
+"""How a run treats a spec: the built-in stores (``output``, ``input``, ``grad`` and
+fastai's ``grad_output`` tuple) have fast paths; ``call`` runs the spec's function."""
+
+
+@attrs.frozen(repr=False)
+class Spec:
+    """A hook as a value: where, when, what, and whether the result is stored or replaces.
+
+    Build specs with the constructors (:func:`outputs`, :func:`inputs`, :func:`grads`,
+    :func:`observe`, :func:`edit` and the fastai spellings); change one with
+    ``attrs.evolve``. Nothing touches a model until a spec is run by
+    :func:`funhooks.with_hooks`, :func:`funhooks.capture` or a training loop.
+
+    Example:
+        >>> import funhooks as fh
+        >>> spec = fh.outputs("features.*", clone=True)
+        >>> spec
+        outputs('features.*', clone=True)
+        >>> spec == fh.outputs("features.*", clone=True), spec.name, spec.event
+        (True, 'output', 'forward')
+    """
+
+    where: Selector
+    event: str
+    role: str
+    name: str | None
+    fn: Callable[..., Any] | None = None
+    is_edit: bool = False
+    detach: bool = True
+    cpu: bool = False
+    gather: bool = False
+    clone: bool = False
+    label: str = "observe"
+
+    def __repr__(self) -> str:
+        parts = [repr(self.where)]
+        if self.role == "call":
+            parts.append(getattr(self.fn, "__name__", repr(self.fn)))
+            if self.event != "forward":
+                parts.append(f"event={self.event!r}")
+            if self.name is not None and self.name != getattr(self.fn, "__name__", None):
+                parts.append(f"name={self.name!r}")
+        if not self.is_edit:
+            defaults = {"detach": True, "cpu": False, "gather": False, "clone": False}
+            parts += [f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
+        return f"{self.label}({', '.join(parts)})"
+
+    def __enter__(self) -> None:
+        raise TypeError(
+            f"{self.label}: a spec is a value and touches no model, got `with {self!r}:`. "
+            "Run it with `with fh.with_hooks(model, spec) as run:` and read `run.stored` "
+            "or `run.record`."
+        )
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
+        return None
+
+
+def _flags(label: str, **flags: Any) -> dict[str, bool]:
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise SpecError(f"{label}: `{key}` is a bool, got {value!r}. Pass True or False.")
+    return flags
+
+
+def _check_event(label: str, event: str) -> str:
+    if event not in EVENTS:
+        raise SpecError(f"{label}: `event` is one of {list(EVENTS)}, got {event!r}. Pick one of those.")
+    return event
+
+
+def _check_fn(label: str, fn: Any) -> Callable[..., Any]:
+    if not callable(fn):
+        raise SpecError(
+            f"{label}: `fn` is a callable taking PyTorch's hook arguments, got {fn!r}. "
+            "Pass a function such as `lambda module, args, output: output.mean()`."
+        )
+    return fn
+
+
+def _record_name(label: str, fn: Callable[..., Any], name: str | None) -> str:
+    if name is None:
+        name = getattr(fn, "__name__", None)
+        if name is None:
+            raise SpecError(
+                f"{label}: the record name defaults to `fn.__name__`, got {fn!r} which has none. "
+                "Pass `name=`."
+            )
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"{label}: `name` is a non-empty str, got {name!r}. Pass a record name.")
+    return name
+
+
+def outputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+    """Store each selected module's output under the record name ``"output"``.
+
+    Args:
+        where: a selector (see :func:`funhooks.select`).
+        detach: store ``output.detach()`` (no autograd graph kept alive).
+        cpu: move stored tensors to the CPU.
+        gather: all-gather stored tensors across a ``torch.distributed`` group.
+        clone: store a copy, safe from later in-place ops (costs one copy per call).
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+        >>> with fh.with_hooks(model, fh.outputs("0")) as run:
+        ...     y = model(torch.ones(1, 3))
+        >>> run.record["0"]["output"].shape
+        torch.Size([1, 2])
+    """
+    flags = _flags("outputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), "forward", "output", "output", label="outputs", **flags)
+
+
+def inputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+    """Store each selected module's inputs as ``(args, kwargs)`` under ``"input"``.
+
+    Inputs are taken before the module runs, so a module that changes its input in place
+    (``ReLU(inplace=True)``) is caught: pass ``clone=True`` to keep the values it received.
+
+    Args:
+        where: a selector.
+        detach, cpu, gather, clone: as for :func:`outputs`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> with fh.with_hooks(model, fh.inputs("0")) as run:
+        ...     y = model(torch.ones(1, 3))
+        >>> args, kwargs = run.record["0"]["input"]
+        >>> args[0].shape, kwargs
+        (torch.Size([1, 3]), {})
+    """
+    flags = _flags("inputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), "forward_pre", "input", "input", label="inputs", **flags)
+
+
+def grads(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+    """Store the gradient with respect to each selected module's output under ``"grad"``.
+
+    The value has the structure of the output (a tensor for a tensor output). It is taken
+    with a tensor hook on the output, so it is right even when an in-place op follows the
+    module (where module backward hooks fail). Outputs that need no grad store nothing.
+
+    Args:
+        where: a selector.
+        detach, cpu, gather, clone: as for :func:`outputs`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> with fh.with_hooks(model, fh.grads("0")) as run:
+        ...     model(torch.ones(1, 3)).sum().backward()
+        >>> run.record["0"]["grad"]
+        tensor([[1., 1.]])
+    """
+    flags = _flags("grads", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), "backward_pre", "grad", "grad", label="grads", **flags)
+
+
+def observe(
+    where: Where,
+    fn: Callable[..., Any],
+    *,
+    event: str = "forward",
+    name: str | None = None,
+    detach: bool = True,
+    cpu: bool = False,
+    gather: bool = False,
+    clone: bool = False,
+) -> Spec:
+    """Store ``fn(module, *hook_args)`` under `name` (default ``fn.__name__``).
+
+    The hook arguments are detached / moved / gathered / cloned as flagged *before* `fn`
+    sees them, as fastai's ``Hook`` does.
+
+    Args:
+        where: a selector.
+        fn: called with PyTorch's hook arguments for `event` (see :data:`EVENTS`).
+        event: one of :data:`EVENTS`.
+        name: the record name; defaults to ``fn.__name__``.
+        detach, cpu, gather, clone: applied to the hook arguments.
+
+    Returns:
+        A Spec.
+
+    Raises:
+        SpecError: for a non-callable `fn`, an unknown `event` or a bad flag.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> def mean(module, args, output):
+        ...     return output.mean()
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> with fh.with_hooks(model, fh.observe(nn.Linear, mean)) as run:
+        ...     y = model(torch.ones(1, 3))
+        >>> bool(run.record["0"]["mean"] == y.mean())
+        True
+    """
+    _check_fn("observe", fn)
+    _check_event("observe", event)
+    flags = _flags("observe", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), event, "call", _record_name("observe", fn, name), fn, label="observe", **flags)
+
+
+def edit(where: Where, fn: Callable[..., Any], *, event: str = "forward", name: str | None = None) -> Spec:
+    """Replace a value with ``fn``'s result: the output (``forward``), the args
+    (``forward_pre``), ``grad_output`` (``backward_pre``), ``grad_input`` (``backward``) or a
+    parameter's gradient (``param_grad``). Returning ``None`` leaves the value as it was.
+
+    Args:
+        where: a selector.
+        fn: called with PyTorch's hook arguments for `event`.
+        event: one of :data:`EVENTS`.
+        name: a label for messages; editors store nothing.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+        >>> zero = fh.edit("0", lambda module, args, output: torch.zeros_like(output))
+        >>> with fh.with_hooks(model, zero):
+        ...     y = model(torch.ones(1, 3))
+        >>> y
+        tensor([[0., 0.]])
+    """
+    _check_fn("edit", fn)
+    _check_event("edit", event)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise SpecError(f"edit: `name` is a non-empty str or None, got {name!r}. Pass a label.")
+    return Spec(select(where), event, "call", name, fn, is_edit=True, label="edit")
+
+
+def _modules_of(label: str, ms: Any) -> list[nn.Module]:
+    """fastai iterates `ms`: a Sequential or ModuleList means its children."""
+    try:
+        mods = list(ms) if not isinstance(ms, nn.Module) or hasattr(ms, "__iter__") else None
+    except TypeError:
+        mods = None
+    if not mods or not all(isinstance(m, nn.Module) for m in mods):
+        raise SpecError(
+            f"{label}: `ms` is an iterable of modules (a list, Sequential or ModuleList), "
+            f"got {type(ms).__name__}. Pass a list of the modules to hook."
+        )
+    return mods
+
+
+def Hook(  # noqa: N802 - fastai's spelling
+    m: nn.Module,
+    hook_func: Callable[..., Any],
+    is_forward: bool = True,
+    detach: bool = True,
+    cpu: bool = False,
+    gather: bool = False,
+) -> Spec:
+    """fastai's ``Hook`` as a spec: store ``hook_func(m, input, output)`` for module `m`
+    (or ``hook_func(m, grad_input, grad_output)`` when ``is_forward=False``).
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> tst_model = nn.Linear(5, 3)
+        >>> with fh.with_hooks(tst_model, fh.Hook(tst_model, lambda m, i, o: o)) as h:
+        ...     y = tst_model(torch.randn(4, 5))
+        >>> torch.equal(h.stored[0], y)
+        True
+    """
+    if not isinstance(m, nn.Module):
+        raise SpecError(f"Hook: `m` is an nn.Module, got {type(m).__name__}. Pass the module to hook.")
+    _check_fn("Hook", hook_func)
+    flags = _flags("Hook", is_forward=is_forward, detach=detach, cpu=cpu, gather=gather)
+    event = "forward" if flags.pop("is_forward") else "backward"
+    return Spec(select(m), event, "call", _record_name("Hook", hook_func, None), hook_func, label="Hook", **flags)
+
+
+def Hooks(  # noqa: N802 - fastai's spelling
+    ms: Iterable[nn.Module],
+    hook_func: Callable[..., Any],
+    is_forward: bool = True,
+    detach: bool = True,
+    cpu: bool = False,
+) -> Spec:
+    """fastai's ``Hooks`` as a spec: :func:`Hook` on every module of `ms`.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> layers = [nn.Linear(5, 10), nn.ReLU(), nn.Linear(10, 3)]
+        >>> tst_model = nn.Sequential(*layers)
+        >>> with fh.with_hooks(tst_model, fh.Hooks(layers, lambda m, i, o: o)) as h:
+        ...     y = tst_model(torch.randn(4, 5))
+        >>> len(h.stored), torch.equal(h.stored[2], y)
+        (3, True)
+    """
+    mods = _modules_of("Hooks", ms)
+    _check_fn("Hooks", hook_func)
+    flags = _flags("Hooks", is_forward=is_forward, detach=detach, cpu=cpu)
+    event = "forward" if flags.pop("is_forward") else "backward"
+    return Spec(select(mods), event, "call", _record_name("Hooks", hook_func, None), hook_func, label="Hooks", **flags)
+
+
+def hook_output(module: nn.Module, detach: bool = True, cpu: bool = False, grad: bool = False) -> Spec:
+    """fastai's ``hook_output``: store `module`'s output, or with ``grad=True`` its
+    ``grad_output`` tuple (record name ``"grad"``).
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> tst_model = nn.Linear(5, 10)
+        >>> with fh.with_hooks(tst_model, fh.hook_output(tst_model, grad=True)) as h:
+        ...     y = tst_model(torch.randn(4, 5))
+        ...     y.pow(2).mean().backward()
+        >>> torch.allclose(h.stored[0][0], 2 * y / y.numel())
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise SpecError(
+            f"hook_output: `module` is an nn.Module, got {type(module).__name__}. Pass the module to hook."
+        )
+    flags = _flags("hook_output", detach=detach, cpu=cpu, grad=grad)
+    if flags.pop("grad"):
+        return Spec(select(module), "backward_pre", "grad_output", "grad", label="hook_output", **flags)
+    return Spec(select(module), "forward", "output", "output", label="hook_output", **flags)
+
+
+def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, cpu: bool = False, grad: bool = False) -> Spec:
+    """fastai's ``hook_outputs``: :func:`hook_output` on every module of `modules`.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> tst_model = nn.Sequential(nn.Linear(5, 10), nn.ReLU(), nn.Linear(10, 3))
+        >>> with fh.with_hooks(tst_model, fh.hook_outputs(tst_model)) as h:
+        ...     y = tst_model(torch.randn(4, 5))
+        >>> [tuple(s.shape) for s in h.stored]
+        [(4, 10), (4, 10), (4, 3)]
+    """
+    mods = _modules_of("hook_outputs", modules)
+    flags = _flags("hook_outputs", detach=detach, cpu=cpu, grad=grad)
+    if flags.pop("grad"):
+        return Spec(select(mods), "backward_pre", "grad_output", "grad", label="hook_outputs", **flags)
+    return Spec(select(mods), "forward", "output", "output", label="hook_outputs", **flags)

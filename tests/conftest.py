@@ -1,0 +1,28 @@
+"""Shared fixtures: the device list and the Hypothesis profiles.
+
+``HYPOTHESIS_PROFILE=thorough`` runs many more examples; the default is fast for CI.
+"""
+
+import os
+
+import hypothesis
+import pytest
+import torch
+
+hypothesis.settings.register_profile(
+    "default", max_examples=25, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
+hypothesis.settings.register_profile(
+    "thorough", max_examples=500, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+torch.set_num_threads(1)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Every numeric test runs on CPU and, where present, CUDA."""
+    return torch.device(request.param)
