@@ -113,6 +113,13 @@ class Record(_Frozen):
         frozen = {str(p): {str(n): tuple(vs) for n, vs in names.items()} for p, names in (data or {}).items()}
         object.__setattr__(self, "_data", frozen)
 
+    @classmethod
+    def _trusted(cls, data: dict[str, dict[str, tuple[Any, ...]]]) -> Record:
+        """Wrap `data` without copying: the caller hands over ownership."""
+        rec = object.__new__(cls)
+        object.__setattr__(rec, "_data", data)
+        return rec
+
     # -- lookup -----------------------------------------------------------------------
     def __getitem__(self, path: str) -> RecordNode:
         try:

@@ -188,7 +188,8 @@ def _forward_entry(spec: Spec, key: tuple[str, str | None]) -> Callable[..., Any
 
             def store_output(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
                 if isinstance(output, Tensor):
-                    value = output.detach()
+                    # without autograd history, detach() would only make an alias
+                    value = output.detach() if output.requires_grad else output
                     frame.buffer.append((key, value, value._version))
                 else:
                     value = prep(output)
@@ -421,30 +422,38 @@ def _stale(caller: str, key: tuple[str, str], spec: Spec | None) -> StaleTensorE
     )
 
 
-def _is_stale(check: Any, value: Any) -> bool:
-    if check is None:
-        return False
-    if isinstance(check, int):
-        return value._version != check
-    return any(t._version != v for t, v in check)
-
-
 def _build(buffer: list, extra: list, plan: _Plan, caller: str) -> Record:
-    data: dict[str, dict[str, list[Any]]] = {}
+    """Group the buffer into a Record, checking that no stored tensor changed since."""
+    groups: dict[tuple[str, str], list[Any]] = {}
     for key, value, check in buffer:
-        if _is_stale(check, value if isinstance(check, int) else None):
-            raise _stale(caller, key, plan.spec_of.get(key))
+        if check is not None:
+            if type(check) is int:
+                if value._version != check:
+                    raise _stale(caller, key, plan.spec_of.get(key))
+            elif any(t._version != v for t, v in check):
+                raise _stale(caller, key, plan.spec_of.get(key))
         if type(value) is _Slot:
             ok, value = value.resolve()
             if not ok:
                 continue
-        path, name = key
-        data.setdefault(path, {}).setdefault(name, []).append(value)
+        calls = groups.get(key)
+        if calls is None:
+            groups[key] = [value]
+        else:
+            calls.append(value)
     for key, check in extra:
-        if _is_stale(check, None):
+        if any(t._version != v for t, v in check):
             raise _stale(caller, key, plan.spec_of.get(key))
-    paths = sorted(data, key=plan.order.__getitem__)
-    return Record({p: data[p] for p in paths})
+    data: dict[str, dict[str, tuple[Any, ...]]] = {}
+    for (path, name), calls in groups.items():
+        node = data.get(path)
+        if node is None:
+            data[path] = node = {}
+        node[name] = tuple(calls)
+    order = plan.order
+    if any(order[a] > order[b] for a, b in zip(data, list(data)[1:])):
+        data = {p: data[p] for p in sorted(data, key=order.__getitem__)}
+    return Record._trusted(data)
 
 
 # -- the public run ------------------------------------------------------------------------
