@@ -388,6 +388,10 @@ class _Plan:
 
     @staticmethod
     def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> _Plan:
+        if any(spec.where.instances() for spec in specs):
+            # a spec naming a module instance holds it strongly: caching it under the
+            # weakly-held model would keep the model alive forever
+            return _Plan(model, specs, caller)
         cache = _PLANS.setdefault(model, {})
         plan = cache.get(specs)
         if plan is None or plan.generation != _GENERATION[0]:
