@@ -74,9 +74,15 @@ def _set_mallopt() -> bool:
     return bool(ok_trim and ok_mmap)
 
 
-def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The common command line: ``--quick``, ``--rounds``, ``--inner``, ``--warmup``, ``--out``."""
+def parse_args(
+    description: str, argv: Sequence[str] | None = None, *,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The common command line: ``--quick``, ``--rounds``, ``--inner``, ``--warmup``, ``--out``, ``--device``."""
     parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the GPU numbers)")
+    if add_arguments is not None:
+        add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, few rounds, no timing claims")
     parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {DEFAULT_ROUNDS})")
     parser.add_argument("--inner", type=int, default=0, help="calls per case per round (0: about 20 ms worth)")
