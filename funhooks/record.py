@@ -47,6 +47,12 @@ class _Frozen:
     def __delattr__(self, key: str) -> None:
         raise FrozenError(f"{type(self).__name__}: a frozen value cannot be changed, got `del .{key}`. Build a new one.")
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be assigned to, got `[{key!r}] = ...`. Build a new one.")
+
+    def __delitem__(self, key: Any) -> None:
+        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be changed, got `del [{key!r}]`. Build a new one.")
+
 
 class RecordNode(_Frozen, Mapping):
     """What one module stored: record name -> value, for a module that ran once.

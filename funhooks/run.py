@@ -341,6 +341,9 @@ def _param_entry(spec: Spec, key: tuple[str, str | None], param: nn.Parameter, f
 # -- plans -------------------------------------------------------------------------------
 
 
+_FASTAI_LISTS = ("Hooks", "hook_outputs")
+
+
 class _Plan:
     """Specs resolved against one model: per-module entry tables, built once and cached."""
 
@@ -355,7 +358,11 @@ class _Plan:
         names: dict[tuple[str, str], Spec] = {}
         module_order = {id(m): i for i, (_, m) in enumerate(_torch.named_modules(model))}
         for spec in specs:
-            for path, module in resolve(spec.where, model, caller=caller, spec=spec):
+            found = resolve(spec.where, model, caller=caller, spec=spec)
+            if spec.label in _FASTAI_LISTS:  # fastai's `stored` follows the order of `ms`
+                rank = {id(m): i for i, m in enumerate(spec.where.instances())}
+                found = tuple(sorted(found, key=lambda pm: rank.get(id(pm[1]), len(rank))))
+            for path, module in found:
                 key = (path, spec.name)
                 if not spec.is_edit:
                     clash = names.get(key)  # type: ignore[arg-type]
@@ -470,8 +477,8 @@ def _as_specs(specs: Spec | Iterable[Spec], caller: str) -> tuple[Spec, ...]:
         items = tuple(specs)
     except TypeError:
         items = None
-    if items is None or not all(isinstance(s, Spec) for s in items):
-        bad = specs if items is None else next(s for s in items if not isinstance(s, Spec))
+    if items is None or isinstance(specs, str) or not all(isinstance(s, Spec) for s in items):
+        bad = specs if items is None or isinstance(specs, str) else next(s for s in items if not isinstance(s, Spec))
         raise SpecError(
             f"{caller}: `specs` is a Spec or an iterable of Specs, got {bad!r}. "
             "Build specs with fh.outputs, fh.inputs, fh.grads, fh.observe or fh.edit."
@@ -488,6 +495,20 @@ def _check_model(model: Any, caller: str) -> nn.Module:
             "Hook the eager model before scripting it."
         )
     return model
+
+
+class _FullBackwardFlag:
+    """Restores ``module._is_full_backward_hook`` once the module has no backward hook left,
+    so a run leaves no mark that would forbid the user's own ``register_backward_hook``."""
+
+    __slots__ = ("module", "flag")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module, self.flag = module, getattr(module, "_is_full_backward_hook", None)
+
+    def remove(self) -> None:
+        if not self.module._backward_hooks:
+            self.module._is_full_backward_hook = self.flag
 
 
 class Run:
@@ -533,8 +554,12 @@ class Run:
                 module = ref()
                 if module is None:
                     continue
-                register = (module.register_full_backward_hook if spec.event == "backward"
-                            else module.register_full_backward_pre_hook)
+                if spec.event == "backward":
+                    # PyTorch marks a module full-backward-hooked for good; restored on exit
+                    self._handles.append(_FullBackwardFlag(module))
+                    register = module.register_full_backward_hook
+                else:
+                    register = module.register_full_backward_pre_hook
                 self._handles.append(register(_backward_entry(spec, key, frame)))
             for spec, key, ref in plan.params:
                 param = ref()

@@ -27,7 +27,8 @@ __all__ = ["Selector", "select", "resolve"]
 
 Where = Union[str, type, tuple, nn.Module, Callable[[str, nn.Module], bool], list, "Selector"]
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9_]+$|^\*$|^\*\*$")
+# a segment is a module name (anything PyTorch allows: no ".", not empty), `*` or `**`
+_SEGMENT = re.compile(r"^[^.*]+$|^\*$|^\*\*$")
 
 
 def _compile_pattern(pattern: str) -> re.Pattern[str]:
@@ -164,7 +165,8 @@ def select(where: Where) -> Selector:
     if isinstance(where, tuple) and where and all(isinstance(t, type) for t in where):
         return _type_selector(where)
     if isinstance(where, nn.Module):
-        return Selector("instance", where)
+        # a compiled / DataParallel submodule selects the module it wraps, as paths do
+        return Selector("instance", _torch.unwrap(where))
     if isinstance(where, (list, tuple)):
         if not where:
             raise SelectorError(

@@ -288,6 +288,11 @@ def edit(where: Where, fn: Callable[..., Any], *, event: str = "forward", name: 
     return Spec(select(where), event, "call", name, fn, is_edit=True, label="edit")
 
 
+_FASTAI_NAME = "stored"
+"""The record name of a fastai ``Hook``/``Hooks`` whose function has no ``__name__``
+(a ``functools.partial`` or a callable object): fastai takes any callable."""
+
+
 def _modules_of(label: str, ms: Any) -> list[nn.Module]:
     """fastai iterates `ms`: a Sequential or ModuleList means its children."""
     try:
@@ -327,7 +332,8 @@ def Hook(  # noqa: N802 - fastai's spelling
     _check_fn("Hook", hook_func)
     flags = _flags("Hook", is_forward=is_forward, detach=detach, cpu=cpu, gather=gather)
     event = "forward" if flags.pop("is_forward") else "backward"
-    return Spec(select(m), event, "call", _record_name("Hook", hook_func, None), hook_func, label="Hook", **flags)
+    name = _record_name("Hook", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))
+    return Spec(select(m), event, "call", name, hook_func, label="Hook", **flags)
 
 
 def Hooks(  # noqa: N802 - fastai's spelling
@@ -353,7 +359,8 @@ def Hooks(  # noqa: N802 - fastai's spelling
     _check_fn("Hooks", hook_func)
     flags = _flags("Hooks", is_forward=is_forward, detach=detach, cpu=cpu)
     event = "forward" if flags.pop("is_forward") else "backward"
-    return Spec(select(mods), event, "call", _record_name("Hooks", hook_func, None), hook_func, label="Hooks", **flags)
+    name = _record_name("Hooks", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))
+    return Spec(select(mods), event, "call", name, hook_func, label="Hooks", **flags)
 
 
 def hook_output(module: nn.Module, detach: bool = True, cpu: bool = False, grad: bool = False) -> Spec:
