@@ -80,6 +80,8 @@ class Spec:
                 parts.append(f"event={self.event!r}")
             if self.name is not None and self.name != getattr(self.fn, "__name__", None):
                 parts.append(f"name={self.name!r}")
+        if self.role == "grad_output":
+            parts.append("grad=True")
         if not self.is_edit:
             defaults = {"detach": True, "cpu": False, "gather": False, "clone": False}
             parts += [f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
@@ -293,7 +295,7 @@ _FASTAI_NAME = "stored"
 (a ``functools.partial`` or a callable object): fastai takes any callable."""
 
 
-def _modules_of(label: str, ms: Any) -> list[nn.Module]:
+def _modules_of(label: str, ms: Any, arg: str = "ms") -> list[nn.Module]:
     """fastai iterates `ms`: a Sequential or ModuleList means its children."""
     try:
         mods = list(ms) if not isinstance(ms, nn.Module) or hasattr(ms, "__iter__") else None
@@ -301,7 +303,7 @@ def _modules_of(label: str, ms: Any) -> list[nn.Module]:
         mods = None
     if not mods or not all(isinstance(m, nn.Module) for m in mods):
         raise SpecError(
-            f"{label}: `ms` is an iterable of modules (a list, Sequential or ModuleList), "
+            f"{label}: `{arg}` is an iterable of modules (a list, Sequential or ModuleList), "
             f"got {type(ms).__name__}. Pass a list of the modules to hook."
         )
     return mods
@@ -399,7 +401,7 @@ def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, cpu: bool = 
         >>> [tuple(s.shape) for s in h.stored]
         [(4, 10), (4, 10), (4, 3)]
     """
-    mods = _modules_of("hook_outputs", modules)
+    mods = _modules_of("hook_outputs", modules, "modules")
     flags = _flags("hook_outputs", detach=detach, cpu=cpu, grad=grad)
     if flags.pop("grad"):
         return Spec(select(mods), "backward_pre", "grad_output", "grad", label="hook_outputs", **flags)
