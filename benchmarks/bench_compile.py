@@ -1,0 +1,86 @@
+"""A compiled hooked forward vs the compiled bare forward.
+
+The model is compiled once (``compiled = torch.compile(model)``), before any run, then:
+
+- ``compiled bare``: ``compiled(x)``;
+- ``fh.with_hooks on compiled``: ``with fh.with_hooks(compiled, fh.outputs("**")) as run:
+  compiled(x)`` and ``run.record`` (dynamo recompiles once for the active run and reuses it);
+- ``compiled fh.capture``: ``torch.compile(fh.capture(model, fh.outputs("**")))`` (when
+  funhooks has ``capture``);
+- ``eager bare``, for scale.
+
+Checked before timing: outputs and stored tensors equal the eager ones (to float tolerance).
+The model is a shorter deep-narrow MLP (16 x (Linear(64, 64), ReLU), batch 32) so the
+compile itself stays short. ``--quick`` uses dynamo's ``eager`` backend (no inductor) and
+4 layers.
+
+Run: ``python benchmarks/bench_compile.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import _common
+import funhooks as fh
+
+NAME = "compile"
+DEPTH = 16
+QUICK_DEPTH = 4
+ATOL = 1e-5
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, atol=ATOL) for x, y in zip(a, b))
+
+
+def main() -> None:
+    args = _common.parse_args(__doc__.splitlines()[0])
+    conditions = _common.setup()
+    backend = "eager" if args.quick else "inductor"
+    torch.manual_seed(0)
+    model = _common.deep_narrow(depth=QUICK_DEPTH if args.quick else DEPTH)
+    x = torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
+    spec = fh.outputs("**")
+    compiled = torch.compile(model, backend=backend)
+
+    def hooked() -> tuple[Any, fh.Record]:
+        with fh.with_hooks(compiled, spec) as run:
+            y = compiled(x)
+        return y, run.record
+
+    cases: dict[str, Callable[[], Any]] = {"compiled bare": lambda: compiled(x), "fh.with_hooks on compiled": hooked}
+    if hasattr(fh, "capture"):
+        compiled_capture = torch.compile(fh.capture(model, spec), backend=backend)
+        cases["compiled fh.capture"] = lambda: compiled_capture(x)
+    cases["eager bare"] = lambda: model(x)
+
+    with torch.no_grad():
+        y_ref = model(x)
+        with fh.with_hooks(model, spec) as run:
+            model(x)
+        ref = run.record.stored()
+        checks = {"compiled bare": torch.allclose(compiled(x), y_ref, atol=ATOL)}
+        for name in ("fh.with_hooks on compiled", "compiled fh.capture"):
+            if name in cases:
+                y, rec = cases[name]()
+                checks[name] = torch.allclose(y, y_ref, atol=ATOL) and _close(rec.stored(), ref)
+        # after the runs the compiled model records nothing and still computes the same
+        checks["no hooks left"] = torch.allclose(compiled(x), y_ref, atol=ATOL)
+        fh.testing.assert_no_hooks(model)
+        _common.check(all(checks.values()), f"{checks}")
+        timed = _common.time_cases(cases, baseline="compiled bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner)
+    print(_common.format_table(f"deep-narrow {len(_common.hooked_modules(model))} modules, backend {backend}", timed))
+    path = _common.write(NAME, args.out, {
+        "quick": args.quick, "conditions": conditions, "backend": backend, "rounds": args.rounds,
+        "warmup": args.warmup, "correct": all(checks.values()), "checks": checks,
+        "results": {"deep-narrow": {"modules_hooked": len(_common.hooked_modules(model)), "cases": timed}},
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The benchmark scripts still run: each one in its smoke mode (``--quick``).
+
+These tests make no timing claim. They check that a script exits cleanly, writes its JSON
+with the expected keys, and that its correctness check (done before any timing) passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+SMOKE_TIMEOUT_S = 120
+COMPILE_BUG = "fh.with_hooks on compiled"
+
+
+def run_quick(script: str, out: pathlib.Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run ``benchmarks/<script> --quick --out <out>`` in a fresh interpreter; its JSON if written."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, check=False,
+    )
+    name = script.removeprefix("bench_").removesuffix(".py")
+    path = out / f"{name}.json"
+    return proc, json.loads(path.read_text()) if path.exists() else None
+
+
+def assert_common_keys(result: dict, name: str) -> None:
+    """Every result names its benchmark and machine, says whether it was quick, and holds results."""
+    assert result["benchmark"] == name
+    assert {"cpu", "torch", "python", "git_commit"} <= set(result["machine"])
+    assert result["quick"] is True
+    assert result["conditions"]["torch_threads"] == 1
+    assert "results" in result
+
+
+def test_capture_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_capture runs every case on both models, all equal to the bare forward and hand hooks."""
+    proc, result = run_quick("bench_capture.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "capture")
+    assert result["correct"] is True
+    for model in ("deep-narrow", "cnn"):
+        cases = result["results"][model]["cases"]
+        assert {"bare", "fh.with_hooks", "hand hooks, registered once", "hand hooks, per call"} <= set(cases)
+        assert all(set(c) == {"seconds", "ratio", "calls_per_round"} for c in cases.values())
+        assert all({"median", "p25", "p75"} == set(c["ratio"]) for c in cases.values())
+        assert cases["bare"]["ratio"]["median"] == 1.0
+
+
+def test_memory_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_memory finds no copies with `detach` and `cpu` on the CPU, and only copies with `clone`."""
+    proc, result = run_quick("bench_memory.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "memory")
+    assert result["correct"] is True
+    for model in ("deep-narrow", "cnn"):
+        variants = result["results"][model]
+        assert variants["detach=True (default)"]["copied_bytes"] == 0
+        assert variants["clone=True"]["copied_bytes"] == variants["clone=True"]["stored_bytes"] > 0
+
+
+def test_vmap_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_vmap's vmapped Record equals the stacked per-example Records (or it says it skipped)."""
+    proc, result = run_quick("bench_vmap.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "vmap")
+    if "skipped" in result:
+        assert "capture" in result["skipped"]
+        return
+    assert result["correct"] is True
+    assert {"loop", "vmap"} == set(result["results"]["deep-narrow"]["cases"])
+
+
+def test_compile_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_compile's hooked compiled model records what the eager one does and leaves no hooks."""
+    proc, result = run_quick("bench_compile.py", tmp_path)
+    if proc.returncode != 0 and f"'{COMPILE_BUG}': False" in proc.stderr:
+        pytest.xfail(
+            "core run.py: a model compiled and called before any run records nothing in later runs "
+            "(the global hook is removed between runs and dynamo does not guard on it)"
+        )
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "compile")
+    assert result["correct"] is True
+    assert result["backend"] == "eager"
