@@ -26,10 +26,24 @@ from .errors import (
     StaleTensorError,
     TransformError,
 )
+from .functional import capture, functional
+from .grads import activation_grads
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .select import Selector, select
 from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
+from .summary import (
+    LayerRow,
+    ModuleSummary,
+    dummy_batch,
+    dummy_eval,
+    has_params,
+    layer_info,
+    model_sizes,
+    module_summary,
+    num_features_model,
+    total_params,
+)
 
 try:
     __version__ = _metadata.version("funhooks")
@@ -63,4 +77,19 @@ __all__ = [
     "select",
     "testing",
     "with_hooks",
+    # functional
+    "activation_grads",
+    "capture",
+    "functional",
+    # summary
+    "LayerRow",
+    "ModuleSummary",
+    "dummy_batch",
+    "dummy_eval",
+    "has_params",
+    "layer_info",
+    "model_sizes",
+    "module_summary",
+    "num_features_model",
+    "total_params",
 ]

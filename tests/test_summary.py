@@ -1,0 +1,292 @@
+"""Model utilities: fastai's documented values, modes and state left alone, meta and real passes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+
+import hypothesis
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+import funhooks as fh
+from funhooks.summary import LayerRow, Shape
+
+
+def conv_layer(ni: int, nf: int, stride: int = 1) -> nn.Sequential:
+    """fastai's ConvLayer default: conv (no bias) + BatchNorm + ReLU."""
+    return nn.Sequential(nn.Conv2d(ni, nf, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(nf), nn.ReLU())
+
+
+def fastai_mlp() -> nn.Sequential:
+    """The model of fastai's layer_info / summary docs."""
+    return nn.Sequential(nn.Linear(1, 50), nn.ReLU(), nn.BatchNorm1d(50), nn.Linear(50, 1))
+
+
+def modes(model: nn.Module) -> list[bool]:
+    return [m.training for m in model.modules()]
+
+
+# -- fastai's documented values -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [
+        (nn.Linear(10, 32), (32 * 10 + 32, True)),
+        (nn.Linear(10, 32, bias=False), (32 * 10, True)),
+        (nn.BatchNorm2d(20), (20 * 2, True)),
+        (nn.BatchNorm2d(20, affine=False), (0, False)),
+        (nn.Conv2d(16, 32, 3), (16 * 32 * 3 * 3 + 32, True)),
+        (nn.Conv2d(16, 32, 3, bias=False), (16 * 32 * 3 * 3, True)),
+        (nn.LSTM(20, 10, 2), (4 * (20 * 10 + 10) + 3 * 4 * (10 * 10 + 10), True)),
+    ],
+)
+def test_total_params_fastai_table(module: nn.Module, expected: tuple[int, bool]) -> None:
+    """total_params gives fastai's documented (count, trainable) for each layer kind."""
+    assert fh.total_params(module) == expected
+
+
+def test_total_params_frozen_and_shared() -> None:
+    """A frozen module is not trainable; a shared layer is counted once."""
+    frozen = nn.Linear(3, 4).requires_grad_(False)
+    assert fh.total_params(frozen) == (16, False)
+    shared = nn.Linear(3, 3)
+    assert fh.total_params(nn.Sequential(shared, shared)) == (12, True)
+
+
+def test_has_params_fastai_values() -> None:
+    """has_params is True for Linear and LSTM, False for ReLU."""
+    assert fh.has_params(nn.Linear(3, 4))
+    assert fh.has_params(nn.LSTM(4, 5, 2))
+    assert not fh.has_params(nn.ReLU())
+
+
+def test_model_sizes_three_conv_layers(device: torch.device) -> None:
+    """model_sizes of three conv blocks is fastai's [[1,16,64,64],[1,32,32,32],[1,32,32,32]]."""
+    m = nn.Sequential(conv_layer(3, 16), conv_layer(16, 32, stride=2), conv_layer(32, 32)).to(device)
+    assert fh.model_sizes(m) == [[1, 16, 64, 64], [1, 32, 32, 32], [1, 32, 32, 32]]
+
+
+def test_num_features_model_fastai_values() -> None:
+    """num_features_model gives 3 and 32 on fastai's two documented models."""
+    assert fh.num_features_model(nn.Sequential(nn.Conv2d(5, 4, 3), nn.Conv2d(4, 3, 3))) == 3
+    m = nn.Sequential(conv_layer(3, 16), conv_layer(16, 32, stride=2), conv_layer(32, 32))
+    assert fh.num_features_model(m) == 32
+
+
+def test_num_features_model_grows_the_input() -> None:
+    """A model needing an input bigger than 32x32 still gets its features (fastai's retry loop)."""
+    m = nn.Sequential(nn.Conv2d(3, 8, 40), nn.Conv2d(8, 6, 3))
+    assert fh.num_features_model(m) == 6
+
+
+def test_layer_info_fastai_rows(device: torch.device) -> None:
+    """layer_info of Linear/ReLU/BatchNorm1d/Linear equals fastai's documented tuples."""
+    rows = fh.layer_info(fastai_mlp().to(device), torch.randn(16, 1, device=device))
+    assert rows == [
+        ("Linear", 100, True, [1, 50]),
+        ("ReLU", 0, False, [1, 50]),
+        ("BatchNorm1d", 100, True, [1, 50]),
+        ("Linear", 51, True, [1, 1]),
+    ]
+    assert [r.path for r in rows] == ["0", "1", "2", "3"]
+
+
+FASTAI_TABLE = """\
+Sequential (Input shape: ['16 x 1'])
+================================================================
+Layer (type)         Output Shape         Param #    Trainable
+================================================================
+Linear               16 x 50              100        True
+________________________________________________________________
+ReLU                 16 x 50              0          False
+________________________________________________________________
+BatchNorm1d          16 x 50              100        True
+________________________________________________________________
+Linear               16 x 1               51         True
+________________________________________________________________
+
+Total params: 251
+Total trainable params: 251
+Total non-trainable params: 0"""
+
+
+def test_module_summary_is_fastais_table() -> None:
+    """str(module_summary) is fastai's table for the documented model, totals 251/251/0."""
+    s = fh.module_summary(fastai_mlp(), torch.randn(16, 1))
+    assert (s.total, s.trainable, s.non_trainable) == (251, 251, 0)
+    assert str(s) == FASTAI_TABLE
+
+
+def test_module_summary_plain_data_is_json() -> None:
+    """to_dict() is plain data that survives a JSON round trip."""
+    s = fh.module_summary(fastai_mlp(), torch.randn(16, 1))
+    data = json.loads(json.dumps(s.to_dict()))
+    assert data["total"] == 251 and data["non_trainable"] == 0
+    assert data["input_shapes"] == [[16, 1]]
+    assert data["rows"][2] == {"path": "2", "type": "BatchNorm1d", "params": 100, "trainable": True, "shape": [16, 50]}
+
+
+def test_module_summary_counts_frozen_and_non_leaf_params() -> None:
+    """Frozen layers count as non-trainable; a parameter owned by a non-leaf module counts too."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x) * self.scale
+
+    m = nn.Sequential(Scaled(), nn.Linear(4, 2))
+    m[1].requires_grad_(False)
+    s = fh.module_summary(m, torch.randn(3, 4))
+    assert (s.total, s.trainable, s.non_trainable) == (20 + 4 + 10, 24, 10)
+    assert "Total non-trainable params: 10" in str(s)
+
+
+# -- fastai's quirks, fixed -------------------------------------------------------------------------
+
+X = torch.rand(4, 3, 16, 16)
+UTILITIES = {
+    "dummy_eval": lambda m: fh.dummy_eval(m),
+    "model_sizes": lambda m: fh.model_sizes(m),
+    "num_features_model": lambda m: fh.num_features_model(m),
+    "layer_info": lambda m: fh.layer_info(m, X),
+    "module_summary": lambda m: fh.module_summary(m, X),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UTILITIES))
+@hypothesis.given(flags=st.lists(st.booleans(), min_size=9, max_size=9))
+def test_modes_and_state_are_left_alone(name: str, flags: list[bool]) -> None:
+    """Every utility leaves each module's train/eval flag, its state and the global RNG as they were."""
+    torch.manual_seed(0)
+    m = nn.Sequential(conv_layer(3, 4), nn.Dropout(), conv_layer(4, 6, stride=2), nn.Flatten())
+    for module, flag in zip(m.modules(), flags):
+        module.training = flag
+    before, state = modes(m), copy.deepcopy(m.state_dict())
+    rng = torch.get_rng_state()
+    UTILITIES[name](m)
+    assert modes(m) == before
+    assert all(torch.equal(state[k], v) for k, v in m.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    fh.testing.assert_no_hooks(m)
+
+
+def test_dummy_eval_works_on_linear_only_models() -> None:
+    """dummy_eval finds the input size from a first Linear layer (fastai needs a conv)."""
+    m = nn.Sequential(nn.Linear(7, 3), nn.ReLU())
+    assert fh.dummy_eval(m).shape == (1, 3)
+    assert fh.num_features_model(m) == 3
+
+
+def test_dummy_batch_matches_the_first_layer(device: torch.device) -> None:
+    """dummy_batch has the first layer's channels, device and dtype, values in [-1, 1), reproducible."""
+    m = nn.Sequential(nn.Conv1d(5, 2, 3)).to(device=device, dtype=torch.float64)
+    x = fh.dummy_batch(m, size=(12,))
+    assert (x.shape, x.device.type, x.dtype) == ((1, 5, 12), device.type, torch.float64)
+    assert -1 <= x.min() and x.max() < 1
+    assert torch.equal(x, fh.dummy_batch(m, size=(12,)))
+
+
+def test_dummy_batch_errors() -> None:
+    """A model without conv/linear layers and a size of the wrong rank give clear errors."""
+    with pytest.raises(TypeError, match=r"^dummy_batch: the input size is read from the first `Linear` or "
+                       r"`Conv1d/2d/3d` layer, got Sequential with none\. Build the input yourself"):
+        fh.dummy_batch(nn.Sequential(nn.ReLU()))
+    with pytest.raises(ValueError) as err:
+        fh.dummy_batch(nn.Conv1d(3, 4, 3))
+    assert str(err.value) == (
+        "dummy_batch: `size` has one entry per spatial dimension of the first layer (Conv1d: 1), "
+        "got (64, 64). Pass size=(64,)."
+    )
+
+
+def test_num_features_model_error_for_tuple_output() -> None:
+    """A model returning no single tensor gets an error naming what is needed."""
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.lin(x), x
+
+    with pytest.raises(TypeError) as err:
+        fh.num_features_model(Pair())
+    assert str(err.value) == (
+        "num_features_model: the model's output is a tensor with a feature dimension 1, got shape "
+        "((1, 2), (1, 3)). Pass the part of the model that returns features."
+    )
+
+
+# -- meta and real passes ------------------------------------------------------------------------------
+
+
+class DataDependent(nn.Module):
+    """Python control flow on a tensor value: the meta device cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small, self.big = nn.Linear(3, 2), nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(x) if x.abs().sum() > 0 else self.small(x)
+
+
+def test_data_dependent_model_falls_back_to_a_real_pass() -> None:
+    """A model the meta device cannot run still gets its shapes, from a real pass."""
+    rows = fh.layer_info(DataDependent(), torch.ones(4, 3))
+    assert rows == [("Linear", 8, True, None), ("Linear", 20, True, [1, 5])]
+
+
+def test_summary_of_a_large_batch_costs_no_memory() -> None:
+    """Shapes come from the meta device: a 4096-image batch of a conv net is summarised at once."""
+    m = nn.Sequential(conv_layer(3, 64), conv_layer(64, 64))
+    x = torch.empty(4096, 3, 224, 224, device="meta")  # would be 2.4 GB of activations per layer
+    s = fh.module_summary(m, x)
+    assert s.rows[-1].shape == (4096, 64, 224, 224)
+
+
+def test_model_rejecting_the_input_raises_its_own_error() -> None:
+    """When the model rejects the input, the user sees the model's error."""
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        fh.layer_info(nn.Sequential(nn.Linear(3, 2)), torch.randn(2, 4))
+
+
+def test_compiled_and_wrapped_models_are_looked_through() -> None:
+    """A DataParallel-wrapped model has the paths and rows of the plain one."""
+    m = fastai_mlp()
+    x = torch.randn(16, 1)
+    assert [r.path for r in fh.layer_info(nn.DataParallel(m), x)] == [r.path for r in fh.layer_info(m, x)]
+
+
+def test_tuple_outputs_give_a_tree_of_shapes() -> None:
+    """An LSTM row holds the shapes of (output, (h, c)); the table prints them nested."""
+    (row,) = fh.layer_info(nn.LSTM(4, 5, batch_first=True), torch.randn(3, 7, 4))
+    assert row.shape == ((1, 7, 5), ((1, 1, 5), (1, 1, 5)))
+    assert "[3 x 7 x 5, [1 x 3 x 5, 1 x 3 x 5]]" in str(fh.module_summary(nn.LSTM(4, 5, batch_first=True),
+                                                                           torch.randn(3, 7, 4)))
+
+
+# -- the row value ----------------------------------------------------------------------------------------
+
+
+def test_layer_row_is_a_frozen_fastai_tuple() -> None:
+    """A row unpacks like fastai's tuple, pickles with its path, and refuses assignment."""
+    row = LayerRow("body.0", "Conv2d", 10, True, torch.Size([1, 2, 3, 3]))
+    kind, params, trainable, shape = row
+    assert (kind, params, trainable, shape) == ("Conv2d", 10, True, [1, 2, 3, 3])
+    assert isinstance(shape, Shape) and hash(shape) == hash((1, 2, 3, 3))
+    again = pickle.loads(pickle.dumps(row))
+    assert again == row and again.path == "body.0"
+    with pytest.raises(fh.FrozenError, match=r"^LayerRow: a row cannot be assigned to, got `\.path = \.\.\.`"):
+        row.path = "x"  # type: ignore[misc]
+    assert row != ("Conv2d", 10, True, [1, 2, 3, 4])
