@@ -28,6 +28,8 @@ from .errors import (
 )
 from .functional import capture, functional
 from .grads import activation_grads
+from .functional import capture, functional
+from .grads import activation_grads
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .select import Selector, select
@@ -77,6 +79,10 @@ __all__ = [
     "select",
     "testing",
     "with_hooks",
+    # functional
+    "activation_grads",
+    "capture",
+    "functional",
     # functional
     "activation_grads",
     "capture",
