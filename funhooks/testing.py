@@ -1,15 +1,50 @@
 """Property-testing kit: Hypothesis strategies and invariant checks for your own models.
 
 The same kit proves funhooks' own invariants in its test suite.
+
+- :func:`models_and_inputs` draws small random models (linear, conv, norm and activation
+  layers, nested containers, in-place activations, a module instance used twice, a module
+  returning a tuple, a module called with keyword arguments) with a matching input;
+- :func:`specs` draws valid specs for a model, with selectors taken from its real paths
+  and types;
+- :func:`assert_transparent` checks that observers change no output, gradient or buffer;
+- :func:`assert_no_hooks` checks that nothing is left attached to a model;
+- :func:`check_invariant` runs a model on drawn inputs and a predicate over every stored
+  tensor, and reports the shrunk input with the module path that broke it.
+
+Hypothesis is an optional dependency (the ``test`` extra): it is imported when a strategy
+or :func:`check_invariant` is called, never by ``import funhooks``.
+
+Cost: :func:`assert_transparent` runs the model twice (forward and backward) and keeps a
+copy of its gradients and buffers; strategies draw tiny models (a few hundred parameters).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
 from torch import nn
 
+from . import _torch
 from . import run as _run
+from . import spec as _spec
+from .errors import SpecError
 
-__all__ = ["assert_no_hooks"]
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import hypothesis
+    from hypothesis import strategies as st
+
+__all__ = [
+    "assert_no_hooks",
+    "assert_transparent",
+    "check_invariant",
+    "models_and_inputs",
+    "specs",
+    "tensors",
+]
 
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -17,11 +52,33 @@ _HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+_TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _where(path: str) -> str:
+    return repr(path) if path else "'' (the root)"
+
+
+def _hypothesis() -> Any:
+    try:
+        import hypothesis
+    except ImportError:
+        raise ImportError(
+            "funhooks.testing: the strategies and `check_invariant` need Hypothesis, got no module "
+            "named 'hypothesis'. Install the test extra: `pip install funhooks[test]`."
+        ) from None
+    return hypothesis
+
+
+# -- hooks left behind -----------------------------------------------------------------------
 
 
 def assert_no_hooks(model: nn.Module) -> None:
-    """Assert that nothing is attached to `model`: no module or parameter hook of any
-    origin, and no active funhooks run routing its modules.
+    """Assert that nothing is attached to `model`: no module, parameter or buffer hook of
+    any origin, and no active funhooks run routing its modules.
+
+    Args:
+        model: the model to inspect (DDP / ``torch.compile`` wrappers included).
 
     Raises:
         AssertionError: naming the module path and the kind of hook left behind.
@@ -34,8 +91,10 @@ def assert_no_hooks(model: nn.Module) -> None:
         ...     model(torch.ones(1, 2)).sum().backward()
         >>> fh.testing.assert_no_hooks(model)
     """
-    for path, module in model.named_modules():
-        where = repr(path) if path else "'' (the root)"
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"assert_no_hooks: `model` is an nn.Module, got {type(model).__name__}. Pass the model.")
+    for path, module in model.named_modules(remove_duplicate=False):
+        where = _where(path)
         for attr in _HOOK_DICTS:
             hooks = getattr(module, attr, None)
             if hooks:
@@ -43,15 +102,583 @@ def assert_no_hooks(model: nn.Module) -> None:
                     f"assert_no_hooks: module {where} has {len(hooks)} hook(s) in `{attr}`, got "
                     f"{list(hooks.values())!r}. Remove them (exit every `with_hooks` block)."
                 )
-        for name, param in module.named_parameters(recurse=False):
-            if getattr(param, "_backward_hooks", None):
-                raise AssertionError(
-                    f"assert_no_hooks: parameter {name!r} of module {where} has a gradient hook, got "
-                    f"{list(param._backward_hooks.values())!r}. Remove it."
-                )
+        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        for name, tensor in tensors:
+            for attr in _TENSOR_HOOK_DICTS:
+                hooks = getattr(tensor, attr, None)
+                if hooks:
+                    raise AssertionError(
+                        f"assert_no_hooks: tensor {name!r} of module {where} has a gradient hook in "
+                        f"`{attr}`, got {list(hooks.values())!r}. Remove it."
+                    )
         for frame in _run._STACK:
             if id(module) in frame.forward or id(module) in frame.forward_pre:
                 raise AssertionError(
                     f"assert_no_hooks: an active funhooks run still routes module {where}, got a run "
                     "that was entered and not exited. Exit its `with` block."
                 )
+
+
+# -- transparency ----------------------------------------------------------------------------
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for t in _torch.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical up to NaN payloads: same shape, dtype, device and values."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _leaf_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Fresh copies of the float tensors in ``(args, kwargs)``, made leaves that need grad."""
+    leaves: list[torch.Tensor] = []
+
+    def fresh(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().clone()
+            if x.is_floating_point():
+                x.requires_grad_(True)
+                leaves.append(x)
+        return x
+
+    new_args, new_kwargs = _torch.tree_map(fresh, (args, kwargs))
+    return new_args, new_kwargs, leaves
+
+
+def _one_pass(model: nn.Module, args: tuple, kwargs: dict, state: dict[str, torch.Tensor],
+              run: Any) -> dict[str, list[torch.Tensor]]:
+    """Forward and backward from `state`; what a user of the model can see afterwards."""
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            t.copy_(state[name])
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    args, kwargs, leaves = _leaf_inputs(args, kwargs)
+    with contextlib.nullcontext() if run is None else run:
+        out = model(*args, **kwargs)
+        _backward(out)
+    outputs = [t.detach() for t in _tensor_leaves(out)]
+    return {
+        "output": outputs,
+        "input gradient": [x.grad if x.grad is not None else torch.zeros(0) for x in leaves],
+        "parameter gradient": [p.grad if p.grad is not None else torch.zeros(0) for p in params],
+        "buffer": [b.detach().clone() for b in model.buffers()],
+    }
+
+
+def _backward(out: Any) -> None:
+    needs = [t for t in _tensor_leaves(out) if t.requires_grad]
+    if needs:
+        torch.stack([t.float().sum() for t in needs]).sum().backward()
+
+
+def assert_transparent(model: nn.Module, specs: _spec.Spec | Iterable[_spec.Spec], *args: Any, **kwargs: Any) -> None:
+    """Assert that running observer `specs` changes nothing the model computes.
+
+    Runs ``model(*args, **kwargs)`` and a backward pass (of the sum of its float outputs)
+    once bare and once inside ``with_hooks(model, specs)``, from the same parameters and
+    buffers, and compares bit for bit: every output, the gradient of every float input,
+    every parameter gradient and every buffer (BatchNorm statistics). Afterwards the model's
+    state and gradients are as before and :func:`assert_no_hooks` holds. The model must be
+    deterministic (on CUDA set ``torch.backends.cudnn.deterministic = True``).
+
+    Args:
+        model: the model.
+        specs: observers (a Spec or an iterable of Specs); editors change values by design.
+        *args, **kwargs: the model's inputs (float tensors are copied and made to need grad).
+
+    Raises:
+        SpecError: when `specs` holds an editor (``fh.edit``).
+        AssertionError: naming what changed (output, input gradient, parameter gradient or
+            buffer), its index and the largest difference.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+        >>> fh.testing.assert_transparent(model, [fh.outputs("**", clone=True), fh.grads("0")], torch.randn(2, 3))
+    """
+    spec_tuple = _run._as_specs(specs, "assert_transparent")
+    for s in spec_tuple:
+        if s.is_edit:
+            raise SpecError(
+                f"assert_transparent: `specs` are observers, got the editor {s!r}. Editors change "
+                "values by design; drop them, or compare the edited model yourself."
+            )
+    state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    grads_before = [p.grad for p in model.parameters()]
+    try:
+        bare = _one_pass(model, args, kwargs, state, None)
+        hooked = _one_pass(model, args, kwargs, state, _run.with_hooks(model, spec_tuple))
+    finally:
+        with torch.no_grad():
+            for name, t in model.state_dict(keep_vars=True).items():
+                t.copy_(state[name])
+        for p, g in zip(model.parameters(), grads_before):
+            p.grad = g
+    for what, values in bare.items():
+        other = hooked[what]
+        if len(values) != len(other):
+            raise AssertionError(
+                f"assert_transparent: observers must change no {what}, got {len(other)} {what}(s) "
+                f"with {spec_tuple!r} and {len(values)} without. Fix the observer's function."
+            )
+        for i, (a, b) in enumerate(zip(values, other)):
+            if not _same(a, b):
+                diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "shape"
+                raise AssertionError(
+                    f"assert_transparent: observers must change no {what}, got {what} {i} changed "
+                    f"(largest difference {diff}) by {spec_tuple!r}. An observer's function must not "
+                    "modify its arguments in place; return a new value instead."
+                )
+    assert_no_hooks(model)
+
+
+# -- strategies ----------------------------------------------------------------------------
+
+
+def tensors(shape: Iterable[int], *, min_value: float = -10.0, max_value: float = 10.0,
+            dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> st.SearchStrategy[torch.Tensor]:
+    """A strategy for float tensors of `shape` whose elements Hypothesis draws and shrinks.
+
+    Every element is drawn, so keep `shape` small (up to a few hundred elements); for large
+    inputs map a seed to ``torch.randn`` instead.
+
+    Args:
+        shape: the tensor's shape.
+        min_value, max_value: the range of the elements (rounded to `dtype`).
+        dtype: a floating dtype.
+        device: where the tensor lives.
+
+    Returns:
+        A Hypothesis strategy.
+
+    Example:
+        >>> import funhooks as fh
+        >>> from hypothesis import find
+        >>> big = find(fh.testing.tensors((2, 3), min_value=0, max_value=1), lambda x: x.sum() > 2)
+        >>> big.shape, bool(((0 <= big) & (big <= 1)).all())
+        (torch.Size([2, 3]), True)
+    """
+    st = _hypothesis().strategies
+    shape = tuple(int(n) for n in shape)
+    count = 1
+    for n in shape:
+        count *= n
+    elements = st.floats(min_value, max_value, allow_nan=False)
+    return st.lists(elements, min_size=count, max_size=count).map(
+        lambda xs: torch.tensor(xs, dtype=dtype, device=device).reshape(shape)
+    )
+
+
+# Random models are built from these small modules; each has a readable repr for Hypothesis.
+
+
+class _Residual(nn.Module):
+    """``x + body(x)``."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class _Fork(nn.Module):
+    """Returns a tuple ``(x, body(x))``."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.body(x)
+
+
+class _Join(nn.Module):
+    """Takes two positional tensors and adds them."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+class _ForkJoin(nn.Module):
+    """A module returning a tuple, unpacked into the next one."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.fork, self.join = _Fork(body), _Join()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.join(*self.fork(x))
+
+
+class _Scale(nn.Module):
+    """Multiplies by a keyword-only `scale`."""
+
+    def forward(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        return x * scale
+
+
+class _Scaled(nn.Module):
+    """Calls a submodule with a keyword argument: ``scale(body(x), scale=...)``."""
+
+    def __init__(self, body: nn.Module, scale: float) -> None:
+        super().__init__()
+        self.body, self.scale, self.factor = body, _Scale(), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.body(x), scale=self.factor)
+
+
+class _Chain(nn.Module):
+    """A loop over an ``nn.ModuleList``."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+_MAX_FEATURES = 6
+_MAX_CHANNELS = 3
+_MAX_SIDE = 5
+_SCALES = (0.5, 2.0)
+_MAX_BLOCKS = 3
+
+
+_ACTIVATIONS = {
+    "relu": (nn.ReLU, False),
+    "tanh": (nn.Tanh, False),
+    "gelu": (nn.GELU, True),
+    "sigmoid": (nn.Sigmoid, False),
+    "leaky_relu": (lambda: nn.LeakyReLU(0.1), False),
+}
+"""name -> (factory, whether an in-place op may follow: the output is not saved for backward)."""
+
+
+def _activation(draw: Callable[..., Any], st: Any, *, inplace_ok: bool) -> tuple[nn.Module, bool]:
+    """An activation, in place only where autograd allows it, and its own freshness."""
+    kinds = list(_ACTIVATIONS) + (["relu_", "leaky_relu_"] if inplace_ok else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "relu_":
+        return nn.ReLU(inplace=True), False
+    if kind == "leaky_relu_":
+        return nn.LeakyReLU(0.1, inplace=True), False
+    factory, fresh = _ACTIVATIONS[kind]
+    return factory(), fresh
+
+
+def _block(draw: Callable[..., Any], st: Any, shape: tuple, depth: int, fresh: bool,
+           keep_shape: bool) -> tuple[nn.Module, tuple, bool]:
+    """One drawn block for inputs of `shape` (``("vec", F)`` or ``("img", C, H)``).
+
+    `fresh` says whether an in-place op may modify the block's input (it is no leaf and
+    no op before saved it); `keep_shape` asks for a block whose output has the input's
+    shape. Returns the block, its output shape and its own freshness.
+    """
+    kinds = ["layer", "norm", "activation", "activation"]
+    if shape[0] == "img" and not keep_shape:
+        kinds.append("flatten")
+    if depth > 0:
+        kinds += ["sequential", "chain", "residual", "fork", "scaled", "shared"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "layer":
+        if shape[0] == "vec":
+            out = shape[1] if keep_shape else draw(st.integers(1, _MAX_FEATURES))
+            return nn.Linear(shape[1], out), ("vec", out), True
+        out = shape[1] if keep_shape else draw(st.integers(1, _MAX_CHANNELS))
+        return nn.Conv2d(shape[1], out, 3, padding=1), ("img", out, shape[2]), True
+    if kind == "norm":
+        if shape[0] == "vec":
+            norm = draw(st.sampled_from([nn.BatchNorm1d, nn.LayerNorm]))(shape[1])
+        else:
+            norm = draw(st.sampled_from([nn.BatchNorm2d, lambda c: nn.GroupNorm(1, c)]))(shape[1])
+        return norm, shape, True
+    if kind == "activation":
+        module, after = _activation(draw, st, inplace_ok=fresh)
+        return module, shape, after
+    if kind == "flatten":
+        return nn.Flatten(), ("vec", shape[1] * shape[2] * shape[2]), fresh
+    if kind in ("sequential", "chain"):
+        layers, shape, fresh = _blocks(draw, st, shape, depth - 1, fresh, keep_shape)
+        return (nn.Sequential(*layers) if kind == "sequential" else _Chain(layers)), shape, fresh
+    if kind == "shared":
+        # One instance called twice: shape preserving, so it can run on its own output.
+        if shape[0] == "vec":
+            layer: nn.Module = nn.Linear(shape[1], shape[1])
+        else:
+            layer = nn.Conv2d(shape[1], shape[1], 3, padding=1)
+        return nn.Sequential(layer, nn.Tanh(), layer), shape, True
+    # The body's input is shared with the skip path, so nothing may change it in place.
+    body_layers, body_shape, _ = _blocks(draw, st, shape, depth - 1, False, keep_shape or kind != "scaled")
+    body = nn.Sequential(*body_layers)
+    if kind == "scaled":
+        return _Scaled(body, draw(st.sampled_from(_SCALES))), body_shape, True
+    return (_Residual(body) if kind == "residual" else _ForkJoin(body)), shape, True
+
+
+def _blocks(draw: Callable[..., Any], st: Any, shape: tuple, depth: int, fresh: bool,
+            keep_shape: bool = False) -> tuple[list[nn.Module], tuple, bool]:
+    layers = []
+    for _ in range(draw(st.integers(1, _MAX_BLOCKS))):
+        block, shape, fresh = _block(draw, st, shape, depth, fresh, keep_shape)
+        layers.append(block)
+    return layers, shape, fresh
+
+
+def models_and_inputs(*, max_depth: int = 2, device: str | torch.device = "cpu") -> st.SearchStrategy[tuple[nn.Module, torch.Tensor]]:
+    """A strategy for ``(model, x)``: a small random model and an input it accepts.
+
+    Models are nested containers (``nn.Sequential``, loops over ``nn.ModuleList``,
+    residual blocks) of linear, conv, norm (BatchNorm, LayerNorm, GroupNorm) and activation
+    layers, including in-place activations (only where autograd allows them), one module
+    instance called twice, a module returning a tuple that is unpacked into the next, and a
+    module called with a keyword argument. Inputs are ``(batch, features)`` or
+    ``(batch, channels, height, width)`` float tensors with a batch of 2 to 4 (BatchNorm
+    needs two), drawn from a seed. Models are in training mode and deterministic.
+
+    Args:
+        max_depth: how deeply containers nest.
+        device: where the model and input live.
+
+    Returns:
+        A Hypothesis strategy; shrinking simplifies the model and the seed.
+
+    Example:
+        >>> import funhooks as fh
+        >>> from hypothesis import given, settings
+        >>> @settings(max_examples=5, deadline=None)
+        ... @given(fh.testing.models_and_inputs())
+        ... def test_runs(model_and_input):
+        ...     model, x = model_and_input
+        ...     assert model(x) is not None
+        >>> test_runs()
+    """
+    hyp = _hypothesis()
+    st = hyp.strategies
+
+    @st.composite
+    def draw_pair(draw: Callable[..., Any]) -> tuple[nn.Module, torch.Tensor]:
+        batch = draw(st.integers(2, 4))
+        if draw(st.booleans()):
+            shape: tuple = ("vec", draw(st.integers(1, _MAX_FEATURES)))
+            size: tuple = (batch, shape[1])
+        else:
+            side = draw(st.integers(2, _MAX_SIDE))
+            shape = ("img", draw(st.integers(1, _MAX_CHANNELS)), side)
+            size = (batch, shape[1], side, side)
+        layers, _, _ = _blocks(draw, st, shape, max_depth, False)
+        seed = draw(st.integers(0, 2**31 - 1))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = nn.Sequential(*layers)
+            x = torch.randn(size)
+        return model.to(device), x.to(device)
+
+    return draw_pair()
+
+
+# -- specs for a model -------------------------------------------------------------------
+
+
+def _output_mean(module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
+    """The mean of every float tensor in `output`, stacked (a forward observer)."""
+    return torch.stack([t.float().mean() for t in _tensor_leaves(output)] or [torch.zeros(())])
+
+
+def _arg_count(module: nn.Module, args: tuple) -> torch.Tensor:
+    """The number of positional arguments (a ``forward_pre`` observer)."""
+    return torch.tensor(len(args))
+
+
+def _grad_norm(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The norm of a parameter's gradient (a ``param_grad`` observer)."""
+    return grad.detach().norm()
+
+
+def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) -> st.SearchStrategy[tuple[_spec.Spec, ...]]:
+    """A strategy for a tuple of valid observer specs for `model`.
+
+    Each spec is one of ``outputs``, ``inputs``, ``grads`` or ``observe`` (forward,
+    forward_pre and param_grad events, with tensor-valued functions), at most one per
+    record name so they never clash. Selectors are drawn from the model's real paths
+    (``""`` is the root), its module types, ``"**"``, path patterns with a ``*`` segment,
+    and its module instances; flags (``detach``, ``cpu``, ``clone``) are drawn too.
+
+    Args:
+        model: the model the specs are for.
+        clone: force ``clone=`` on every spec (``True`` makes every Record readable after
+            in-place ops); ``None`` draws it.
+        max_specs: the most specs in one draw.
+
+    Returns:
+        A Hypothesis strategy of tuples of Specs, each of which ``with_hooks`` accepts.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from hypothesis import given, settings
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        >>> @settings(max_examples=5, deadline=None)
+        ... @given(fh.testing.specs(model))
+        ... def test_transparent(specs):
+        ...     fh.testing.assert_transparent(model, specs, torch.ones(2, 2))
+        >>> test_transparent()
+    """
+    st = _hypothesis().strategies
+    modules = list(_torch.named_modules(model))
+    paths = [p for p, _ in modules]
+    types = sorted({type(m) for _, m in modules}, key=lambda t: t.__qualname__)
+    patterns = sorted({".".join("*" if i == k else s for i, s in enumerate(p.split("."))) + tail
+                       for p in paths if p for k in range(p.count(".") + 1) for tail in ("", ".**")})
+    param_modules = [m for _, m in modules if any(True for _ in m.parameters(recurse=False))]
+    where = st.one_of(
+        st.sampled_from(paths),
+        st.sampled_from(types),
+        st.just("**"),
+        st.sampled_from(patterns) if patterns else st.just("**"),
+        st.sampled_from([m for _, m in modules]),
+    )
+    flag = st.booleans()
+
+    @st.composite
+    def draw_specs(draw: Callable[..., Any]) -> tuple[_spec.Spec, ...]:
+        kinds = ["outputs", "inputs", "grads", "observe_forward", "observe_pre"]
+        if param_modules:
+            kinds.append("observe_param")
+        chosen = draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=max_specs, unique=True))
+        out = []
+        for kind in chosen:
+            sel = draw(where)
+            if kind == "observe_param":
+                sel = draw(st.sampled_from(param_modules))
+            flags = {"detach": draw(flag), "cpu": draw(flag),
+                     "clone": draw(flag) if clone is None else clone}
+            if kind == "outputs":
+                out.append(_spec.outputs(sel, **flags))
+            elif kind == "inputs":
+                out.append(_spec.inputs(sel, **flags))
+            elif kind == "grads":
+                out.append(_spec.grads(sel, **flags))
+            elif kind == "observe_forward":
+                out.append(_spec.observe(sel, _output_mean, name="mean", **flags))
+            elif kind == "observe_pre":
+                out.append(_spec.observe(sel, _arg_count, event="forward_pre", name="arg_count", **flags))
+            else:
+                out.append(_spec.observe(sel, _grad_norm, event="param_grad", name="grad_norm", **flags))
+        return tuple(out)
+
+    return draw_specs()
+
+
+# -- invariants ----------------------------------------------------------------------------
+
+_BACKWARD_EVENTS = ("backward_pre", "backward", "param_grad")
+_MAX_REPORTED = 5
+
+
+def _failures(predicate: Callable[..., Any], rec: Any) -> list[tuple[str, str]]:
+    """Every ``(path, where)`` for which `predicate` fails, innermost modules first: a
+    container fails because a submodule did, so the submodule is the one to report."""
+    found = []
+    for path, node in rec.items():
+        for name in node:
+            calls = node.calls(name)
+            for i, value in enumerate(calls):
+                leaves = _tensor_leaves(value)
+                for j, t in enumerate(leaves):
+                    if not bool(predicate(path, name, t)):
+                        part = f" (tensor {j + 1} of {len(leaves)})" if len(leaves) > 1 else ""
+                        found.append((path, f"the {name!r} of module {_where(path)}{part}, call {i + 1} of {len(calls)}"))
+                        break
+    paths = {p for p, _ in found}
+
+    def is_outer(path: str) -> bool:
+        return any(q != path and (not path or q.startswith(path + ".")) for q in paths)
+
+    return sorted(found, key=lambda f: is_outer(f[0]))
+
+
+def check_invariant(
+    model: nn.Module,
+    predicate: Callable[[str, str, torch.Tensor], Any],
+    inputs_strategy: st.SearchStrategy[Any],
+    *,
+    specs: _spec.Spec | Iterable[_spec.Spec] = _spec.outputs("**"),
+    settings: hypothesis.settings | None = None,
+) -> None:
+    """Check that `predicate` holds for every tensor `model` stores on every drawn input.
+
+    For each input drawn from `inputs_strategy` (a tuple is spread as positional
+    arguments), the model runs inside ``with_hooks(model, specs)`` (and, when a spec has a
+    backward event, a backward pass of the sum of its outputs); then
+    ``predicate(path, name, tensor)`` is called for every stored tensor of the Record: every
+    call, every tensor of a tuple output or an ``(args, kwargs)`` input. A falsy result is a
+    failure: Hypothesis shrinks the input and the error names the module path, the record
+    name and the call, with the shrunk input. Call it from a plain test, not a ``@given`` one.
+
+    Args:
+        model: the model (its train/eval mode is used as it is).
+        predicate: ``(path, name, tensor) -> bool``.
+        inputs_strategy: a Hypothesis strategy of inputs.
+        specs: what to store; every module's output by default.
+        settings: Hypothesis settings; default: the loaded profile without a deadline.
+
+    Raises:
+        AssertionError: first line ``check_invariant: ...`` naming the module path, then
+            the shrunk input.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+        >>> in_range = lambda path, name, out: bool((out.abs() <= 1).all())
+        >>> fh.testing.check_invariant(model, in_range, fh.testing.tensors((3, 2)), specs=fh.outputs(nn.Tanh))
+    """
+    hyp = _hypothesis()
+    spec_tuple = _run._as_specs(specs, "check_invariant")
+    if not callable(predicate):
+        raise SpecError(
+            f"check_invariant: `predicate` is a callable `(path, name, tensor) -> bool`, got {predicate!r}. "
+            "Pass a function such as `lambda path, name, out: bool(out.isfinite().all())`."
+        )
+    needs_backward = any(s.event in _BACKWARD_EVENTS for s in spec_tuple)
+    if settings is None:
+        settings = hyp.settings(hyp.settings.default, deadline=None)
+
+    @settings
+    @hyp.given(inputs_strategy)
+    def holds(drawn: Any) -> None:
+        args = drawn if isinstance(drawn, tuple) else (drawn,)
+        with torch.set_grad_enabled(needs_backward):
+            with _run.with_hooks(model, spec_tuple) as run:
+                out = model(*args)
+                if needs_backward:
+                    _backward(out)
+        failures = _failures(predicate, run.record)
+        if failures:
+            also = "".join(f"\nalso false for {where}" for _, where in failures[1:_MAX_REPORTED])
+            more = len(failures) - _MAX_REPORTED
+            raise AssertionError(
+                f"check_invariant: `predicate` must hold for every stored tensor, got False for "
+                f"{failures[0][1]}. Fix the model or the invariant.{also}"
+                + (f"\n... and {more} more" if more > 0 else "")
+                + f"\ninput: {drawn!r}"
+            )
+
+    holds()

@@ -1,0 +1,358 @@
+"""funhooks.testing: the kit tests itself, then proves the library's invariants through it."""
+
+import os
+import subprocess
+import sys
+
+import hypothesis
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import funhooks as fh
+from funhooks import run as _run
+from funhooks.testing import assert_no_hooks, assert_transparent, check_invariant, models_and_inputs, specs
+
+# The `device` fixture is function scoped but returns an immutable torch.device.
+with_device = hypothesis.settings(
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture, hypothesis.HealthCheck.too_slow]
+)
+
+OVERFLOW_AT = 89  # the smallest integer n with exp(float32(n)) == inf
+
+
+class Exp(nn.Module):
+    """A deliberately broken layer: its activations overflow for inputs of 89 and more."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+
+def finite(path: str, name: str, value: torch.Tensor) -> bool:
+    return bool(value.isfinite().all())
+
+
+def _modules_by_path(model: nn.Module) -> dict[str, nn.Module]:
+    return dict(fh._torch.named_modules(model))
+
+
+def _call_counts(model: nn.Module, *args) -> dict[int, int]:
+    """How often each module (by id) runs in `model(*args)`, counted with plain hooks."""
+    counts: dict[int, int] = {}
+
+    def count(module, args, output):
+        counts[id(module)] = counts.get(id(module), 0) + 1
+
+    handles = [m.register_forward_hook(count) for _, m in model.named_modules()]
+    try:
+        model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def _draw_pair(data, **kwargs):
+    """A drawn model and an input that needs grad (so even parameter-free models backprop)."""
+    model, x = data.draw(models_and_inputs(**kwargs))
+    return model, x.requires_grad_(True)
+
+
+# -- the kit tests itself ------------------------------------------------------------------
+
+
+def test_check_invariant_shrinks_a_broken_model_and_names_its_module(device):
+    """A model whose activations blow up to inf is caught, shrunk to the smallest bad input,
+    and the message names the module path."""
+    model = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), Exp())).to(device)
+    inputs = st.integers(0, 10_000).map(lambda n: torch.full((2,), float(n), device=device))
+    with pytest.raises(AssertionError) as info:
+        check_invariant(model, finite, inputs, settings=hypothesis.settings(max_examples=200, deadline=None, database=None))
+    message = str(info.value)
+    first = message.splitlines()[0]
+    assert first == (
+        "check_invariant: `predicate` must hold for every stored tensor, got False for the 'output' of "
+        "module '1.1', call 1 of 1. Fix the model or the invariant."
+    )
+    assert f"tensor([{OVERFLOW_AT}., {OVERFLOW_AT}.]" in message
+
+
+def test_check_invariant_passes_when_the_invariant_holds(device):
+    """A bounded model satisfies "activations stay finite" on every drawn input."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(device)
+    check_invariant(model, finite, fh.testing.tensors((2, 3), min_value=-1e30, max_value=1e30, device=device))
+    assert_no_hooks(model)
+
+
+def test_check_invariant_reports_the_call_and_tensor_of_a_shared_module():
+    """A predicate failing on the second call of a module used twice names that call."""
+    layer = nn.Linear(1, 1)
+    with torch.no_grad():
+        layer.weight.fill_(2.0)
+        layer.bias.zero_()
+    model = nn.Sequential(layer, layer)
+    small = lambda path, name, out: bool((out.abs() < 3).all())  # noqa: E731
+    with pytest.raises(AssertionError, match=r"module '0', call 2 of 2\. .*") as info:
+        check_invariant(model, small, st.just(torch.ones(1, 1)))
+    assert "input: tensor([[1.]])" in str(info.value)
+
+
+def test_check_invariant_runs_backward_for_grad_specs():
+    """With a `grads` spec the model runs backward and the predicate sees the gradients."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    seen = []
+
+    def record_names(path: str, name: str, value: torch.Tensor) -> bool:
+        seen.append(name)
+        return True
+
+    check_invariant(model, record_names, fh.testing.tensors((1, 2)), specs=[fh.grads("0"), fh.outputs("0")])
+    assert set(seen) == {"grad", "output"}
+
+
+def test_check_invariant_rejects_a_non_callable_predicate():
+    """A predicate that is not callable is a SpecError with the rule and a fix."""
+    with pytest.raises(fh.SpecError) as info:
+        check_invariant(nn.Linear(1, 1), "finite", st.just(torch.ones(1, 1)))
+    assert str(info.value) == (
+        "check_invariant: `predicate` is a callable `(path, name, tensor) -> bool`, got 'finite'. "
+        "Pass a function such as `lambda path, name, out: bool(out.isfinite().all())`."
+    )
+
+
+def test_assert_transparent_catches_an_observer_that_writes_in_place():
+    """An observer that modifies the output in place is reported as changing the output."""
+
+    def double(module, args, output):
+        return output.mul_(2)
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with pytest.raises(AssertionError, match=r"^assert_transparent: observers must change no output, got output 0 changed"):
+        assert_transparent(model, fh.observe("0", double, detach=False), torch.ones(3, 2))
+    assert_no_hooks(model)
+
+
+def test_assert_transparent_rejects_editors():
+    """Editors change values by design: passing one is a SpecError."""
+    spec = fh.edit("0", lambda module, args, output: output)
+    with pytest.raises(fh.SpecError, match=r"^assert_transparent: `specs` are observers, got the editor edit\('0'"):
+        assert_transparent(nn.Sequential(nn.Linear(1, 1)), spec, torch.ones(1, 1))
+
+
+def test_assert_transparent_leaves_gradients_and_state_as_they_were():
+    """The check restores parameters' `.grad` and BatchNorm statistics."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model(torch.randn(4, 2)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert_transparent(model, fh.outputs("**"), torch.randn(4, 2))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_assert_no_hooks_names_a_leftover_module_hook():
+    """A hook left on a submodule fails with the path and the hook dict."""
+    model = nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.ReLU()))
+    handle = model[1][0].register_forward_hook(lambda *a: None)
+    try:
+        with pytest.raises(AssertionError, match=r"^assert_no_hooks: module '1\.0' has 1 hook\(s\) in `_forward_hooks`"):
+            assert_no_hooks(model)
+    finally:
+        handle.remove()
+    assert_no_hooks(model)
+
+
+def test_assert_no_hooks_names_a_leftover_parameter_hook():
+    """A gradient hook left on a parameter fails with the parameter and module."""
+    model = nn.Sequential(nn.Linear(1, 1))
+    handle = model[0].bias.register_hook(lambda g: g)
+    try:
+        with pytest.raises(AssertionError, match=r"^assert_no_hooks: tensor 'bias' of module '0' has a gradient hook"):
+            assert_no_hooks(model)
+    finally:
+        handle.remove()
+
+
+def test_assert_no_hooks_names_an_active_run():
+    """Inside a `with_hooks` block the run still routes the model's modules."""
+    model = nn.Sequential(nn.Linear(1, 1))
+    with fh.with_hooks(model, fh.outputs("0")):
+        with pytest.raises(AssertionError) as info:
+            assert_no_hooks(model)
+    assert str(info.value) == (
+        "assert_no_hooks: an active funhooks run still routes module '0', got a run that was entered "
+        "and not exited. Exit its `with` block."
+    )
+    assert_no_hooks(model)
+
+
+@given(models_and_inputs())
+def test_drawn_models_run_forward_and_backward(pair):
+    """Every drawn model accepts its input, returns a float batch and backpropagates."""
+    model, x = pair
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    assert y.shape[0] == x.shape[0] and y.is_floating_point()
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+FEATURES = {
+    "in-place activation": lambda m: getattr(m, "inplace", False),
+    "tuple output": lambda m: type(m).__name__ == "_Fork",
+    "keyword argument": lambda m: type(m).__name__ == "_Scale",
+    "convolution": lambda m: isinstance(m, nn.Conv2d),
+    "norm": lambda m: isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)),
+    "module list": lambda m: isinstance(m, nn.ModuleList),
+}
+
+
+def test_drawn_models_cover_every_feature():
+    """Within a hundred draws the strategy reaches in-place activations, a shared module,
+    tuple outputs, keyword arguments, convolutions, norms and module lists."""
+    seen = set()
+
+    @hypothesis.settings(max_examples=100, database=None, derandomize=True, deadline=None)
+    @given(models_and_inputs())
+    def collect(pair):
+        mods = list(pair[0].named_modules(remove_duplicate=False))
+        seen.update(f for f, test in FEATURES.items() if any(test(m) for _, m in mods))
+        if len(mods) > len({id(m) for _, m in mods}):
+            seen.add("shared module")
+
+    collect()
+    assert seen == {*FEATURES, "shared module"}
+
+
+@given(st.data())
+def test_drawn_specs_are_accepted_by_with_hooks(data):
+    """Every drawn spec tuple resolves on its model, and the run leaves no hook."""
+    model, x = _draw_pair(data)
+    drawn = data.draw(specs(model, clone=True))
+    with fh.with_hooks(model, drawn) as run:
+        model(x).sum().backward()
+    run.record  # noqa: B018 - reading it checks nothing went stale
+    assert_no_hooks(model)
+
+
+# -- the library's invariants, through the kit ----------------------------------------------
+
+
+@with_device
+@given(st.data())
+def test_observers_are_transparent_on_random_models(device, data):
+    """Observers change no output, input gradient, parameter gradient or buffer, on models
+    with in-place activations and shared modules."""
+    model, x = _draw_pair(data, device=device)
+    assert_transparent(model, data.draw(specs(model)), x)
+
+
+@with_device
+@given(st.data())
+def test_record_call_counts_equal_an_independent_count(device, data):
+    """Each module's number of recorded outputs equals the calls a plain forward hook counts."""
+    model, x = _draw_pair(data, device=device)
+    with fh.with_hooks(model, fh.outputs("**", clone=True)) as run:
+        counts = _call_counts(model, x)
+    rec = run.record
+    by_path = _modules_by_path(model)
+    expected = {p: counts[id(m)] for p, m in by_path.items() if p and id(m) in counts}
+    assert {p: len(rec.calls(p, "output")) for p in rec} == expected
+    assert list(rec) == [p for p in by_path if p in expected]  # module order
+
+
+FAULTS = ("spec_fn", "module_forward", "param_grad", "block_body", "keyboard_interrupt")
+
+
+class Boom(Exception):
+    """The exception a test injects."""
+
+
+@given(st.data())
+def test_no_hook_is_left_after_an_exception_at_a_random_point(data):
+    """Whatever raises (a spec's function, a module, a gradient hook, the block body, a
+    KeyboardInterrupt), the run removes every hook and leaves the dispatcher as it was."""
+    model, x = _draw_pair(data)
+    drawn = data.draw(specs(model))
+    fault = data.draw(st.sampled_from(FAULTS))
+    by_path = _modules_by_path(model)
+    counts = _call_counts(model, x)
+    path = data.draw(st.sampled_from(sorted(p for p, m in by_path.items() if p and id(m) in counts)))
+    users, stack = dict(_run._USERS), list(_run._STACK)
+
+    def boom(*args):
+        raise Boom
+
+    extra = []
+    handles = []
+    if fault == "spec_fn":
+        extra.append(fh.observe(path, boom, name="boom"))
+    elif fault == "module_forward":
+        handles.append(by_path[path].register_forward_pre_hook(boom))
+    elif fault == "param_grad":
+        with_params = [p for p, m in by_path.items() if any(True for _ in m.parameters(recurse=False))]
+        if with_params:
+            extra.append(fh.observe(data.draw(st.sampled_from(with_params)), boom, event="param_grad", name="boom"))
+    expected = KeyboardInterrupt if fault == "keyboard_interrupt" else (fh.HookError, Boom)
+    try:
+        with pytest.raises(expected):
+            with fh.with_hooks(model, drawn + tuple(extra)):
+                y = model(x)
+                if fault == "block_body":
+                    raise Boom
+                if fault == "keyboard_interrupt":
+                    raise KeyboardInterrupt
+                y.sum().backward()
+                if fault == "param_grad" and not extra:
+                    raise Boom  # a model without parameters: fail in the body instead
+    finally:
+        for h in handles:
+            h.remove()
+    assert_no_hooks(model)
+    assert _run._USERS == users and _run._STACK == stack
+
+
+@given(st.data())
+def test_record_save_load_round_trip(tmp_path_factory, data):
+    """A Record of drawn specs on a drawn model saves and loads back equal."""
+    model, x = _draw_pair(data)
+    drawn = data.draw(specs(model, clone=True))
+    with fh.with_hooks(model, drawn) as run:
+        model(x).sum().backward()
+    rec = run.record
+    path = tmp_path_factory.mktemp("rec") / "rec.pt"
+    rec.save(path)
+    back = fh.Record.load(path)
+    assert back.equal(rec)
+    assert list(back) == list(rec)
+
+
+def test_import_funhooks_does_not_import_hypothesis():
+    """Hypothesis is an optional extra: `import funhooks` works without it, and the kit says
+    how to install it when a strategy is asked for."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'hypothesis' or name.startswith('hypothesis.'):\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, funhooks as fh\n"
+        "model = torch.nn.Linear(1, 1)\n"
+        "fh.testing.assert_no_hooks(model)\n"
+        "fh.testing.assert_transparent(model, fh.outputs(''), torch.ones(1, 1))\n"
+        "assert 'hypothesis' not in sys.modules\n"
+        "try:\n"
+        "    fh.testing.models_and_inputs()\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "funhooks.testing: the strategies and `check_invariant` need Hypothesis, got no module named "
+        "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
+    )
