@@ -27,6 +27,8 @@ from .errors import (
     TransformError,
 )
 from .functional import capture, functional
+from . import distributed
+from .distributed import merge_across_ranks
 from .grads import activation_grads
 from .functional import capture, functional
 from .grads import activation_grads
@@ -79,6 +81,9 @@ __all__ = [
     "select",
     "testing",
     "with_hooks",
+    # distributed
+    "distributed",
+    "merge_across_ranks",
     # functional
     "activation_grads",
     "capture",
