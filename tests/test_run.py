@@ -738,7 +738,8 @@ def test_no_hook_left_after_an_exception_at_a_random_module(model_x: tuple[nn.Se
         expected: type[BaseException] = KeyboardInterrupt
     else:
         specs.append(fh.observe(path, raise_value_error, event=event, name="bad"))
-        expected = fh.HookError
+        # a backward hook before an in-place op fails inside PyTorch first (see the xfail above)
+        expected = RuntimeError if event.startswith("backward") else fh.HookError
     with pytest.raises(expected):
         with fh.with_hooks(model, specs):
             model(x.requires_grad_(True)).sum().backward()
