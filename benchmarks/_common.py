@@ -57,6 +57,12 @@ QUICK_INNER = 2
 TARGET_ROUND_SECONDS = 0.02
 """With ``--inner 0`` (the default), calls per round are chosen so one case's round lasts about this long."""
 
+MAX_CASE_ROUND_SECONDS = 0.1
+"""A case slower than this per call (torchlens) gets fewer calls per round, at least one."""
+MAX_WARMUP_SECONDS = 2.0
+"""Warm-up of one case stops after this long (at least two calls)."""
+MIN_WARMUP_CALLS = 2
+
 PERCENTILES = (25, 75)
 
 
@@ -169,17 +175,26 @@ def time_cases(
         baseline: the name of the case the ratios are taken to (the bare forward).
         rounds: interleaved rounds; each times every case once.
         warmup: untimed calls per case first.
-        inner: calls per case per round; 0 picks about ``TARGET_ROUND_SECONDS`` worth of the baseline.
+        inner: calls per case per round; 0 picks about ``TARGET_ROUND_SECONDS`` worth of the
+            baseline. A case slower than ``MAX_CASE_ROUND_SECONDS`` per round gets fewer calls.
         sync: called after each case's calls (``torch.cuda.synchronize`` on a GPU).
 
     Returns:
         name -> {"seconds": {median, p25, p75}, "ratio": {median, p25, p75}, "calls_per_round"}.
     """
-    for fn in cases.values():
-        for _ in range(warmup):
+    once: dict[str, float] = {}
+    for name, fn in cases.items():
+        start = time.perf_counter()
+        for i in range(warmup):
+            t = time.perf_counter()
             fn()
-    sync()
+            sync()
+            once[name] = time.perf_counter() - t
+            if i + 1 >= MIN_WARMUP_CALLS and time.perf_counter() - start > MAX_WARMUP_SECONDS:
+                break
     n = inner or _calls_per_round(cases[baseline])
+    calls = {name: max(1, min(n, int(MAX_CASE_ROUND_SECONDS / max(once.get(name, 0.0), 1e-9)))) for name in cases}
+    calls[baseline] = n
     names = list(cases)
     per_call: dict[str, list[float]] = {k: [] for k in names}
     ratios: dict[str, list[float]] = {k: [] for k in names}
@@ -191,19 +206,19 @@ def time_cases(
             order = names[r % len(names):] + names[: r % len(names)]
             times = {}
             for name in order:
-                fn = cases[name]
+                fn, k = cases[name], calls[name]
                 start = clock()
-                for _ in range(n):
+                for _ in range(k):
                     fn()
                 sync()
-                times[name] = (clock() - start) / n
+                times[name] = (clock() - start) / k
         finally:
             gc.enable()
         for name in names:
             per_call[name].append(times[name])
             ratios[name].append(times[name] / times[baseline])
     return {
-        name: {"seconds": summarise(per_call[name]), "ratio": summarise(ratios[name]), "calls_per_round": n}
+        name: {"seconds": summarise(per_call[name]), "ratio": summarise(ratios[name]), "calls_per_round": calls[name]}
         for name in names
     }
 
@@ -219,7 +234,7 @@ def write(name: str, out: pathlib.Path, payload: dict[str, Any]) -> pathlib.Path
 
 def format_table(title: str, results: dict[str, dict[str, Any]]) -> str:
     """A plain-text table of one model's timings, for the terminal."""
-    lines = [title, f"  {'case':<34} {'us/call':>9} {'p25-p75 us':>17} {'x bare':>7} {'p25-p75':>13}"]
+    lines = [title, f"  {'case':<34} {'us/call':>9} {'p25-p75 us':>17} {'ratio':>7} {'p25-p75':>13}"]
     for name, r in results.items():
         s, q = r["seconds"], r["ratio"]
         lines.append(

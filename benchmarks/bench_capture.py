@@ -15,8 +15,10 @@ root, so all of them do the same work; checked equal before timing):
 - ``fastai hook_outputs, per call``: fastai's ``hook_outputs`` when fastai imports, else
   ``fastai-style Hooks emulation``: one hook object per module that stores its detached
   output through a recursive detach helper, used as a context manager per call.
-- peers, each only when importable: ``nnsight`` (trace, save every module's output),
-  ``torchlens`` (``log_forward_pass``, all layers).
+- peers, each only when importable (``pip install funhooks[bench]``): nnsight (one trace
+  saving every module's output), TransformerLens (``run_with_cache`` on a copy with a
+  ``HookPoint`` after every module), torchlens (``trace``, every layer; it logs
+  ops rather than modules, so only its output is compared).
 
 Models: the deep-narrow MLP (48 x (Linear(64, 64), ReLU), batch 32) and a small
 ResNet-like CNN (3 x 32 x 32, batch 32), both in eval mode, under ``torch.no_grad()``.
@@ -155,54 +157,118 @@ def _fastai_per_call(model: nn.Module) -> tuple[str, Callable[[torch.Tensor], tu
 # -- peers, only when importable --------------------------------------------------------------
 
 
-def _peers(model: nn.Module) -> dict[str, Callable[[torch.Tensor], tuple[Any, list]]]:
-    peers: dict[str, Callable[[torch.Tensor], tuple[Any, list]]] = {}
-    if importlib.util.find_spec("nnsight") is not None:
+def _call_order(model: nn.Module, x: torch.Tensor) -> list[int]:
+    """Indices into ``hooked_modules(model)`` in the order their outputs become available."""
+    modules = _common.hooked_modules(model)
+    index = {id(m): i for i, m in enumerate(modules)}
+    order: list[int] = []
+    handles = [m.register_forward_hook(lambda m, a, o: order.append(index[id(m)])) for m in modules]
+    try:
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+def _nnsight(model: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """nnsight: one trace per call saving every module's output (asked for in call order)."""
+    import nnsight
+
+    wrapped = nnsight.NNsight(model)
+    paths = [n for n, _ in model.named_modules() if n]
+    order = _call_order(model, x)
+
+    def envoy(path: str) -> Any:
+        node = wrapped
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
+
+    envoys = [envoy(paths[i]) for i in order]
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        saved: list[Any] = []
+        with wrapped.trace(x):
+            for e in envoys:
+                saved.append(e.output.save())
+            out = wrapped.output.save()
+        by_module = dict(zip(order, saved))
+        return out, [by_module[i] for i in range(len(paths))]
+
+    return call
+
+
+def _transformer_lens(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """TransformerLens ``run_with_cache`` on a copy whose every module ends in a ``HookPoint``
+    (as a model written for TransformerLens would call one after each layer)."""
+    from transformer_lens import HookedRootModule
+    from transformer_lens.hook_points import HookPoint
+
+    inner = copy.deepcopy(model)
+    modules = _common.hooked_modules(inner)
+
+    class Hooked(HookedRootModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+            self.points = nn.ModuleList(HookPoint() for _ in modules)
+            for m, point in zip(modules, self.points):
+                m.register_forward_hook(lambda m, a, o, point=point: point(o))
+            self.setup()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    hooked = Hooked()
+    names = [f"points.{i}" for i in range(len(modules))]
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        y, cache = hooked.run_with_cache(x)
+        return y, [cache[n] for n in names]
+
+    return call
+
+
+def _torchlens(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, None]]:
+    """torchlens ``trace`` saving every layer (it logs ops, not modules); torch functions are
+    unwrapped after each call so the other cases are not slowed down."""
+    import torchlens
+    from torchlens.options import CaptureOptions
+
+    options = CaptureOptions(unwrap_when_done=True)
+
+    def call(x: torch.Tensor) -> tuple[Any, None]:
+        log = torchlens.trace(model, x, capture=options)
+        return log[log.output_layers[0]].tensor, None
+
+    return call
+
+
+PEERS = {
+    "nnsight trace + save": ("nnsight", lambda model, x: _nnsight(model, x)),
+    "TransformerLens run_with_cache": ("transformer_lens", lambda model, x: _transformer_lens(model)),
+    "torchlens trace": ("torchlens", lambda model, x: _torchlens(model)),
+}
+
+
+def _peers(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], tuple[Any, Any]]]:
+    """The peer libraries that import here (``pip install funhooks[bench]``); others are skipped."""
+    found: dict[str, Callable[[torch.Tensor], tuple[Any, Any]]] = {}
+    for name, (module, build) in PEERS.items():
+        if importlib.util.find_spec(module) is None:
+            continue
         try:
-            import nnsight
-
-            wrapped = nnsight.NNsight(model)
-            paths = [n for n, _ in model.named_modules() if n]
-
-            def envoy(path: str) -> Any:
-                node = wrapped
-                for part in path.split("."):
-                    node = getattr(node, part)
-                return node
-
-            envoys = [envoy(p) for p in paths]
-
-            def call_nnsight(x: torch.Tensor) -> tuple[Any, list]:
-                with wrapped.trace(x):
-                    saved = [e.output.save() for e in envoys]
-                    out = wrapped.output.save()
-                return _value(out), [_value(s) for s in saved]
-
-            peers["nnsight trace + save"] = call_nnsight
-        except Exception as err:  # a peer that imports but does not work here is reported, not fatal
-            print(f"nnsight skipped: {type(err).__name__}: {err}")
-    if importlib.util.find_spec("torchlens") is not None:
-        try:
-            import torchlens
-
-            def call_torchlens(x: torch.Tensor) -> tuple[Any, None]:
-                log = torchlens.log_forward_pass(model, x, layers_to_save="all", vis_opt="none")
-                return model(x), log  # torchlens logs ops, not modules: compared on the output only
-
-            peers["torchlens log_forward_pass"] = call_torchlens
-        except Exception as err:
-            print(f"torchlens skipped: {type(err).__name__}: {err}")
-    return peers
-
-
-def _value(saved: Any) -> Any:
-    return getattr(saved, "value", saved)
+            found[name] = build(model, x)
+        except Exception as err:  # a peer that imports but fails here is reported, not fatal
+            print(f"{name} skipped: {type(err).__name__}: {err}")
+    return found
 
 
 # -- the benchmark --------------------------------------------------------------------------
 
 
-def cases_for(model: nn.Module) -> dict[str, Callable[[torch.Tensor], tuple[Any, Any]]]:
+def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], tuple[Any, Any]]]:
     """Every case for `model`: name -> ``f(x) -> (output, captured outputs)``."""
     spec = fh.outputs("**")
 
@@ -221,7 +287,7 @@ def cases_for(model: nn.Module) -> dict[str, Callable[[torch.Tensor], tuple[Any,
     cases["hand hooks, per call"] = _hand_per_call(model)
     name, fastai_call = _fastai_per_call(model)
     cases[name] = fastai_call
-    cases.update(_peers(model))
+    cases.update(_peers(model, x))
     return cases
 
 
@@ -260,7 +326,7 @@ def main() -> None:
     results, checks = {}, {}
     with torch.no_grad():
         for label, (model, x) in models.items():
-            cases = cases_for(model)
+            cases = cases_for(model, x)
             checks[label] = check_cases(cases, x)
             _common.check(all(checks[label].values()), f"{label}: {checks[label]}")
             timed = {name: (lambda fn=fn: fn(x)) for name, fn in cases.items()}

@@ -1,0 +1,161 @@
+"""Training as a generator, and activation statistics as a fold: what do they cost over a
+hand-written PyTorch loop?
+
+Cases (one call = one epoch over the same batches, each case on its own copy of the model
+and optimizer, all starting from the same weights; checked to end with equal weights before
+timing):
+
+- ``bare loop``: ``opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()`` per batch,
+  the denominator of every ratio.
+- ``fh.train``: ``for step in fh.train(model, batches, loss_fn, opt): pass``.
+- ``fh.fit + ActivationStats()``: ``fh.fit(model, batches, loss_fn, opt, fh.ActivationStats())``,
+  every Linear's mean / std / near-zero share per step, kept on the device.
+- ``fh.fit + ActivationStats(every=4)``: the same, one step in four recorded.
+- ``hand hooks, fastai-style stats``: forward hooks on every Linear computing the same
+  statistics with ``.item()`` in the hook, as fastai's ``ActivationStats`` does (cpu=False).
+
+Model: the deep-narrow MLP (48 x (Linear(64, 64), ReLU)), batch 32, SGD, MSE loss,
+one thread, flush-denormal on. Targets: ``fh.train`` <= 1.05x, ``fit + ActivationStats()``
+<= 1.30x.
+
+Run: ``python benchmarks/bench_train.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import _common
+import funhooks as fh
+
+NAME = "train"
+BATCHES_PER_CALL = 8
+QUICK_DEPTH = 4
+LR = 1e-3
+EVERY = 4
+
+
+def _bare(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], None]:
+    loss_fn = nn.functional.mse_loss
+
+    def call() -> None:
+        for x, y in batches:
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+
+    return call
+
+
+def _train(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], None]:
+    def call() -> None:
+        collections.deque(fh.train(model, batches, nn.functional.mse_loss, opt, progress=False), maxlen=0)
+
+    return call
+
+
+def _fit(model: nn.Module, batches: list, opt: torch.optim.Optimizer, every: int | None) -> Callable[[], Any]:
+    stats = fh.ActivationStats(every=every)
+
+    def call() -> Any:
+        return fh.fit(model, batches, nn.functional.mse_loss, opt, stats, progress=False)
+
+    return call
+
+
+def _fastai_style(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], list]:
+    """Hooks registered once that compute fastai's statistics with ``.item()`` per layer."""
+    stats: list[list[dict[str, float]]] = []
+    current: list[dict[str, float]] = []
+
+    def hook(module: nn.Module, args: tuple, o: torch.Tensor) -> None:
+        o = o.detach().float()
+        current.append({
+            "mean": o.mean().item(), "std": o.std().item(),
+            "near_zero": (o <= fh.stats.NEAR_ZERO).long().sum().item() / o.numel(),
+        })
+
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(hook)
+    step = _bare(model, batches, opt)
+
+    def call() -> list:
+        stats.clear()
+        for x, y in batches:
+            current.clear()
+            step_one(x, y)
+            stats.append(list(current))
+        return stats
+
+    def step_one(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    del step
+    return call
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _common.parse_args(__doc__.splitlines()[0], argv)
+    conditions = _common.setup()
+    torch.set_flush_denormal(True)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    depth = QUICK_DEPTH if args.quick else _common.DEEP_NARROW_DEPTH
+    base = _common.deep_narrow(depth).train().to(device)
+    width = _common.DEEP_NARROW_WIDTH
+    batches = [(torch.randn(_common.BATCH, width, device=device), torch.randn(_common.BATCH, width, device=device))
+               for _ in range(BATCHES_PER_CALL)]
+
+    def copy_with_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = copy.deepcopy(base)
+        return model, torch.optim.SGD(model.parameters(), lr=LR)
+
+    builders: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Callable[[], Any]]] = {
+        "bare loop": lambda m, o: _bare(m, batches, o),
+        "fh.train": lambda m, o: _train(m, batches, o),
+        "fh.fit + ActivationStats()": lambda m, o: _fit(m, batches, o, None),
+        f"fh.fit + ActivationStats(every={EVERY})": lambda m, o: _fit(m, batches, o, EVERY),
+        "hand hooks, fastai-style stats": lambda m, o: _fastai_style(m, batches, o),
+    }
+    cases, models = {}, {}
+    for name, build in builders.items():
+        model, opt = copy_with_opt()
+        cases[name], models[name] = build(model, opt), model
+        cases[name]()  # one epoch each, from the same weights
+    ref = list(models["bare loop"].parameters())
+    for name, model in models.items():
+        _common.check(_common.tensors_equal(ref, list(model.parameters())), f"{name} trains differently from the bare loop")
+    res = cases["fh.fit + ActivationStats()"]()
+    hand = cases["hand hooks, fastai-style stats"]()
+    ours = [[round(s["mean"], 4) for s in step] for step in res.stats]
+    theirs = [[round(s["mean"], 4) for s in step] for step in hand]
+    _common.check(ours == theirs, "ActivationStats means differ from the hand-written hooks")
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    results = _common.time_cases(cases, baseline="bare loop", rounds=args.rounds, warmup=args.warmup,
+                                 inner=args.inner, sync=sync)
+    print(_common.format_table(f"deep-narrow {depth} x (Linear({width}, {width}), ReLU), batch {_common.BATCH}, "
+                               f"{BATCHES_PER_CALL} steps per call, {device.type}", results))
+    payload = {
+        "conditions": {**conditions, "flush_denormal": True, "device": device.type, "quick": args.quick,
+                       "rounds": args.rounds, "batches_per_call": BATCHES_PER_CALL, "depth": depth},
+        "targets": {"fh.train": 1.05, "fh.fit + ActivationStats()": 1.30},
+        "results": results,
+    }
+    path = _common.write(NAME, args.out, payload)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
