@@ -60,6 +60,7 @@ def _check_hookable(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> N
     if isinstance(inner, torch.fx.GraphModule):
         called = {"", *(str(n.target) for n in inner.graph.nodes if n.op == "call_module")}
     scripted = [p for p, m in _torch.named_modules(inner) if isinstance(m, torch.jit.ScriptModule)]
+    compiled = [p for p, m in _compiled_children(inner)]
     for spec in specs:
         for path, _ in resolve(spec.where, inner, caller=caller, spec=spec):
             if any(path.startswith(f"{s}.") for s in scripted):
@@ -67,12 +68,35 @@ def _check_hookable(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> N
                     f"{caller}: hooks on modules inside a TorchScript module never fire, got module "
                     f"{path!r} selected by {spec!r}. Hook the eager model before scripting it."
                 )
+            hit = next((c for c in compiled if path == c or path.startswith(f"{c}.")), None)
+            if hit is not None:
+                raise TransformError(
+                    f"{caller}: hooks added after `torch.compile` ran a module never fire inside it, got "
+                    f"module {path!r} inside the compiled submodule {hit!r}, selected by {spec!r}. Pass "
+                    "the uncompiled model and compile the whole function: "
+                    "`torch.compile(fh.capture(model, specs))`."
+                )
             if called is not None and path not in called:
                 raise TransformError(
                     f"{caller}: fx inlined module {path!r} into the GraphModule's code, so hooks on it "
                     f"never fire, got it selected by {spec!r}; the called modules are {sorted(called)}. "
                     "Hook the eager model, or keep the module a leaf when tracing."
                 )
+
+
+def _compiled_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every submodule wrapped by ``torch.compile`` below the root."""
+    found, stack = [], [("", model)]
+    while stack:
+        path, module = stack.pop()
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            sub = f"{path}.{name}" if path else name
+            if _torch.is_wrapper(child) and type(child).__name__ == "OptimizedModule":
+                found.append((sub, child))
+            stack.append((sub, _torch.unwrap(child)))
+    return found
 
 
 def _as_copy(spec: Spec) -> Spec:
@@ -152,8 +176,9 @@ def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tup
     Nothing stays attached to the model between calls.
 
     Args:
-        model: the model to call (DDP / DataParallel / ``torch.compile`` wrappers are looked
-            through for paths).
+        model: the model to call. Wrappers (DDP, DataParallel, ``torch.compile``) are
+            looked through and the inner model is called eagerly: compile the returned
+            function instead, ``torch.compile(fh.capture(model, specs))``.
         specs: a Spec or an iterable of forward-event Specs (observers and editors).
 
     Returns:
@@ -177,18 +202,44 @@ def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tup
     """
     recorder = _prepare(model, specs, "capture")
 
+    # a model compiled before this function existed never runs the dispatcher hook: run
+    # the eager model (compile the capture function itself for speed)
+    target = recorder.inner
+
     def captured(*args: Any, **kwargs: Any) -> tuple[Any, Record]:
-        return recorder(recorder.model, args, kwargs)
+        return recorder(target, args, kwargs)
 
     captured._recorder = recorder  # type: ignore[attr-defined]  # keeps the hooks alive with f
     return captured
 
 
-def _param_names(model: nn.Module) -> tuple[frozenset[str], frozenset[str]]:
-    required = frozenset(n for n, _ in model.named_parameters())
-    allowed = required | {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    allowed |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    return required, frozenset(allowed)
+def _slots(model: nn.Module) -> tuple[frozenset[str], dict[str, str], dict[str, list[str]]]:
+    """Parameter names, each known name -> its slot's first name, and tied names per slot.
+
+    A module used at two paths is one slot (``torch.func.functional_call`` would swap it
+    twice and leave a transformed tensor behind); one tensor held by two modules is two
+    slots that must receive the same value.
+    """
+    canonical: dict[str, str] = {}
+    first_of_slot: dict[tuple[int, str], str] = {}
+    first_of_tensor: dict[int, str] = {}
+    tied: dict[str, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None:
+                continue
+            full, slot = prefix + attr, (id(module), attr)
+            if slot in first_of_slot:
+                canonical[full] = first_of_slot[slot]
+                continue
+            first_of_slot[slot] = canonical[full] = full
+            owner = first_of_tensor.setdefault(id(tensor), full)
+            if owner != full:
+                canonical[full] = owner
+                tied.setdefault(owner, []).append(full)
+    required = frozenset(canonical[n] for n, _ in model.named_parameters())
+    return required, canonical, tied
 
 
 def _merge_params(params: Any, caller: str) -> dict[str, torch.Tensor]:
@@ -238,26 +289,29 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
         tensor([[0., 0.]])
     """
     recorder = _prepare(model, specs, "functional")
-    names = [(_run._GENERATION[0], _param_names(recorder.inner))]
+    names = [(_run._GENERATION[0], _slots(recorder.inner))]
 
     def call(params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
-        return torch.func.functional_call(recorder.inner, params, args, kwargs, tie_weights=True, strict=False)
+        return torch.func.functional_call(recorder.inner, params, args, kwargs, tie_weights=False, strict=False)
 
     def functionally(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Record]:
         merged = _merge_params(params, "functional")
+        if names[0][0] != _run._GENERATION[0]:
+            names[0] = (_run._GENERATION[0], _slots(recorder.inner))
+        required, canonical, tied = names[0][1]
+        slotted = {canonical.get(k, k): v for k, v in merged.items()}
+        for owner, others in tied.items():
+            if owner in slotted:
+                slotted.update(dict.fromkeys(others, slotted[owner]))
         if not _torch.is_compiling():
-            if names[0][0] != _run._GENERATION[0]:
-                names[0] = (_run._GENERATION[0], _param_names(recorder.inner))
-            required, allowed = names[0][1]
-            given = set(merged)
-            missing, unexpected = sorted(required - given), sorted(given - allowed)
+            missing, unexpected = sorted(required - set(slotted)), sorted(set(merged) - set(canonical))
             if missing or unexpected:
                 raise SpecError(
                     f"functional: `params` names every parameter of {type(recorder.inner).__name__} "
                     f"(buffers optional) and nothing else, got missing {missing} and unexpected "
                     f"{unexpected}. Build it from `dict(model.named_parameters())`."
                 )
-        return recorder(call, (merged, args, kwargs), {})
+        return recorder(call, (slotted, args, kwargs), {})
 
     functionally._recorder = recorder  # type: ignore[attr-defined]
     return functionally

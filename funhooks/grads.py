@@ -32,6 +32,7 @@ from .spec import edit
 __all__ = ["activation_grads"]
 
 _CALLER = "activation_grads"
+_NO_TIES = {"strict": False, "tie_weights": False}
 
 
 class _Pass:
@@ -77,7 +78,8 @@ class _Prober:
 
 
 def _buffer_copies(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: b.clone() for n, b in model.named_buffers(remove_duplicate=False) if b is not None}
+    # one name per buffer slot: `functional_call` would swap a shared module's slot twice
+    return {n: b.clone() for n, b in model.named_buffers()}
 
 
 def activation_grads(
@@ -126,7 +128,7 @@ def activation_grads(
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 copies = _buffer_copies(inner)
-                recorder(torch.func.functional_call, (inner, copies, args, kwargs), {"strict": False})
+                recorder(torch.func.functional_call, (inner, copies, args, kwargs), _NO_TIES)
         finally:
             prober.passes.pop()
         return found
@@ -153,7 +155,7 @@ def activation_grads(
             # buffers updated in place (batch norm) must be made inside the transform
             buffers = _buffer_copies(inner)
             try:
-                out, _ = recorder(torch.func.functional_call, (inner, buffers, args, kwargs), {"strict": False})
+                out, _ = recorder(torch.func.functional_call, (inner, buffers, args, kwargs), _NO_TIES)
             finally:
                 prober.passes.pop()
             loss = loss_fn(out)
@@ -162,7 +164,7 @@ def activation_grads(
         grads, (loss, outputs, buffers) = torch.func.grad(probed, has_aux=True)(probes)
         if buffers and not _torch.is_functorch_active():
             with torch.no_grad():
-                for name, buffer in inner.named_buffers(remove_duplicate=False):
+                for name, buffer in inner.named_buffers():
                     if buffers[name] is not buffer:
                         buffer.copy_(buffers[name])
         data: dict[str, dict[str, tuple[Any, ...]]] = {}
