@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from . import _torch
-from .errors import ReducerError
+from . import errors as _errors
 
 __all__ = ["is_distributed", "merge_across_ranks"]
 
@@ -111,7 +111,7 @@ def merge_across_ranks(reducer: Any, state: Any, *, group: Any = None) -> Any:
     """
     merge = getattr(reducer, "merge", None)
     if not callable(merge):
-        raise ReducerError(
+        raise _errors.ReducerError(
             f"merge_across_ranks: the reducer needs a `merge(a, b)` method, got {reducer!r} without one. "
             "Give it `merge`, or gather its results yourself with `torch.distributed.all_gather_object`."
         )
