@@ -116,6 +116,13 @@ class Record(_Frozen):
     __slots__ = ("_data",)
 
     def __init__(self, data: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None) -> None:
+        for path, names in (data or {}).items():
+            for name, vs in names.items():
+                if not isinstance(vs, (tuple, list)):
+                    raise TypeError(
+                        f"Record: each name maps to a tuple of per-call values, got {type(vs).__name__} "
+                        f"for {path!r}/{name!r}. Wrap a single call's value as `(value,)`."
+                    )
         frozen = {str(p): {str(n): tuple(vs) for n, vs in names.items()} for p, names in (data or {}).items()}
         object.__setattr__(self, "_data", frozen)
 

@@ -140,6 +140,16 @@ def test_constructor_copies_its_input(device: torch.device) -> None:
     assert list(rec) == ["a"] and len(rec.calls("a", "output")) == 1
 
 
+def test_constructor_needs_a_tuple_of_calls() -> None:
+    """A bare tensor is not silently split into rows as if each were a call."""
+    with pytest.raises(TypeError) as err:
+        fh.Record({"fc": {"output": torch.ones(2, 3)}})
+    assert str(err.value) == (
+        "Record: each name maps to a tuple of per-call values, got Tensor for 'fc'/'output'. "
+        "Wrap a single call's value as `(value,)`."
+    )
+
+
 def test_pytree_sees_every_tensor(device: torch.device) -> None:
     """tree_map over a Record maps its tensors and rebuilds a Record of the same shape."""
     rec = make_record(device)
