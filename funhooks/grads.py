@@ -10,7 +10,8 @@ gradient with respect to the outputs. No backward hook is involved, so ``f`` wor
 Cost: two forward passes and one backward pass per call. The first forward, without
 gradients, finds the outputs' shapes for the probes; it runs on copies of the buffers and
 with the random state restored afterwards, so batch-norm statistics are updated once and
-dropout draws what a plain call would draw. Build ``f`` once and call it many times.
+dropout draws what a plain call would draw. Each pass gets copies of the tensor arguments,
+so ``f`` never changes them in place. Build ``f`` once and call it many times.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class _Prober:
         return self.passes[-1].visit(self.paths[id(module)], output)
 
 
+def _copies(tree: Any) -> Any:
+    """Tensor arguments copied, so an in-place first layer changes neither the caller's
+    tensors nor the second pass's inputs (and ``torch.func.grad`` allows it)."""
+    return _torch.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
 def _buffer_copies(model: nn.Module) -> dict[str, torch.Tensor]:
     # one name per buffer slot: `functional_call` would swap a shared module's slot twice
     return {n: b.clone() for n, b in model.named_buffers()}
@@ -128,7 +135,7 @@ def activation_grads(
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 copies = _buffer_copies(inner)
-                recorder(torch.func.functional_call, (inner, copies, args, kwargs), _NO_TIES)
+                recorder(torch.func.functional_call, (inner, copies, *_copies((args, kwargs))), _NO_TIES)
         finally:
             prober.passes.pop()
         return found
@@ -155,7 +162,7 @@ def activation_grads(
             # buffers updated in place (batch norm) must be made inside the transform
             buffers = _buffer_copies(inner)
             try:
-                out, _ = recorder(torch.func.functional_call, (inner, buffers, args, kwargs), _NO_TIES)
+                out, _ = recorder(torch.func.functional_call, (inner, buffers, *_copies((args, kwargs))), _NO_TIES)
             finally:
                 prober.passes.pop()
             loss = loss_fn(out)

@@ -121,7 +121,8 @@ def test_jacrev_and_jvp_compose(device: torch.device) -> None:
     x = torch.randn(3, device=device)
     jac, rec = torch.func.jacrev(f, has_aux=True)(x)
     assert torch.allclose(jac, torch.func.jacrev(lambda v: model(v))(x)) and torch.equal(rec["0"]["output"], model[0](x).detach())
-    (out, rec), (dout, drec) = torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    g = fh.capture(model, fh.outputs("0", detach=False))  # detach=True would cut the tangent
+    (out, rec), (dout, drec) = torch.func.jvp(g, (x,), (torch.ones_like(x),))
     assert torch.allclose(drec["0"]["output"], model[0].weight.sum(1).detach(), atol=1e-6)
     assert torch.allclose(out, model(x))
 
