@@ -30,8 +30,10 @@ def mlps(draw: st.DrawFn) -> tuple[nn.Module, torch.Tensor]:
             width = new
         elif kind == "tanh":
             layers.append(nn.Tanh())
+        elif kind == "relu_" and layers and isinstance(layers[-1], nn.Linear):
+            layers.append(nn.ReLU(inplace=True))  # autograd allows it after a linear layer only
         elif kind == "relu_":
-            layers.append(nn.ReLU(inplace=True))
+            layers.append(nn.ReLU())
         elif kind == "norm":
             layers.append(nn.LayerNorm(width))
         elif width == FEATURES:
