@@ -591,6 +591,19 @@ def test_not_a_model_raises() -> None:
     assert str(err.value) == "with_hooks: `model` is an nn.Module, got function. Pass the model to hook."
 
 
+def test_torchscript_module_raises_transform_error() -> None:
+    """Hooks never fire on a scripted module: refused with the fix, before registration."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is deprecated in torch
+        scripted = torch.jit.script(make_model())
+    with pytest.raises(fh.TransformError) as err:
+        fh.with_hooks(scripted, fh.outputs("0"))
+    assert str(err.value) == (
+        "with_hooks: hooks on a TorchScript module never fire, got RecursiveScriptModule. "
+        "Hook the eager model before scripting it."
+    )
+
+
 def test_selector_errors_leave_the_model_untouched() -> None:
     """A spec list with one bad selector registers none of the good ones."""
     model = make_model()

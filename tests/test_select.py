@@ -171,6 +171,7 @@ def test_and_or_not_combinators() -> None:
     assert paths(linear & "blocks.1.**", model) == ["blocks.1.attn", "blocks.1.mlp.0"]
     assert paths("head" | fh.select(nn.ReLU), model) == ["blocks.0.mlp.1", "blocks.1.mlp.1", "head"]
     assert paths(nn.ReLU & fh.select("blocks.0.**"), model) == ["blocks.0.mlp.1"]
+    assert paths(nn.ReLU | fh.select("head"), model) == ["blocks.0.mlp.1", "blocks.1.mlp.1", "head"]
     assert paths(~fh.select("**"), model) == [""]
 
 
