@@ -774,3 +774,35 @@ def test_record_of_a_run_round_trips_through_save_load(model_x: tuple[nn.Sequent
         rec.save(Path(d) / "r.pt")
         back = fh.Record.load(Path(d) / "r.pt")
     assert back.equal(rec) and list(back) == list(rec)
+
+
+# -- the same invariants on the public kit's richer models (conv, norms, forks, kwargs) -------
+
+KIT_OBSERVERS = (fh.outputs("**", clone=True), fh.inputs("**", clone=True), fh.grads("**"))
+
+
+@FIXTURE_OK
+@given(st.data())
+def test_observers_are_transparent_on_kit_models(device: torch.device, data: st.DataObject) -> None:
+    """funhooks.testing's random models: outputs and gradients bit-identical under observers."""
+    model, x = data.draw(fh.testing.models_and_inputs(device=device))
+    plain = forward_backward(model, x)
+    with fh.with_hooks(model, KIT_OBSERVERS) as run:
+        hooked = forward_backward(model, x)
+    assert torch.equal(plain[0], hooked[0]) and torch.equal(plain[1], hooked[1])
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], hooked[2]))
+    assert len(run.record) >= 1
+    assert_clean(model)
+
+
+@given(fh.testing.models_and_inputs())
+def test_call_counts_equal_an_independent_count_on_kit_models(model_x: tuple[nn.Module, torch.Tensor]) -> None:
+    """Shared modules, loops and kwargs calls: every call is in the Record, none extra."""
+    model, x = model_x
+    counts: Counter[str] = Counter()
+    handles = [m.register_forward_hook(lambda m, a, o, p=p: counts.update([p])) for p, m in model.named_modules()]
+    with fh.with_hooks(model, fh.outputs(["", "**"], clone=True)) as run:
+        model(x)
+    for h in handles:
+        h.remove()
+    assert {p: len(run.record.calls(p, "output")) for p in run.record} == dict(counts)
