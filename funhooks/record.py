@@ -22,6 +22,8 @@ from .errors import FrozenError, RecordError
 
 __all__ = ["Record", "RecordNode"]
 
+_SAVEABLE = (torch.Tensor, int, float, complex, str, bool, type(None), torch.dtype, torch.device, torch.Size)
+"""Leaves that ``torch.load(weights_only=True)`` reads back without running code."""
 _FORMAT = "funhooks.Record"
 _FORMAT_VERSION = 1
 
@@ -214,7 +216,7 @@ class Record(_Frozen):
         """
         data = {p: {n: list(vs) for n, vs in names.items()} for p, names in self._data.items()}
         for leaf in _torch.tree_leaves(data):
-            if not isinstance(leaf, (torch.Tensor, int, float, str, bool, type(None))):
+            if not isinstance(leaf, _SAVEABLE):
                 raise TypeError(
                     f"Record.save: stored values are tensors, numbers, str, bool or None in lists, "
                     f"tuples and dicts, got {type(leaf).__name__}. Store plain data, or "

@@ -189,6 +189,13 @@ def test_save_load_round_trip_with_weights_only(device: torch.device, tmp_path: 
     torch.load(tmp_path / "rec.pt", weights_only=True)  # no code to execute in the file
 
 
+def test_save_load_keeps_shapes_dtypes_and_devices(tmp_path: Path) -> None:
+    """Values observers often return (shapes, dtypes, devices) save and load as they were."""
+    rec = fh.Record({"a": {"meta": ((torch.Size([2, 3]), torch.float16, torch.device("cpu"), 1 + 2j),)}})
+    rec.save(tmp_path / "rec.pt")
+    assert fh.Record.load(tmp_path / "rec.pt")["a"]["meta"] == (torch.Size([2, 3]), torch.float16, torch.device("cpu"), 1 + 2j)
+
+
 def test_save_refuses_values_that_need_code(tmp_path: Path) -> None:
     """A stored object that is not plain data is refused at save time, with the fix."""
     rec = fh.Record({"a": {"obj": (nn.ReLU(),)}})
