@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a small CNN on the 8x8 digits that ship with scikit-learn, fold "
                        "ActivationStats over the steps and write the plots as PNG files.")
     d.add_argument("--out", default="funhooks-demo", help="directory for the PNG files (default: %(default)s)")
-    d.add_argument("--epochs", type=_positive, default=None, help="epochs to train (default: 4; 1 with --fast)")
+    d.add_argument("--epochs", type=_positive, default=None, help="epochs to train (default: 8; 1 with --fast)")
     d.add_argument("--fast", action="store_true", help="one epoch on a small subset (also FUNHOOKS_FAST=1)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(run=_demo)

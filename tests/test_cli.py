@@ -44,6 +44,7 @@ CASES = {  # run in subprocesses: what a user sees, exit status and stderr inclu
     "unknown_attribute": ["summary", "fh_cli_models:cnnn", "--input-size", "1"],
     "factory_raises": ["summary", "fh_cli_models:broken", "--input-size", "1"],
     "rejected_size": ["summary", "fh_cli_models:cnn", "--input-size", "1", "5", "4", "4"],
+    "demo": ["demo", "--out", "demo-out", "--fast"],
 }
 SCRIPT_CASES = {"unknown_attribute"}  # run with the installed console script, not `python -m`
 
@@ -54,9 +55,15 @@ def write_models(directory: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+def cli_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The working directory of the subprocess cases."""
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def results(cli_dir: Path) -> dict[str, subprocess.CompletedProcess[str]]:
     """Every case of CASES run with ``python -m funhooks`` (or the script) beside fh_cli_models.py."""
-    cwd = tmp_path_factory.mktemp("cli")
+    cwd = cli_dir
     write_models(cwd)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = Path(sys.executable).parent / "funhooks"
@@ -118,6 +125,22 @@ def test_input_size_the_model_rejects(results: dict[str, subprocess.CompletedPro
     line = one_line_error(results["rejected_size"], 1)
     assert line.startswith("funhooks summary: Sequential rejected an input of size (1, 5, 4, 4): RuntimeError: ")
     assert "3 channels" in line and line.endswith("Pass the size the model expects with `--input-size`.")
+
+
+def test_demo_fast_mode_writes_the_plots(results: dict[str, subprocess.CompletedProcess[str]], cli_dir: Path) -> None:
+    """`funhooks demo --fast` trains, prints the summary and the stats, and writes three readable PNGs."""
+    result = results["demo"]
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    out = result.stdout
+    assert "Total params: 23,946" in out and "1 epoch(s) of 4 steps" in out
+    assert "Validation accuracy:" in out and "near zero" in out
+    folder = (cli_dir / "demo-out").resolve()
+    assert f"Plots written to {folder}:" in out
+    for name in ("layer_stats.png", "color_dim.png", "loss.png"):
+        data = (folder / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name
+        assert name in out
 
 
 # -- in process: main() itself, for the paths argparse or the import machinery decide ------------------

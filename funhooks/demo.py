@@ -1,0 +1,301 @@
+"""``funhooks demo``: train a small CNN on real data and look inside it, in one command.
+
+The data are scikit-learn's handwritten digits (1,797 images of 8x8 pixels, shipped inside
+the package: nothing is downloaded). The flow is the library's own: print the
+:func:`~funhooks.module_summary`, then :func:`~funhooks.fit` folds
+:class:`~funhooks.ActivationStats` (with histograms) and a loss reducer over the training
+steps, and the results become three PNG files.
+
+Cost: a few seconds of training on one CPU core for the default 8 epochs; scikit-learn and
+matplotlib (the ``demo`` extra) are imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from .errors import ExtraError
+from .fold import fit
+from .loop import Step
+from .spec import Spec
+from .stats import ActivationStats, ActivationStatsResult
+from .summary import module_summary
+
+__all__ = ["DemoResult", "LossCurve", "digits", "digits_cnn", "run"]
+
+SEED = 0
+EPOCHS = 8
+FAST_EPOCHS = 1
+FAST_TRAIN_SIZE = 256  # training images in fast mode (the tests' mode)
+VALID_SIZE = 297  # the last images are held out: 1,500 train, 297 validation
+BATCH_SIZE = 64
+LR = 0.1
+MOMENTUM = 0.9
+PIXEL_MAX = 16.0  # digits' pixels are integers 0..16
+SMOOTHING = 0.9  # exponential moving average of the loss curve
+FILES = {
+    "layer_stats": "layer_stats.png",
+    "color_dim": "color_dim.png",
+    "loss": "loss.png",
+}
+WHAT = {
+    "layer_stats": "mean, std and share of near-zero values of each layer's output at every step; "
+    "std should not collapse to 0",
+    "color_dim": "fastai's 'colorful dimension': the histogram of each layer's output over training "
+    "(x: step, y: value 0-10, bright: many values); a bright floor means dead activations",
+    "loss": "training loss at every step (thin) and its moving average (thick); dotted lines mark epochs",
+}
+
+
+@attrs.frozen
+class LossCurve:
+    """A reducer keeping the training loss of every step (read once, at the end).
+
+    It needs no hooks (``specs == ()``); the losses stay on the device until ``result``.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> from funhooks.demo import LossCurve
+        >>> model = nn.Linear(2, 1)
+        >>> batches = [(torch.ones(4, 2), torch.zeros(4, 1))] * 3
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> len(fh.fit(model, batches, nn.functional.mse_loss, opt, LossCurve()))
+        3
+    """
+
+    specs: tuple[Spec, ...] = ()
+
+    def init(self) -> tuple[Any, ...]:
+        """The empty state: a cons list of losses."""
+        return ()
+
+    def step(self, state: tuple[Any, ...], step: Step) -> tuple[Any, ...]:
+        """Prepend the loss of a training step."""
+        return (state, step.loss) if step.training else state
+
+    def result(self, state: tuple[Any, ...]) -> list[float]:
+        """The losses in step order, as floats (one copy to the host)."""
+        losses = []
+        while state:
+            state, loss = state
+            losses.append(loss)
+        return torch.stack(losses[::-1]).tolist() if losses else []
+
+
+@attrs.frozen
+class DemoResult:
+    """What :func:`run` produced: the PNG files, the losses, the statistics and the accuracy."""
+
+    files: dict[str, Path]
+    losses: list[float]
+    stats: ActivationStatsResult
+    accuracy: float
+    summary: Any
+
+
+def digits(*, train_size: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """scikit-learn's 8x8 digits as ``((x_train, y_train), (x_valid, y_valid))``, normalised.
+
+    Args:
+        train_size: keep only the first this many training images (None: all 1,500).
+
+    Returns:
+        Images ``(n, 1, 8, 8)`` float32 with the training set's mean 0 and std 1; labels int64.
+
+    Raises:
+        ExtraError: without scikit-learn (install ``funhooks[demo]``).
+    """
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ExtraError(
+            "digits: the demo data ship with scikit-learn, got it not installed. "
+            "Install the extra: pip install 'funhooks[demo]'."
+        ) from None
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / PIXEL_MAX
+    y = torch.tensor(data.target, dtype=torch.int64)
+    x_train, y_train, x_valid, y_valid = x[:-VALID_SIZE], y[:-VALID_SIZE], x[-VALID_SIZE:], y[-VALID_SIZE:]
+    if train_size is not None:
+        x_train, y_train = x_train[:train_size], y_train[:train_size]
+    mean, std = x_train.mean(), x_train.std()
+    return ((x_train - mean) / std, y_train), ((x_valid - mean) / std, y_valid)
+
+
+def digits_cnn() -> nn.Sequential:
+    """The demo's CNN: three conv + ReLU blocks (8x8 -> 4x4 -> 2x2), pooling and a linear head.
+
+    Example:
+        >>> import funhooks as fh
+        >>> from funhooks.demo import digits_cnn
+        >>> fh.model_sizes(digits_cnn(), size=(8, 8))[-1]
+        (1, 10)
+    """
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+    )
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+
+def _figure(figsize: tuple[float, float]) -> Any:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ExtraError(
+            "demo: the plots need matplotlib, got it not installed. Install the extra: pip install 'funhooks[demo]'."
+        ) from None
+    fig = Figure(figsize=figsize, dpi=100)
+    FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global state
+    return fig
+
+
+def _label(stats: ActivationStatsResult, i: int, model: nn.Module) -> str:
+    path = stats.paths[i]
+    return f"{path} ({type(model.get_submodule(path)).__name__})"
+
+
+def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: int) -> Any:
+    """One row per layer, columns mean / std / % near zero over the steps."""
+    n = len(stats.paths)
+    fig = _figure((12, 2.2 * n + 0.6))
+    axes = fig.subplots(n, 3, squeeze=False, sharex=True)
+    for i in range(n):
+        for j, (values, title) in enumerate(zip(stats.layer_stats(i), ("mean", "std", "% near zero"))):
+            ax = axes[i][j]
+            ax.plot(stats.iterations, [100 * v for v in values] if j == 2 else values, color=f"C{i}")
+            if i == 0:
+                ax.set_title(title)
+            if j == 0:
+                ax.set_ylabel(_label(stats, i, model), fontsize=9)
+            if i == n - 1:
+                ax.set_xlabel("step")
+            _epochs(ax, stats.iterations[-1] + 1, epoch_len)
+    fig.suptitle("Activation statistics per layer")
+    fig.tight_layout()
+    return fig
+
+
+def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Any:
+    """fastai's colorful dimension of every layer, one panel each."""
+    n = len(stats.paths)
+    fig = _figure((10, 2.0 * n + 0.6))
+    axes = fig.subplots(n, 1, squeeze=False)
+    for i in range(n):
+        ax = stats.color_dim(i, ax=axes[i][0])
+        ax.set_title(_label(stats, i, model), fontsize=10)
+    fig.suptitle("Histograms of activations over training (x: step, y: value 0-10, log scale)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss(losses: list[float], epoch_len: int) -> Any:
+    """The loss at every step, its moving average and the epoch boundaries."""
+    fig = _figure((8, 4))
+    ax = fig.subplots()
+    smooth, avg = [], losses[0] if losses else 0.0
+    for loss in losses:
+        avg = SMOOTHING * avg + (1 - SMOOTHING) * loss
+        smooth.append(avg)
+    ax.plot(losses, color="C0", alpha=0.35, linewidth=1, label="loss per step")
+    ax.plot(smooth, color="C0", linewidth=2.5, label="moving average")
+    _epochs(ax, len(losses), epoch_len)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title("Training loss")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _epochs(ax: Any, steps: int, epoch_len: int) -> None:
+    for boundary in range(epoch_len, steps, epoch_len):
+        ax.axvline(boundary, color="grey", linestyle=":", linewidth=1)
+
+
+# -- the flow ------------------------------------------------------------------------------------------
+
+
+def run(
+    *,
+    out: str | os.PathLike = "funhooks-demo",
+    epochs: int | None = None,
+    fast: bool = False,
+    progress: bool | None = None,
+    echo: Callable[[str], None] = print,
+) -> DemoResult:
+    """Train :func:`digits_cnn` on the digits, fold statistics, write the plots into `out`.
+
+    Seeds torch's global generator with :data:`SEED`, so every run trains the same model.
+
+    Args:
+        out: the directory for the PNG files (created if missing).
+        epochs: epochs to train (None: 8, or 1 with `fast`).
+        fast: one epoch on the first 256 training images (for tests and CI).
+        progress: the progress bar (None: in a terminal and not in CI).
+        echo: where the report lines go.
+
+    Returns:
+        A :class:`DemoResult`.
+
+    Raises:
+        ExtraError: without scikit-learn or matplotlib (install ``funhooks[demo]``).
+    """
+    torch.manual_seed(SEED)
+    epochs = epochs or (FAST_EPOCHS if fast else EPOCHS)
+    (x_train, y_train), (x_valid, y_valid) = digits(train_size=FAST_TRAIN_SIZE if fast else None)
+    batches = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x_train, y_train), batch_size=BATCH_SIZE, shuffle=True,
+        drop_last=True,  # equal batches: a short last batch would streak the histograms
+        generator=torch.Generator().manual_seed(SEED),
+    )
+    model = digits_cnn()
+    summary = module_summary(model, x_train[:BATCH_SIZE])
+    echo(f"Training a small CNN on scikit-learn's digits: {len(x_train)} images of 8x8 for training, "
+         f"{len(x_valid)} for validation, {epochs} epoch(s) of {len(batches)} steps.\n")
+    echo(str(summary) + "\n")
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    results = fit(model, batches, nn.functional.cross_entropy, opt,
+                  {"stats": ActivationStats(with_hist=True), "loss": LossCurve()}, epochs=epochs, progress=progress)
+    stats, losses = results["stats"], results["loss"]
+    with torch.no_grad():
+        accuracy = (model(x_valid).argmax(dim=1) == y_valid).float().mean().item()
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    figures = {
+        "layer_stats": plot_layer_stats(stats, model, len(batches)),
+        "color_dim": plot_color_dim(stats, model),
+        "loss": plot_loss(losses, len(batches)),
+    }
+    files = {}
+    for name, fig in figures.items():
+        files[name] = (folder / FILES[name]).resolve()
+        fig.savefig(files[name])
+
+    last = stats.stats[-1]
+    echo(f"\nLoss: {losses[0]:.3f} at the first step, {losses[-1]:.3f} at the last. "
+         f"Validation accuracy: {100 * accuracy:.1f}%.")
+    echo("Last step, per layer (fh.ActivationStats):")
+    for i, path in enumerate(stats.paths):
+        s = last[i]
+        echo(f"  {_label(stats, i, model):<18} mean {s['mean']:+.3f}  std {s['std']:.3f}  "
+             f"near zero {100 * s['near_zero']:.0f}%")
+    echo(f"\nPlots written to {folder.resolve()}:")
+    for name, path in files.items():
+        echo(f"  {path.name:<16} {WHAT[name]}")
+    return DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary)
