@@ -32,6 +32,11 @@ from .distributed import merge_across_ranks
 from .grads import activation_grads
 from .functional import capture, functional
 from .grads import activation_grads
+from . import plot, progress
+from .errors import ExtraError, LoopError, ReducerError
+from .fold import Reducer, fit, fold, fold_all, running
+from .loop import Step, evaluate, train
+from .stats import ActivationStats, ActivationStatsResult, HookCallback
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .select import Selector, select
@@ -55,6 +60,23 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
     __version__ = "0.0.0"
 
 __all__ = [
+    # training loop and reducers
+    "ActivationStats",
+    "ActivationStatsResult",
+    "ExtraError",
+    "HookCallback",
+    "LoopError",
+    "Reducer",
+    "ReducerError",
+    "Step",
+    "evaluate",
+    "fit",
+    "fold",
+    "fold_all",
+    "plot",
+    "progress",
+    "running",
+    "train",
     "EVENTS",
     "FrozenError",
     "Hook",

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 __all__ = [
     "FrozenError",
+    "ExtraError",
     "HookError",
+    "LoopError",
     "RecordError",
+    "ReducerError",
     "SelectorError",
     "SpecError",
     "StaleTensorError",
@@ -52,3 +55,21 @@ class TransformError(RuntimeError):
 
 class FrozenError(AttributeError):
     """Raised on any attempt to assign to a frozen funhooks value (Record, Run, Step)."""
+
+
+class LoopError(ValueError):
+    """Raised by ``train`` / ``evaluate`` / ``fit`` for input the loop cannot use: a batch
+    that is not an ``(x, y)`` pair where the loss needs one, an iterator of batches with
+    ``epochs > 1``, a bad ``epochs`` or an optimizer without ``step`` / ``zero_grad``."""
+
+
+class ReducerError(ValueError):
+    """Raised when a value used as a reducer lacks the protocol (``specs``, ``init``,
+    ``step``, ``result``), a reducer is built with a bad argument (``every <= 0``), a step
+    stream lacks the records a reducer needs, or a result is read for something it does not
+    hold (a module index out of range, histograms folded without ``with_hist``)."""
+
+
+class ExtraError(ImportError):
+    """Raised when a feature needs an optional dependency that is not installed; the
+    message names the ``funhooks[...]`` extra to install."""

@@ -1,0 +1,349 @@
+"""Training and evaluation as generators of frozen :class:`Step` values.
+
+``train`` is the hand-written PyTorch loop (``zero_grad``, forward, loss, ``backward``,
+``step``) turned inside out: each batch yields a ``Step`` holding its epoch, iteration,
+detached loss and the Record the specs stored. Anything that watches training, such as
+activation statistics, is a fold over those values (see :mod:`funhooks.fold`) instead of a
+callback mutating a trainer.
+
+The specs run in one ``with_hooks`` block around the whole generator: hooks are installed
+when the first step is asked for and removed when the generator is exhausted, raises, or
+is closed. Between steps, while the consumer's code runs, the block is paused, so a model
+call made there stores nothing in the next step's Record.
+
+Cost: per step, the loop itself adds a Step object and a ``run.take()`` over a bare loop;
+it never calls ``.item()``, so nothing syncs a GPU. Steps whose record nobody reads (see
+``records`` in :func:`funhooks.fit`) run with the hooks paused and carry an empty Record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from . import progress as _progress
+from .errors import FrozenError, LoopError
+from .record import Record
+from .run import Run
+from .spec import Spec
+
+__all__ = ["Step", "evaluate", "train"]
+
+EMPTY_RECORD = Record()
+"""The Record of a step that ran with the hooks paused (or without specs)."""
+
+
+@attrs.frozen(eq=False)
+class Step:
+    """One batch of a training or evaluation run, as a frozen value.
+
+    Attributes:
+        epoch: the epoch, from 0 (always 0 for :func:`evaluate`).
+        iteration: the global train-batch index from 0, counted across epochs (for
+            :func:`evaluate`, the batch index within the evaluation).
+        loss: the batch's loss, a detached 0-d tensor on the model's device (``None`` for an
+            evaluation without a loss function). Call ``float(step.loss)`` to read it: that
+            syncs a GPU, so do it only where you need the number.
+        record: what the specs stored during this batch (forward and backward).
+        training: True for :func:`train` steps, False for :func:`evaluate` steps.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> step = fh.Step(epoch=0, iteration=3, loss=torch.tensor(0.5), record=fh.Record(), training=True)
+        >>> step.iteration, float(step.loss)
+        (3, 0.5)
+        >>> step.iteration = 4
+        Traceback (most recent call last):
+        ...
+        funhooks.errors.FrozenError: Step: a step cannot be assigned to, got `.iteration = ...`. Build a new one with `attrs.evolve(step, iteration=...)`.
+    """
+
+    epoch: int
+    iteration: int
+    loss: torch.Tensor | None
+    record: Record
+    training: bool
+
+
+def _frozen_setattr(self: Step, key: str, value: Any) -> None:
+    raise FrozenError(
+        f"Step: a step cannot be assigned to, got `.{key} = ...`. Build a new one with `attrs.evolve(step, {key}=...)`."
+    )
+
+
+def _frozen_delattr(self: Step, key: str) -> None:
+    raise FrozenError(f"Step: a step cannot be changed, got `del .{key}`. Build a new one with `attrs.evolve`.")
+
+
+Step.__setattr__ = _frozen_setattr  # type: ignore[method-assign,assignment]
+Step.__delattr__ = _frozen_delattr  # type: ignore[method-assign,assignment]
+
+Records = Callable[[int, bool], bool]
+"""``records(iteration, training) -> bool``: whether a step's record is read by anyone."""
+
+
+# -- checks ---------------------------------------------------------------------------------
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"a Tensor of shape {tuple(batch.shape)}"
+    if isinstance(batch, (tuple, list)):
+        return f"a {type(batch).__name__} of {len(batch)} items"
+    if isinstance(batch, dict):
+        return f"a dict with keys {list(batch)}"
+    return f"a {type(batch).__name__}"
+
+
+def _pair(batch: Any, index: int, caller: str) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise LoopError(
+        f"{caller}: each batch is an `(x, y)` pair for `loss_fn(model(x), y)`, got {_describe(batch)} at batch "
+        f"{index}. Yield `(x, y)` tuples, e.g. from a DataLoader over a TensorDataset."
+    )
+
+
+def _check_loop(model: Any, batches: Any, epochs: Any, caller: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise LoopError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model to run.")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise LoopError(f"{caller}: `epochs` is a positive int, got {epochs!r}. Pass epochs=1 or more.")
+    if not isinstance(batches, Iterable):
+        raise LoopError(
+            f"{caller}: `batches` is an iterable of batches, got {type(batches).__name__}. "
+            "Pass a DataLoader or a list of `(x, y)` pairs."
+        )
+    if epochs > 1 and isinstance(batches, Iterator):
+        raise LoopError(
+            f"{caller}: `batches` is iterated once per epoch, got a one-shot {type(batches).__name__} with "
+            f"epochs={epochs}. Pass a re-iterable such as a list or a DataLoader."
+        )
+
+
+def _check_opt(opt: Any, caller: str) -> None:
+    if not (callable(getattr(opt, "step", None)) and callable(getattr(opt, "zero_grad", None))):
+        raise LoopError(
+            f"{caller}: `opt` is an optimizer with `step()` and `zero_grad()`, got {type(opt).__name__}. "
+            "Pass e.g. `torch.optim.SGD(model.parameters(), lr=0.1)`."
+        )
+
+
+def _total(batches: Any, epochs: int) -> int | None:
+    try:
+        return len(batches) * epochs
+    except TypeError:
+        return None
+
+
+# -- train / eval modes: nn.Module.__setattr__ is slow, so flags are only written when they change
+
+
+def _modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    return [(m, m.training) for m in model.modules()]
+
+
+def _set_mode(model: nn.Module, training: bool) -> None:
+    if any(m.training != training for m in model.modules()):
+        model.train(training)
+
+
+def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, training in modes:
+        if module.training != training:
+            module.training = training
+
+
+# -- the generators ---------------------------------------------------------------------
+
+
+def train_steps(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    *,
+    specs: Spec | Iterable[Spec] = (),
+    epochs: int = 1,
+    records: Records | None = None,
+    caller: str = "train",
+) -> Generator[Step, None, None]:
+    """:func:`train` without the progress bar, with `records` saying which steps store.
+
+    Arguments are checked (and specs resolved against the model) now; hooks are installed
+    when the first step is asked for.
+    """
+    _check_loop(model, batches, epochs, caller)
+    _check_opt(opt, caller)
+    run = Run(model, specs, caller=caller)
+    return _train(model, batches, loss_fn, opt, run if run.specs else None, epochs, records, caller)
+
+
+def _train(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    opt: Any,
+    run: Run | None,
+    epochs: int,
+    records: Records | None,
+    caller: str,
+) -> Generator[Step, None, None]:
+    modes = _modes(model)
+    iteration = 0
+    with run if run is not None else contextlib.nullcontext():
+        try:
+            for epoch in range(epochs):
+                _set_mode(model, True)
+                for index, batch in enumerate(batches):
+                    x, y = _pair(batch, index, caller)
+                    if run is None:
+                        yield Step(epoch, iteration, _step(model, x, y, loss_fn, opt), EMPTY_RECORD, True)
+                    else:
+                        if records is None or records(iteration, True):
+                            loss = _step(model, x, y, loss_fn, opt)
+                            record = run.take()
+                        else:
+                            with run.paused():
+                                loss = _step(model, x, y, loss_fn, opt)
+                            record = EMPTY_RECORD
+                        with run.paused():
+                            yield Step(epoch, iteration, loss, record, True)
+                    iteration += 1
+        finally:
+            _restore_modes(modes)
+
+
+def _step(model: nn.Module, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opt: Any) -> torch.Tensor:
+    opt.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def train(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    *,
+    specs: Spec | Iterable[Spec] = (),
+    epochs: int = 1,
+    progress: bool | None = None,
+) -> Iterator[Step]:
+    """Train `model`, yielding one frozen :class:`Step` per batch.
+
+    Each batch ``(x, y)`` runs ``opt.zero_grad()``, ``loss = loss_fn(model(x), y)``,
+    ``loss.backward()``, ``opt.step()``. The specs are installed for the whole generator and
+    removed when it is exhausted, raises, or is closed; each step's Record holds what they
+    stored during that batch (forward and backward). The model is left in the train/eval
+    mode it was in.
+
+    Args:
+        model: the model to train.
+        batches: an iterable of ``(x, y)`` pairs, iterated once per epoch (a list or a
+            DataLoader; a one-shot iterator only with ``epochs=1``).
+        loss_fn: ``loss_fn(model(x), y)`` returns a scalar tensor.
+        opt: the optimizer.
+        specs: a Spec or an iterable of Specs to run on every step.
+        epochs: how many times to go over `batches`.
+        progress: show a progress bar (tqdm); None: in a terminal and not in CI.
+
+    Returns:
+        A generator of Steps with ``training=True``; nothing runs until it is iterated.
+
+    Raises:
+        LoopError: for a bad model, optimizer, `epochs`, or a batch that is not a pair.
+        SpecError, SelectorError: for bad specs, before anything runs.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> batches = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(3)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> steps = list(fh.train(model, batches, nn.functional.mse_loss, opt, specs=fh.outputs("0"), epochs=2))
+        >>> [(s.epoch, s.iteration) for s in steps]
+        [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]
+        >>> steps[0].record["0"]["output"].shape, steps[0].loss.requires_grad
+        (torch.Size([8, 4]), False)
+        >>> fh.testing.assert_no_hooks(model)
+    """
+    steps = train_steps(model, batches, loss_fn, opt, specs=specs, epochs=epochs)
+    return _progress.wrap(steps, total=_total(batches, epochs), desc="train", progress=progress)
+
+
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    *,
+    specs: Spec | Iterable[Spec] = (),
+    progress: bool | None = None,
+) -> Iterator[Step]:
+    """Run `model` in eval mode without gradients, yielding one frozen :class:`Step` per batch.
+
+    Args:
+        model: the model.
+        batches: an iterable of ``(x, y)`` pairs; without `loss_fn` a batch may also be the
+            input ``x`` alone.
+        loss_fn: ``loss_fn(model(x), y)``; None gives steps with ``loss=None``.
+        specs: a Spec or an iterable of Specs to run on every batch.
+        progress: show a progress bar (tqdm); None: in a terminal and not in CI.
+
+    Returns:
+        A generator of Steps with ``training=False``, ``epoch=0`` and ``iteration`` the batch
+        index. The model's train/eval mode is restored when it finishes.
+
+    Raises:
+        LoopError: for a bad model, or a batch that is not a pair where `loss_fn` needs one.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+        >>> xs = [torch.ones(4, 3), torch.zeros(2, 3)]
+        >>> steps = list(fh.evaluate(model, xs, specs=fh.outputs("1")))
+        >>> [(s.iteration, s.training, s.loss) for s in steps]
+        [(0, False, None), (1, False, None)]
+        >>> steps[1].record["1"]["output"].shape, model.training
+        (torch.Size([2, 2]), True)
+    """
+    _check_loop(model, batches, 1, "evaluate")
+    run = Run(model, specs, caller="evaluate")
+    steps = _evaluate(model, batches, loss_fn, run if run.specs else None)
+    return _progress.wrap(steps, total=_total(batches, 1), desc="evaluate", progress=progress)
+
+
+def _evaluate(
+    model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None, run: Run | None
+) -> Generator[Step, None, None]:
+    modes = _modes(model)
+    with run if run is not None else contextlib.nullcontext():
+        try:
+            _set_mode(model, False)
+            for index, batch in enumerate(batches):
+                if loss_fn is None:
+                    x = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+                    with torch.no_grad():
+                        model(x)
+                    loss = None
+                else:
+                    x, y = _pair(batch, index, "evaluate")
+                    with torch.no_grad():
+                        loss = loss_fn(model(x), y).detach()
+                if run is None:
+                    yield Step(0, index, loss, EMPTY_RECORD, False)
+                else:
+                    record = run.take()
+                    with run.paused():
+                        yield Step(0, index, loss, record, False)
+        finally:
+            _restore_modes(modes)

@@ -1,0 +1,547 @@
+"""HookCallback and ActivationStats: fastai's hook callbacks as pure fold reducers.
+
+Both are frozen values (see :mod:`funhooks.fold` for the protocol): their specs say what
+runs in the forward (or backward) pass, ``step`` adds one recorded train step to an
+immutable state, ``result`` turns the state into fastai's results. ``every=k`` records the
+train iterations with ``iteration % k == 0`` (``ceil(n / k)`` of ``n``); evaluation steps
+are never recorded, and under :func:`funhooks.fit` the other iterations run with the hooks
+paused, so they cost nothing but the loop.
+
+ActivationStats keeps its statistics on the activation's device until a result is read:
+nothing calls ``.item()`` per batch, so a GPU never syncs. Its statistics are fastai's:
+``mean``, ``std`` (unbiased), ``near_zero`` (fraction of values ``<= NEAR_ZERO``) and, with
+``with_hist``, ``histc(HIST_BINS, *HIST_RANGE)``.
+
+Cost: an activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is copied in the hook (one
+copy per module, alive until the end of its step; the copy keeps the numbers right when a
+later in-place op such as ``ReLU(inplace=True)`` changes the output) and all the copies of
+a step are reduced together, a handful of kernels per step instead of three per module.
+Larger activations are reduced in the hook, where the kernels' own work dwarfs their
+launch cost, and no copy is kept. The state holds per step one ``(modules, 3)`` tensor
+(and ``(modules, HIST_BINS)`` with histograms).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+from torch import nn
+
+from .errors import ReducerError
+from .loop import Step
+from .record import Record
+from .select import Selector, Where, select
+from .spec import Spec, observe
+
+__all__ = [
+    "HIST_BINS",
+    "HIST_RANGE",
+    "NEAR_ZERO",
+    "REDUCE_IN_HOOK_NUMEL",
+    "ActivationStats",
+    "ActivationStatsResult",
+    "HookCallback",
+]
+
+NEAR_ZERO = 0.05
+"""fastai's near-zero threshold: an activation value counts as near zero when ``<=`` this."""
+
+HIST_BINS = 40
+"""fastai's histogram: this many bins ..."""
+
+HIST_RANGE = (0.0, 10.0)
+"""... over this range; values outside it are not counted (fastai's ``histc(40, 0, 10)``,
+which ignores every negative activation)."""
+
+REDUCE_IN_HOOK_NUMEL = 1 << 16
+"""Activations with more elements than this are reduced in the hook instead of copied."""
+
+Tensor = torch.Tensor
+
+
+# -- shared parts ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LeafModules:
+    """The default module selector of the hook callbacks: leaf modules with parameters
+    (fastai's choice), or every leaf module with ``include_paramless=True``.
+
+    Example:
+        >>> from torch import nn
+        >>> import funhooks as fh
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 1)))
+        >>> [p for p, _ in fh.select(fh.stats.LeafModules()).resolve(model)]
+        ['0', '2.0']
+    """
+
+    include_paramless: bool = False
+
+    def __call__(self, path: str, module: nn.Module) -> bool:
+        if next(module.children(), None) is not None:
+            return False
+        return self.include_paramless or next(module.parameters(), None) is not None
+
+
+def _where(modules: Where | None, include_paramless: bool) -> Selector:
+    return select(LeafModules(include_paramless) if modules is None else modules)
+
+
+def _to_selector(modules: Where | None) -> Selector | None:
+    return None if modules is None else select(modules)
+
+
+def _check_every(caller: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, every: Any) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
+            raise ReducerError(
+                f"{caller}: `every` is a positive int or None, got {every!r}. "
+                "Pass every=1 (or None) to record every train step, every=k for one in k."
+            )
+
+    return check
+
+
+def _records(every: int | None, iteration: int, training: bool) -> bool:
+    return training and (every is None or iteration % every == 0)
+
+
+def _last_calls(record: Record, name: str, caller: str) -> list[tuple[str, Any]]:
+    """``(path, value of the last call)`` for every module that stored `name`, in module order."""
+    data = record._data  # the Record's own dict (package-internal, read only): no node objects per step
+    out = [(path, names[name][-1]) for path, names in data.items() if name in names]
+    if not out:
+        raise ReducerError(
+            f"{caller}: a recorded train step holds the records of the reducer's specs, got a Step whose record "
+            f"has paths {list(record)} and no {name!r}. Run the steps with `specs=reducer.specs`, or use fh.fit."
+        )
+    return out
+
+
+# States are cons lists: () or (rest, entry); adding a step is O(1) and copies nothing.
+
+
+def _unroll(state: tuple) -> list[Any]:
+    out = []
+    while state:
+        state, entry = state
+        out.append(entry)
+    out.reverse()
+    return out
+
+
+def _roll(entries: Sequence[Any]) -> tuple:
+    state: tuple = ()
+    for entry in entries:
+        state = (state, entry)
+    return state
+
+
+# -- HookCallback -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class HookCallback:
+    """fastai's ``HookCallback`` as a reducer: ``hook(m, i, o)`` per module, per recorded step.
+
+    Args:
+        hook: ``hook(module, input, output)`` (for ``is_forward=False``:
+            ``hook(module, grad_input, grad_output)``); its return value is kept.
+        modules: a selector; None: leaf modules with parameters.
+        every: record train iterations with ``iteration % every == 0``; None: all.
+        is_forward: a forward hook (True) or a backward hook (False).
+        detach: detach the hook's arguments first.
+        cpu: move the hook's arguments to the CPU first (fastai's default).
+        include_paramless: with ``modules=None``, also hook leaves without parameters.
+        name: the record name (default ``hook.__name__``); give two callbacks whose hooks
+            share a name different ones.
+
+    Result: a tuple, one entry per recorded train step, each a list of ``hook`` values in
+    module order (fastai's ``hooks.stored``; a module called twice gives its last call).
+
+    Raises:
+        ReducerError: for ``every <= 0``.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> batches = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(5)]
+        >>> def shape(m, i, o):
+        ...     return tuple(o.shape)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> fh.fit(model, batches, nn.functional.mse_loss, opt, fh.HookCallback(shape, every=2))
+        ([(8, 4), (8, 1)], [(8, 4), (8, 1)], [(8, 4), (8, 1)])
+    """
+
+    hook: Callable[..., Any]
+    modules: Selector | None = attrs.field(default=None, converter=_to_selector)
+    every: int | None = attrs.field(default=None, validator=_check_every("HookCallback"))
+    is_forward: bool = True
+    detach: bool = True
+    cpu: bool = True
+    include_paramless: bool = False
+    name: str | None = attrs.field(default=None, kw_only=True)
+
+    @property
+    def record_name(self) -> str:
+        """The name its values are stored under in each Step's record."""
+        return self.name or getattr(self.hook, "__name__", type(self.hook).__name__)
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """One observer spec on the selected modules."""
+        event = "forward" if self.is_forward else "backward"
+        where = _where(self.modules, self.include_paramless)
+        return (observe(where, self.hook, event=event, name=self.record_name, detach=self.detach, cpu=self.cpu),)
+
+    def records(self, iteration: int, training: bool) -> bool:
+        """True for the train iterations this callback records."""
+        return _records(self.every, iteration, training)
+
+    def init(self) -> tuple:
+        """The empty state."""
+        return ()
+
+    def step(self, state: tuple, step: Step) -> tuple:
+        """Add the step's hook values when the step is recorded."""
+        if not _records(self.every, step.iteration, step.training):
+            return state
+        values = [value for _, value in _last_calls(step.record, self.record_name, "HookCallback")]
+        return (state, (step.iteration, values))
+
+    def merge(self, a: tuple, b: tuple) -> tuple:
+        """The state of two disjoint chunks of steps, in iteration order."""
+        return _roll(sorted(_unroll(a) + _unroll(b), key=lambda entry: entry[0]))
+
+    def result(self, state: tuple) -> tuple[list[Any], ...]:
+        """One list of hook values per recorded step."""
+        return tuple(values for _, values in _unroll(state))
+
+
+# -- ActivationStats --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Snapshot:
+    """The hook of ActivationStats: a copy of a small output, or the reduced large one."""
+
+    near_zero: float
+    with_hist: bool
+    hist_bins: int
+    hist_range: tuple[float, float]
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not isinstance(output, Tensor):
+            raise TypeError(
+                f"ActivationStats: activation statistics need a tensor output, got {type(output).__name__} from "
+                f"{type(module).__name__}. Pass `modules=` selecting modules with tensor outputs."
+            )
+        o = output.detach()
+        n = o.numel()
+        if n <= REDUCE_IN_HOOK_NUMEL:
+            return o.clone()
+        x = o.float()
+        var, mean = torch.var_mean(x, correction=0)
+        row = torch.stack((mean, var * n, (x <= self.near_zero).sum().double()))
+        hist = x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None
+        return (n, row, hist)
+
+
+def _row_moments(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and sum of squared deviations (``M2``) of every row of `x`, two-pass
+    (``var_mean(x, dim=1)`` is many times slower on CPU for short wide rows)."""
+    mean = x.mean(1)
+    return mean, torch.linalg.vector_norm(x - mean.unsqueeze(1), dim=1).square_()
+
+
+def _batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
+    """``torch.histc(row, bins, lo, hi)`` for every row of `x` at once (same bin rule)."""
+    inside = (x >= lo) & (x <= hi)
+    pos = (x - lo).mul_(bins).div_(hi - lo).long().clamp_(0, bins - 1)
+    return torch.zeros(x.shape[0], bins, dtype=x.dtype, device=x.device).scatter_add_(1, pos, inside.to(x.dtype))
+
+
+class _Entry(NamedTuple):
+    """One recorded step: module paths and sizes (module order), and per-row statistics.
+
+    ``rows[order[i]]`` is ``(mean, M2, near_zero count)`` of module ``i`` (``M2``: the sum of
+    squared deviations from the mean, so ``var = M2 / (n - 1)``).
+    """
+
+    iteration: int
+    paths: tuple[str, ...]
+    ns: tuple[int, ...]
+    order: tuple[int, ...]
+    rows: Tensor
+    hist: Tensor | None
+
+
+def _reduce_step(values: list[Any], snap: _Snapshot) -> tuple[tuple[int, ...], Tensor, Tensor | None]:
+    """Rows (and histograms) for one step's values; returns the row of each module too."""
+    groups: dict[tuple, list[int]] = {}
+    for i, v in enumerate(values):
+        key = ("big",) if type(v) is tuple else (v.shape, v.dtype, v.device)
+        groups.setdefault(key, []).append(i)
+    pieces, hists, order = [], [], [0] * len(values)
+    row = 0
+    for key, members in groups.items():
+        if key[0] == "big":
+            pieces += [values[i][1][None] for i in members]
+            hists += [values[i][2][None] for i in members] if snap.with_hist else []
+        else:
+            x = torch.stack([values[i] for i in members]).flatten(1)
+            if x.dtype != torch.float32:
+                x = x.float()
+            mean, m2 = _row_moments(x)
+            pieces.append(torch.stack((mean, m2, x.le(snap.near_zero).sum(1)), 1))
+            if snap.with_hist:
+                hists.append(_batched_hist(x, snap.hist_bins, *snap.hist_range))
+        for i in members:
+            order[i] = row
+            row += 1
+    rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    hist = None if not snap.with_hist else hists[0] if len(hists) == 1 else torch.cat(hists)
+    return tuple(order), rows, hist
+
+
+def _in_module_order(entry: _Entry) -> _Entry:
+    if entry.order == tuple(range(len(entry.order))):
+        return entry
+    index = torch.tensor(entry.order, device=entry.rows.device)
+    hist = None if entry.hist is None else entry.hist.index_select(0, index)
+    return entry._replace(order=tuple(range(len(entry.order))), rows=entry.rows.index_select(0, index), hist=hist)
+
+
+def _combine(a: _Entry, b: _Entry) -> _Entry:
+    """One step seen in two parts (two ranks): Chan's exact merge of mean and variance."""
+    if a.paths != b.paths:
+        raise ReducerError(
+            f"ActivationStats.merge: two states of iteration {a.iteration} combine when they cover the same modules, "
+            f"got {list(a.paths)} and {list(b.paths)}. Merge states folded with the same reducer and model."
+        )
+    a, b = _in_module_order(a), _in_module_order(b)
+    ra, rb = a.rows.double(), b.rows.double()
+    na = torch.tensor(a.ns, dtype=torch.float64, device=ra.device)
+    nb = torch.tensor(b.ns, dtype=torch.float64, device=ra.device)
+    n = na + nb
+    delta = rb[:, 0] - ra[:, 0]
+    mean = ra[:, 0] + delta * nb / n
+    m2 = ra[:, 1] + rb[:, 1] + delta * delta * na * nb / n
+    rows = torch.stack((mean, m2, ra[:, 2] + rb[:, 2]), 1)
+    hist = None if a.hist is None else a.hist + b.hist.to(a.hist.device)
+    return a._replace(ns=tuple(x + y for x, y in zip(a.ns, b.ns)), rows=rows, hist=hist)
+
+
+@attrs.frozen
+class ActivationStats:
+    """fastai's ``ActivationStats`` as a reducer: mean, std and near-zero share (and
+    histograms) of each module's output, per recorded train step.
+
+    Args:
+        with_hist: also keep ``histc(hist_bins, *hist_range)`` of each output.
+        modules: a selector; None: leaf modules with parameters (fastai's choice).
+        every: record train iterations with ``iteration % every == 0``; None: all.
+        include_paramless: with ``modules=None``, also the leaves without parameters.
+        near_zero: the near-zero threshold (:data:`NEAR_ZERO`, fastai's).
+        hist_bins, hist_range: the histogram (:data:`HIST_BINS`, :data:`HIST_RANGE`, fastai's).
+
+    Result: an :class:`ActivationStatsResult`. States merge exactly (``merge``): disjoint
+    chunks of steps concatenate, and two parts of one step (two ranks) combine their
+    counts, means and variances (Chan's formula), near-zero counts and histograms.
+
+    Raises:
+        ReducerError: for ``every <= 0``.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> batches = [(torch.randn(16, 4), torch.randn(16, 2)) for _ in range(10)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.ActivationStats(every=4, with_hist=True))
+        >>> res.iterations, res.paths
+        ((0, 4, 8), ('0', '2'))
+        >>> means, stds, near_zero = res.layer_stats(0)
+        >>> len(means), res.hist(-1).shape
+        (3, torch.Size([40, 3]))
+    """
+
+    with_hist: bool = False
+    modules: Selector | None = attrs.field(default=None, converter=_to_selector)
+    every: int | None = attrs.field(default=None, validator=_check_every("ActivationStats"))
+    include_paramless: bool = False
+    near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True)
+    hist_bins: int = attrs.field(default=HIST_BINS, kw_only=True)
+    hist_range: tuple[float, float] = attrs.field(default=HIST_RANGE, kw_only=True, converter=tuple)
+    _snapshot: _Snapshot = attrs.field(init=False, repr=False, eq=False)
+    record_name: str = attrs.field(init=False, repr=False, eq=False)
+    """The name its values are stored under in each Step's record."""
+
+    def __attrs_post_init__(self) -> None:
+        snap = _Snapshot(float(self.near_zero), self.with_hist, self.hist_bins, tuple(map(float, self.hist_range)))
+        name = "activation_stats"
+        if (snap.near_zero, snap.hist_bins, snap.hist_range) != (NEAR_ZERO, HIST_BINS, HIST_RANGE):
+            name += f"(near_zero={snap.near_zero}, bins={snap.hist_bins}, range={snap.hist_range})"
+        object.__setattr__(self, "_snapshot", snap)
+        object.__setattr__(self, "record_name", name + ("+hist" if self.with_hist else ""))
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """One observer spec on the selected modules."""
+        where = _where(self.modules, self.include_paramless)
+        return (observe(where, self._snapshot, name=self.record_name, detach=False),)
+
+    def records(self, iteration: int, training: bool) -> bool:
+        """True for the train iterations these statistics record."""
+        return _records(self.every, iteration, training)
+
+    def init(self) -> tuple:
+        """The empty state."""
+        return ()
+
+    def step(self, state: tuple, step: Step) -> tuple:
+        """Add the step's statistics (computed on the device, not read) when it is recorded."""
+        if not _records(self.every, step.iteration, step.training):
+            return state
+        stored = _last_calls(step.record, self.record_name, "ActivationStats")
+        values = [v for _, v in stored]
+        order, rows, hist = _reduce_step(values, self._snapshot)
+        ns = tuple(v[0] if type(v) is tuple else v.numel() for v in values)
+        return (state, _Entry(step.iteration, tuple(p for p, _ in stored), ns, order, rows, hist))
+
+    def merge(self, a: tuple, b: tuple) -> tuple:
+        """Combine two states exactly: steps of disjoint chunks are put in iteration order;
+        the same iteration in both (two ranks) is combined as one larger batch."""
+        by_iteration: dict[int, _Entry] = {}
+        for entry in _unroll(a) + _unroll(b):
+            seen = by_iteration.get(entry.iteration)
+            by_iteration[entry.iteration] = entry if seen is None else _combine(seen, entry)
+        return _roll([by_iteration[k] for k in sorted(by_iteration)])
+
+    def result(self, state: tuple) -> ActivationStatsResult:
+        """The statistics of every recorded step."""
+        return ActivationStatsResult(tuple(_unroll(state)), self.with_hist)
+
+
+@attrs.frozen(eq=False)
+class ActivationStatsResult:
+    """The result of :class:`ActivationStats`: per recorded step, per module statistics.
+
+    Everything stays on the device until read; reading ``stats``, ``layer_stats`` or
+    ``hist`` copies to the host once.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 2)
+        >>> batches = [(torch.ones(4, 2), torch.zeros(4, 2))]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.ActivationStats())
+        >>> out = model(torch.ones(4, 2)).detach()
+        >>> abs(res.stats[0][0]["mean"] - out.mean().item()) < 1e-6
+        True
+    """
+
+    entries: tuple[_Entry, ...]
+    with_hist: bool
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        """The train iterations recorded."""
+        return tuple(e.iteration for e in self.entries)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The module paths, in module order (those of the first recorded step)."""
+        return self.entries[0].paths if self.entries else ()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _host_rows(self) -> list[list[list[float]]]:
+        rows = [e.rows for e in self.entries]
+        if rows and all(r.shape == rows[0].shape and r.dtype == rows[0].dtype for r in rows):
+            return torch.stack(rows).tolist()  # one copy to the host for all steps
+        return [r.tolist() for r in rows]
+
+    @property
+    def stats(self) -> list[list[dict[str, Any]]]:
+        """Per recorded step, per module: ``{"mean", "std", "near_zero"}`` as Python floats
+        (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's ``stats``."""
+        out = []
+        hists = [e.hist.cpu() for e in self.entries] if self.with_hist else None
+        for s, (entry, rows) in enumerate(zip(self.entries, self._host_rows())):
+            per_module = []
+            for i, n in enumerate(entry.ns):
+                mean, m2, near = rows[entry.order[i]]
+                std = math.sqrt(max(m2, 0.0) / (n - 1)) if n > 1 else math.nan
+                item = {"mean": mean, "std": std, "near_zero": near / n}
+                if hists is not None:
+                    item["hist"] = hists[s][entry.order[i]]
+                per_module.append(item)
+            out.append(per_module)
+        return out
+
+    def _index(self, idx: int | str, caller: str) -> int:
+        paths = self.paths
+        if isinstance(idx, str) and idx in paths:
+            return paths.index(idx)
+        if isinstance(idx, int) and not isinstance(idx, bool) and -len(paths) <= idx < len(paths):
+            return idx % len(paths)
+        raise ReducerError(
+            f"{caller}: `idx` is a module index in range(-{len(paths)}, {len(paths)}) or a module path, got {idx!r}; "
+            f"there are {len(paths)} modules: {list(paths)}. Pick one of those."
+        )
+
+    def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float]]:
+        """``(means, stds, near_zero)`` of module `idx` (index or path) over the recorded steps.
+
+        Raises:
+            ReducerError: for an index out of range or an unknown path (says how many modules).
+        """
+        i = self._index(idx, "layer_stats")
+        per_step = [step[i] for step in self.stats]
+        return ([s["mean"] for s in per_step], [s["std"] for s in per_step], [s["near_zero"] for s in per_step])
+
+    def hist(self, idx: int | str) -> Tensor:
+        """fastai's histogram image of module `idx`: ``log1p`` of the counts, ``(bins, steps)``, on the CPU.
+
+        Raises:
+            ReducerError: for an index out of range, or a result folded without ``with_hist``.
+        """
+        if not self.with_hist:
+            raise ReducerError(
+                "hist: histograms are kept by `ActivationStats(with_hist=True)`, got a result folded with "
+                "with_hist=False. Fold ActivationStats(with_hist=True)."
+            )
+        i = self._index(idx, "hist")
+        return torch.stack([e.hist[e.order[i]] for e in self.entries]).t().float().log1p().cpu()
+
+    def color_dim(self, idx: int | str, ax: Any = None, *, figsize: tuple[float, float] = (10, 5)) -> Any:
+        """Draw the "colorful dimension" image of module `idx` (needs the ``plot`` extra).
+
+        Returns:
+            The matplotlib Axes drawn on (`ax`, or a new figure's).
+        """
+        from . import plot
+
+        return plot.color_dim(self, idx, ax=ax, figsize=figsize)
+
+    def plot_layer_stats(self, idx: int | str, *, figsize: tuple[float, float] = (12, 3)) -> Any:
+        """Plot mean, std and near-zero share of module `idx` over steps (needs the ``plot`` extra).
+
+        Returns:
+            A matplotlib Figure with three Axes (``fig.savefig("stats.png")`` writes it).
+        """
+        from . import plot
+
+        return plot.plot_layer_stats(self, idx, figsize=figsize)
+
+    def __repr__(self) -> str:
+        return f"ActivationStatsResult({len(self.entries)} steps, paths={list(self.paths)}, with_hist={self.with_hist})"
