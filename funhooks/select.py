@@ -227,9 +227,24 @@ def _no_match_message(selector: Selector, model: nn.Module, modules: list, calle
     name = type(_torch.unwrap(model)).__name__
     children = [p for p, _ in modules if p and "." not in p]
     msg = f"{caller}: selector {selector!r}{where} matched no module of {name}; "
-    if selector.kind == "pattern" and selector.value[0]:
-        close = difflib.get_close_matches(selector.value[0], [p for p, _ in modules if p], n=5, cutoff=0.5)
-        if close:
-            msg += f"nearby paths are {close}; "
+    paths = [p for p, _ in modules if p]
+    close: list[str] = []
+    for pattern in _patterns(selector):
+        close += [p for p in difflib.get_close_matches(pattern, paths, n=_NEARBY, cutoff=0.5) if p not in close]
+    if close:
+        msg += f"nearby paths are {close[:_NEARBY]}; "
     return msg + f"top-level children are {children}."
+
+
+_NEARBY = 5
+"""How many nearby paths a no-match message lists."""
+
+
+def _patterns(selector: Selector) -> list[str]:
+    """The non-empty path patterns a selector asks for (inside lists and `&` too)."""
+    if selector.kind == "pattern":
+        return [selector.value[0]] if selector.value[0] else []
+    if selector.kind in ("any", "all"):
+        return [p for s in selector.value for p in _patterns(s)]
+    return []
 

@@ -214,6 +214,16 @@ def test_no_match_lists_nearby_paths_and_children() -> None:
     )
 
 
+def test_no_match_of_a_list_suggests_paths_for_its_patterns() -> None:
+    """Patterns inside a list or `&` get nearby-path suggestions too."""
+    with pytest.raises(fh.SelectorError) as err:
+        fh.with_hooks(Net(), fh.outputs(["haed", nn.Conv2d]))
+    assert str(err.value) == (
+        "with_hooks: selector ['haed', Conv2d] in spec outputs(['haed', Conv2d]) matched no module of Net; "
+        "nearby paths are ['head', 'head.0']; top-level children are ['embed', 'blocks', 'head']."
+    )
+
+
 def test_no_match_of_a_type_lists_children() -> None:
     """A type matching nothing lists the top-level children (no path to compare)."""
     model = Net()
