@@ -11,6 +11,9 @@ Every script measures the same way, so their numbers can be compared:
 - warm-up calls, then interleaved rounds: each round times every case once (``inner``
   calls each, the order rotated round to round), so slow drift of the machine hits all
   cases alike; the garbage collector is off while a round runs;
+- time is this thread's CPU time by default (``--clock cpu``, ``time.thread_time``), so
+  time spent descheduled on a shared machine does not count; ``--clock wall`` (the default
+  on a GPU) uses ``time.perf_counter``;
 - the result per case is the median and the 25th-75th percentiles of the per-call time
   over rounds, and its ratio to the bare forward *of the same round*, summarised the same
   way;
@@ -87,6 +90,9 @@ def parse_args(
     """The common command line: ``--quick``, ``--rounds``, ``--inner``, ``--warmup``, ``--out``, ``--device``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the GPU numbers)")
+    parser.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
+                        help="cpu: this thread's CPU time (steady on a shared machine); wall: elapsed time; "
+                             "auto: cpu on the CPU, wall on a GPU")
     if add_arguments is not None:
         add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, few rounds, no timing claims")
@@ -102,14 +108,17 @@ def parse_args(
         args.warmup = QUICK_WARMUP if args.quick else DEFAULT_WARMUP
     if args.quick and args.inner == 0:
         args.inner = QUICK_INNER
+    if args.clock == "auto":
+        args.clock = "wall" if args.device.startswith("cuda") else "cpu"
     return args
 
 
-def setup() -> dict[str, Any]:
+def setup(clock: str = "cpu") -> dict[str, Any]:
     """Fix the measuring conditions (one thread, no trimming) and describe them."""
     torch.set_num_threads(1)
     mallopt = _set_mallopt()
-    return {"torch_threads": torch.get_num_threads(), "mallopt_no_trim": mallopt, "gc_during_rounds": False}
+    return {"torch_threads": torch.get_num_threads(), "mallopt_no_trim": mallopt, "gc_during_rounds": False,
+            "clock": clock}
 
 
 def machine() -> dict[str, Any]:
@@ -166,7 +175,7 @@ def _calls_per_round(fn: Callable[[], Any]) -> int:
 
 def time_cases(
     cases: dict[str, Callable[[], Any]], *, baseline: str, rounds: int, warmup: int, inner: int = 0,
-    sync: Callable[[], None] = lambda: None,
+    sync: Callable[[], None] | None = None, clock: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Time `cases` in interleaved rounds; per case: seconds per call and ratio to `baseline`.
 
@@ -178,10 +187,16 @@ def time_cases(
         inner: calls per case per round; 0 picks about ``TARGET_ROUND_SECONDS`` worth of the
             baseline. A case slower than ``MAX_CASE_ROUND_SECONDS`` per round gets fewer calls.
         sync: called after each case's calls (``torch.cuda.synchronize`` on a GPU).
+        clock: ``"cpu"``, this thread's CPU time (``time.thread_time``: time the thread
+            spent descheduled on a shared machine is not counted), or ``"wall"``
+            (``time.perf_counter``). Default: ``"wall"`` when `sync` is given, else ``"cpu"``.
 
     Returns:
         name -> {"seconds": {median, p25, p75}, "ratio": {median, p25, p75}, "calls_per_round"}.
     """
+    if clock is None:
+        clock = "cpu" if sync is None else "wall"
+    sync = sync or (lambda: None)
     once: dict[str, float] = {}
     for name, fn in cases.items():
         start = time.perf_counter()
@@ -198,7 +213,7 @@ def time_cases(
     names = list(cases)
     per_call: dict[str, list[float]] = {k: [] for k in names}
     ratios: dict[str, list[float]] = {k: [] for k in names}
-    clock = time.perf_counter
+    now = time.thread_time if clock == "cpu" else time.perf_counter
     for r in range(rounds):
         gc.collect()
         gc.disable()
@@ -207,11 +222,11 @@ def time_cases(
             times = {}
             for name in order:
                 fn, k = cases[name], calls[name]
-                start = clock()
+                start = now()
                 for _ in range(k):
                     fn()
                 sync()
-                times[name] = (clock() - start) / k
+                times[name] = (now() - start) / k
         finally:
             gc.enable()
         for name in names:

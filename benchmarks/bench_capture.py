@@ -23,7 +23,8 @@ root, so all of them do the same work; checked equal before timing):
 Models: the deep-narrow MLP (48 x (Linear(64, 64), ReLU), batch 32) and a small
 ResNet-like CNN (3 x 32 x 32, batch 32), both in eval mode, under ``torch.no_grad()``.
 
-Run: ``python benchmarks/bench_capture.py`` (``--quick`` for a smoke run).
+Run: ``python benchmarks/bench_capture.py`` (``--quick`` for a smoke run;
+``--profile 'fh.with_hooks'`` prints a cProfile of one case instead of timing).
 """
 
 from __future__ import annotations
@@ -313,9 +314,40 @@ def check_cases(cases: dict[str, Callable], x: torch.Tensor) -> dict[str, bool]:
     return ok
 
 
+PROFILE_CALLS = 2000
+PROFILE_TOP = 25
+
+
+def _add_arguments(parser: Any) -> None:
+    parser.add_argument("--profile", default="", metavar="CASE",
+                        help="instead of timing, cProfile CASE (e.g. 'fh.with_hooks') on the deep-narrow MLP")
+
+
+def profile(case: str, calls: int = PROFILE_CALLS) -> None:
+    """Print where one case's time goes (cProfile, by own time) on the deep-narrow MLP."""
+    import cProfile
+    import pstats
+
+    torch.manual_seed(0)
+    model, x = _common.deep_narrow(), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
+    with torch.no_grad():
+        fn = cases_for(model, x)[case]
+        for _ in range(_common.DEFAULT_WARMUP):
+            fn(x)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn(x)
+        profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(PROFILE_TOP)
+
+
 def main() -> None:
-    args = _common.parse_args(__doc__.splitlines()[0])
-    conditions = _common.setup()
+    args = _common.parse_args(__doc__.splitlines()[0], add_arguments=_add_arguments)
+    conditions = _common.setup(args.clock)
+    if args.profile:
+        profile(args.profile)
+        return
     torch.manual_seed(0)
     if args.quick:
         models = {"deep-narrow": (_common.deep_narrow(depth=QUICK_DEPTH), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)),
@@ -333,7 +365,7 @@ def main() -> None:
             results[label] = {
                 "modules_hooked": len(_common.hooked_modules(model)),
                 "batch": x.shape[0],
-                "cases": _common.time_cases(timed, baseline="bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner),
+                "cases": _common.time_cases(timed, baseline="bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock),
             }
             print(_common.format_table(f"{label} ({results[label]['modules_hooked']} modules hooked)", results[label]["cases"]))
     path = _common.write(NAME, args.out, {

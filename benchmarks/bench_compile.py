@@ -41,7 +41,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0])
-    conditions = _common.setup()
+    conditions = _common.setup(args.clock)
     backend = "eager" if args.quick else "inductor"
     torch.manual_seed(0)
     model = _common.deep_narrow(depth=QUICK_DEPTH if args.quick else DEPTH)
@@ -85,7 +85,7 @@ def main() -> None:
             print(f"bench_compile: {name!r} failed its check and is not timed: {why}")
             del cases[name]
         _common.check(checks["compiled bare"] and checks["bare after runs"], f"{checks}")
-        timed = _common.time_cases(cases, baseline="compiled bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner)
+        timed = _common.time_cases(cases, baseline="compiled bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock)
     print(_common.format_table(f"deep-narrow {len(_common.hooked_modules(model))} modules, backend {backend}", timed))
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "backend": backend, "rounds": args.rounds,

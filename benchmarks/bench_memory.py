@@ -74,7 +74,7 @@ def expected(label: str, r: dict[str, Any], on_cpu: bool) -> bool:
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0])
     device = torch.device(args.device)
-    conditions = _common.setup()
+    conditions = _common.setup(args.clock)
     torch.manual_seed(0)
     batch = 2 if args.quick else _common.BATCH
     models = {

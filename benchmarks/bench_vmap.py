@@ -47,7 +47,7 @@ def check(f: Callable[[torch.Tensor], tuple[Any, fh.Record]], x: torch.Tensor) -
 
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0])
-    conditions = _common.setup()
+    conditions = _common.setup(args.clock)
     payload: dict[str, Any] = {"quick": args.quick, "conditions": conditions}
     if not hasattr(fh, "capture"):
         print("bench_vmap: skipped, this funhooks has no `fh.capture` yet.")
@@ -63,7 +63,7 @@ def main() -> None:
         correct = check(f, x)
         _common.check(correct, "vmap record != stacked per-example records")
         cases = {"loop": lambda: [f(xi) for xi in x], "vmap": lambda: vmapped(x)}
-        timed = _common.time_cases(cases, baseline="loop", rounds=args.rounds, warmup=args.warmup, inner=args.inner)
+        timed = _common.time_cases(cases, baseline="loop", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock)
     print(_common.format_table(f"deep-narrow, {batch} examples (ratio: time / loop time)", timed))
     speedup = 1 / timed["vmap"]["ratio"]["median"]
     print(f"vmap speed-up over the loop: {speedup:.1f}x")
