@@ -1,0 +1,303 @@
+"""HookCallback and ActivationStats: fastai's results, as folds kept on the device."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import pathlib
+import subprocess
+import sys
+
+import hypothesis
+import pytest
+import toolz
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+import funhooks as fh
+from funhooks import stats as fhstats
+
+MSE = nn.functional.mse_loss
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _batches(n: int, shape: tuple[int, ...] = (6, 3), out: int = 2, device: torch.device | str = "cpu") -> list:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(*shape, generator=g).to(device), torch.randn(shape[0], out, generator=g).to(device))
+            for _ in range(n)]
+
+
+def _mlp(device: torch.device | str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).to(device)
+
+
+def _frozen_opt(model: nn.Module) -> torch.optim.Optimizer:
+    """lr=0: the weights never change, so outputs can be recomputed after the fold."""
+    return torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+# -- fastai's documented tests, ported --------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_tr", [11, 12, 13])
+@pytest.mark.parametrize("every", [4, 1])
+def test_every_records_ceil_n_over_every(n_tr: int, every: int) -> None:
+    """fastai's test_every: n_tr train batches with every=k give ceil(n_tr / k) stats."""
+    model = nn.Linear(2, 1)
+    res = fh.fit(model, _batches(n_tr, (4, 2), 1), MSE, torch.optim.SGD(model.parameters(), lr=0.01),
+                 fh.ActivationStats(every=every))
+    assert len(res.stats) == math.ceil(n_tr / every)
+    assert res.iterations == tuple(range(0, n_tr, every))
+
+
+@hypothesis.given(n=st.integers(1, 9), every=st.integers(1, 5), epochs=st.integers(1, 2))
+def test_every_counts_train_iterations_only(n: int, every: int, epochs: int) -> None:
+    """Evaluation steps never count; iterations run across epochs: ceil(n * epochs / every)."""
+    model = nn.Linear(2, 1)
+    batches = _batches(n, (4, 2), 1)
+    stats = fh.ActivationStats(every=every)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = itertools.chain(fh.evaluate(model, batches, MSE, specs=stats.specs),
+                            fh.train(model, batches, MSE, opt, specs=stats.specs, epochs=epochs),
+                            fh.evaluate(model, batches, MSE, specs=stats.specs))
+    assert len(fh.fold(stats, steps).stats) == math.ceil(n * epochs / every)
+
+
+def test_hook_callback_stores_the_output(device: torch.device) -> None:
+    """fastai's first HookCallback example: hook returning `o` stores the model's prediction."""
+    model = nn.Linear(3, 2).to(device)
+    batches = _batches(5, device=device)
+    stored = fh.fit(model, batches, MSE, _frozen_opt(model), fh.HookCallback(lambda m, i, o: o, cpu=False))
+    assert len(stored) == 5
+    for values, (x, _) in zip(stored, batches):
+        assert torch.equal(values[0], model(x).detach())
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # PyTorch's note: the input needs no grad
+def test_hook_callback_backward_gets_the_loss_gradient(device: torch.device) -> None:
+    """fastai's second example: a backward hook's grad_output[0] is 2 (pred - y) / n under MSE."""
+    model = nn.Linear(1, 1).to(device)
+    batches = _batches(5, (8, 1), 1, device)
+    stored = fh.fit(model, batches, MSE, _frozen_opt(model),
+                    fh.HookCallback(lambda m, i, o: o, is_forward=False, cpu=False))
+    for values, (x, y) in zip(stored, batches):
+        pred = model(x).detach()
+        torch.testing.assert_close(values[0][0], 2 * (pred - y) / pred.shape[0])
+
+
+def test_hook_callback_defaults_to_cpu_and_param_leaves(device: torch.device) -> None:
+    """cpu=True (fastai's default) moves hook args to the CPU; default modules skip ReLU."""
+    model = _mlp(device)
+    res = fh.fit(model, _batches(2, device=device), MSE, _frozen_opt(model), fh.HookCallback(lambda m, i, o: o))
+    assert [v.device.type for v in res[0]] == ["cpu", "cpu"]
+    paramless = fh.HookCallback(lambda m, i, o: o.shape[1], include_paramless=True)
+    assert fh.fit(model, _batches(1, device=device), MSE, _frozen_opt(model), paramless) == ([4, 4, 2],)
+
+
+# -- values --------------------------------------------------------------------------------------
+
+
+def _expected(o: torch.Tensor) -> dict[str, float]:
+    o = o.float()
+    return {"mean": o.mean().item(), "std": o.std().item(), "near_zero": (o <= 0.05).long().sum().item() / o.numel()}
+
+
+@pytest.mark.parametrize("width", [4, 300])  # 6 x 300 x 40 > REDUCE_IN_HOOK_NUMEL: reduced in the hook
+def test_stats_equal_hand_computed_values(device: torch.device, width: int) -> None:
+    """mean, std (unbiased), near_zero (<= 0.05) and histc(40, 0, 10) as fastai defines them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, width), nn.ReLU(inplace=True), nn.Linear(width, 2)).to(device)
+    batches = [(torch.randn(6, 40, 3, device=device) * 3, torch.randn(6, 40, 2, device=device)) for _ in range(3)]
+    res = fh.fit(model, batches, MSE, _frozen_opt(model), fh.ActivationStats(with_hist=True))
+    assert res.paths == ("0", "2")
+    for step_stats, (x, _) in zip(res.stats, batches):
+        with torch.no_grad():
+            first = model[0](x)  # before the in-place ReLU changed it
+            outs = [first, model[2](first.relu())]
+        for got, o in zip(step_stats, outs):
+            want = _expected(o)
+            assert got["mean"] == pytest.approx(want["mean"], rel=1e-5, abs=1e-6)
+            assert got["std"] == pytest.approx(want["std"], rel=1e-5)
+            assert got["near_zero"] == want["near_zero"]
+            assert torch.equal(got["hist"], o.float().histc(40, 0, 10).cpu())
+    means, stds, near_zero = res.layer_stats("2")
+    assert means == [s[1]["mean"] for s in res.stats] and len(stds) == len(near_zero) == 3
+    hist = res.hist(0)
+    assert hist.shape == (40, 3) and torch.equal(hist[:, 1], res.stats[1][0]["hist"].float().log1p())
+
+
+def test_named_parameters_replace_fastai_constants() -> None:
+    """near_zero and the histogram are parameters with fastai's values as defaults."""
+    assert (fhstats.NEAR_ZERO, fhstats.HIST_BINS, fhstats.HIST_RANGE) == (0.05, 40, (0.0, 10.0))
+    model = nn.Linear(3, 5)
+    batches = _batches(2, out=5)
+    res = fh.fit(model, batches, MSE, _frozen_opt(model),
+                 fh.ActivationStats(with_hist=True, near_zero=0.0, hist_bins=4, hist_range=(-1, 1)))
+    o = model(batches[0][0]).detach()
+    assert res.stats[0][0]["near_zero"] == (o <= 0.0).sum().item() / o.numel()
+    assert torch.equal(res.stats[0][0]["hist"], o.histc(4, -1, 1))
+
+
+def test_default_modules_and_selectors() -> None:
+    """Default: leaves with parameters; include_paramless adds the other leaves; modules= selects."""
+    model = _mlp()
+    run = lambda r: fh.fit(model, _batches(1), MSE, _frozen_opt(model), r).paths  # noqa: E731
+    assert run(fh.ActivationStats()) == ("0", "2")
+    assert run(fh.ActivationStats(include_paramless=True)) == ("0", "1", "2")
+    assert run(fh.ActivationStats(modules=nn.ReLU)) == ("1",)
+    assert run(fh.ActivationStats(modules=[model[2]])) == ("2",)
+
+
+# -- merging -------------------------------------------------------------------------------------
+
+
+@hypothesis.given(cuts=st.lists(st.integers(0, 8), max_size=3), every=st.one_of(st.none(), st.integers(1, 3)),
+                  with_hist=st.booleans())
+def test_fold_over_chunks_merged_equals_one_pass(cuts: list[int], every: int | None, with_hist: bool) -> None:
+    """Folding chunks of the steps separately and merging their states == one pass, exactly."""
+    model = _mlp()
+    stats, hooks = fh.ActivationStats(with_hist=with_hist, every=every), fh.HookCallback(lambda m, i, o: o, every=every)
+    steps = list(fh.train(model, _batches(8), MSE, torch.optim.SGD(model.parameters(), lr=0.1),
+                          specs=stats.specs + hooks.specs))
+    bounds = [0, *sorted(cuts), len(steps)]
+    chunks = [steps[a:b] for a, b in zip(bounds, bounds[1:])]
+    for reducer in (stats, hooks):
+        states = [toolz.reduce(reducer.step, chunk, reducer.init()) for chunk in chunks]
+        merged = reducer.result(toolz.reduce(reducer.merge, states[::-1]))  # order of merging does not matter
+        whole = fh.fold(reducer, steps)
+        if reducer is stats:
+            assert merged.iterations == whole.iterations
+            for a, b in zip(merged.stats, whole.stats):
+                assert [{k: v for k, v in d.items() if k != "hist"} for d in a] == \
+                    [{k: v for k, v in d.items() if k != "hist"} for d in b]
+        else:
+            assert len(merged) == len(whole)
+            assert all(torch.equal(x, y) for a, b in zip(merged, whole) for x, y in zip(a, b))
+
+
+@hypothesis.given(split=st.integers(1, 11))
+def test_merge_of_ranks_equals_the_whole_batch(split: int) -> None:
+    """Two ranks' states of the same iteration combine (Chan) into the stats of the joint batch."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(12, 3)
+    stats = fh.ActivationStats(with_hist=True)
+
+    def state(xs: torch.Tensor) -> tuple:
+        with fh.with_hooks(model, stats.specs) as run:
+            model(xs)
+        step = fh.Step(epoch=0, iteration=0, loss=torch.zeros(()), record=run.record, training=True)
+        return stats.step(stats.init(), step)
+
+    merged = stats.result(stats.merge(state(x[:split]), state(x[split:]))).stats[0]
+    whole = stats.result(state(x)).stats[0]
+    for a, b in zip(merged, whole):
+        assert a["mean"] == pytest.approx(b["mean"], rel=1e-5, abs=1e-6)
+        assert a["std"] == pytest.approx(b["std"], rel=1e-5)
+        assert a["near_zero"] == pytest.approx(b["near_zero"])
+        assert torch.equal(a["hist"], b["hist"])
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_every_must_be_positive() -> None:
+    """every <= 0 is a ReducerError at construction."""
+    with pytest.raises(fh.ReducerError) as err:
+        fh.ActivationStats(every=0)
+    assert str(err.value) == (
+        "ActivationStats: `every` is a positive int or None, got 0. "
+        "Pass every=1 (or None) to record every train step, every=k for one in k."
+    )
+    with pytest.raises(fh.ReducerError, match=r"^HookCallback: `every` is a positive int or None, got -2"):
+        fh.HookCallback(print, every=-2)
+
+
+def test_layer_stats_out_of_range_says_how_many_modules() -> None:
+    """Reading a module index out of range names the count and the paths."""
+    model = _mlp()
+    res = fh.fit(model, _batches(2), MSE, _frozen_opt(model), fh.ActivationStats())
+    with pytest.raises(fh.ReducerError) as err:
+        res.layer_stats(5)
+    assert str(err.value) == (
+        "layer_stats: `idx` is a module index in range(-2, 2) or a module path, got 5; there are 2 modules: "
+        "['0', '2']. Pick one of those."
+    )
+    with pytest.raises(fh.ReducerError, match=r"^hist: histograms are kept by `ActivationStats\(with_hist=True\)`"):
+        res.hist(0)
+
+
+def test_tuple_outputs_and_missing_records_are_explained() -> None:
+    """A module with a tuple output, or steps run without the reducer's specs, say what to do."""
+    lstm = nn.LSTM(3, 2, batch_first=True)
+    with pytest.raises(fh.HookError, match=r"activation statistics need a tensor output, got tuple from LSTM"):
+        with fh.with_hooks(lstm, fh.ActivationStats(modules="").specs):
+            lstm(torch.randn(1, 4, 3))
+    model = _mlp()
+    steps = fh.train(model, _batches(1), MSE, _frozen_opt(model))
+    with pytest.raises(fh.ReducerError, match=r"holds the records of the reducer's specs, got a Step whose record"):
+        fh.fold(fh.ActivationStats(), steps)
+
+
+# -- plots -------------------------------------------------------------------------------------
+
+
+def test_plots_save_as_png(tmp_path: pathlib.Path) -> None:
+    """plot_layer_stats returns a Figure, color_dim draws on Axes; both save as PNG."""
+    model = _mlp()
+    res = fh.fit(model, _batches(4), MSE, torch.optim.SGD(model.parameters(), lr=0.1),
+                 fh.ActivationStats(with_hist=True))
+    fig = res.plot_layer_stats(0)
+    fig.savefig(tmp_path / "stats.png")
+    ax = res.color_dim(1)
+    ax.figure.savefig(tmp_path / "color.png")
+    assert (tmp_path / "stats.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "color.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plotting_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without matplotlib, plotting raises ExtraError naming `funhooks[plot]`."""
+    model = _mlp()
+    res = fh.fit(model, _batches(2), MSE, _frozen_opt(model), fh.ActivationStats())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(fh.ExtraError) as err:
+        res.plot_layer_stats(0)
+    assert str(err.value) == (
+        "plot_layer_stats: plotting needs matplotlib, got it not installed. Install the extra: pip install 'funhooks[plot]'."
+    )
+
+
+def test_importing_funhooks_does_not_import_matplotlib() -> None:
+    """matplotlib is imported only when something is drawn."""
+    code = "import sys, funhooks; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# -- device ------------------------------------------------------------------------------------
+
+
+def test_fit_with_activation_stats_never_syncs_the_gpu(device: torch.device) -> None:
+    """Under torch.cuda.set_sync_debug_mode("error"), fit + ActivationStats runs: no host sync per batch."""
+    if device.type != "cuda":
+        pytest.skip("host syncs are a CUDA notion")
+    model = _mlp(device)
+    batches = _batches(4, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        res = fh.fit(model, batches, MSE, opt, fh.ActivationStats(with_hist=True, every=2), progress=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(res.stats) == 2 and res.entries[0].rows.device.type == "cuda"
+
+
+def test_example_script_runs(tmp_path: pathlib.Path) -> None:
+    """examples/activation_stats.py trains, prints layer stats and writes two PNGs."""
+    script = ROOT / "examples" / "activation_stats.py"
+    out = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True,
+                         check=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""}).stdout
+    assert "layer" in out
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["color_dim.png", "layer_stats.png"]
