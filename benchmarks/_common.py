@@ -173,6 +173,22 @@ def _calls_per_round(fn: Callable[[], Any]) -> int:
     return max(1, int(TARGET_ROUND_SECONDS / once))
 
 
+class PerRound:
+    """A case built afresh (untimed) before its turn in every round and dropped after it.
+
+    For a case whose mere existence changes the others' cost: ``fh.capture`` holds
+    funhooks' global dispatcher hooks while the function it returns is alive, and those
+    slow every module call in the process, the bare forward's included.
+    """
+
+    def __init__(self, factory: Callable[[], Callable[[], Any]]) -> None:
+        self.factory = factory
+
+
+def _resolve(case: Callable[[], Any] | PerRound) -> Callable[[], Any]:
+    return case.factory() if isinstance(case, PerRound) else case
+
+
 def time_cases(
     cases: dict[str, Callable[[], Any]], *, baseline: str, rounds: int, warmup: int, inner: int = 0,
     sync: Callable[[], None] | None = None, clock: str | None = None,
@@ -180,7 +196,8 @@ def time_cases(
     """Time `cases` in interleaved rounds; per case: seconds per call and ratio to `baseline`.
 
     Args:
-        cases: name -> a callable of no arguments doing one call of the thing measured.
+        cases: name -> a callable of no arguments doing one call of the thing measured, or a
+            :class:`PerRound` building such a callable, alive only during its own turn.
         baseline: the name of the case the ratios are taken to (the bare forward).
         rounds: interleaved rounds; each times every case once.
         warmup: untimed calls per case first.
@@ -198,7 +215,8 @@ def time_cases(
         clock = "cpu" if sync is None else "wall"
     sync = sync or (lambda: None)
     once: dict[str, float] = {}
-    for name, fn in cases.items():
+    for name, case in cases.items():
+        fn = _resolve(case)
         start = time.perf_counter()
         for i in range(warmup):
             t = time.perf_counter()
@@ -207,7 +225,9 @@ def time_cases(
             once[name] = time.perf_counter() - t
             if i + 1 >= MIN_WARMUP_CALLS and time.perf_counter() - start > MAX_WARMUP_SECONDS:
                 break
-    n = inner or _calls_per_round(cases[baseline])
+        del fn
+    gc.collect()
+    n = inner or _calls_per_round(_resolve(cases[baseline]))
     calls = {name: max(1, min(n, int(MAX_CASE_ROUND_SECONDS / max(once.get(name, 0.0), 1e-9)))) for name in cases}
     calls[baseline] = n
     names = list(cases)
@@ -221,12 +241,13 @@ def time_cases(
             order = names[r % len(names):] + names[: r % len(names)]
             times = {}
             for name in order:
-                fn, k = cases[name], calls[name]
+                fn, k = _resolve(cases[name]), calls[name]
                 start = now()
                 for _ in range(k):
                     fn()
                 sync()
                 times[name] = (now() - start) / k
+                del fn
         finally:
             gc.enable()
         for name in names:

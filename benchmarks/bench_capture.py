@@ -7,7 +7,9 @@ root, so all of them do the same work; checked equal before timing):
 - ``fh.with_hooks``: ``with fh.with_hooks(model, fh.outputs("**")) as run: model(x)``,
   then ``run.record`` (building the Record is timed).
 - ``fh.capture``: ``f(x)`` with ``f = fh.capture(model, fh.outputs("**"))`` built once
-  (included when funhooks has ``capture``).
+  per round, untimed, and dropped after its turn (included when funhooks has ``capture``):
+  a live capture function keeps funhooks' global hooks installed, which would slow the
+  other cases, the bare forward included.
 - ``hand hooks, registered once``: one forward hook per module storing ``out.detach()``
   in a dict keyed by module, registered before timing on a copy of the model; per call the
   dict is reset and read out as a list in module order (``named_modules`` order, like a Record).
@@ -283,7 +285,7 @@ def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Te
 
     cases: dict[str, Callable[[torch.Tensor], tuple[Any, Any]]] = {"bare": bare, "fh.with_hooks": with_hooks}
     if hasattr(fh, "capture"):
-        cases["fh.capture"] = fh.capture(model, spec)
+        cases["fh.capture"] = _common.PerRound(lambda: fh.capture(model, spec))
     cases["hand hooks, registered once"] = _hand_once(model)
     cases["hand hooks, per call"] = _hand_per_call(model)
     name, fastai_call = _fastai_per_call(model)
@@ -302,12 +304,19 @@ def _as_list(captured: Any) -> list[torch.Tensor] | None:
     return None  # a peer's own log: only its output is compared
 
 
+def _bind(case: Any, x: torch.Tensor) -> Any:
+    if isinstance(case, _common.PerRound):
+        return _common.PerRound(lambda: (lambda f=case.factory(): f(x)))
+    return lambda: case(x)
+
+
 def check_cases(cases: dict[str, Callable], x: torch.Tensor) -> dict[str, bool]:
     """Every case's output equals the bare output, and its captured list the hand-written one."""
     y_ref, _ = cases["bare"](x)
     _, ref = cases["hand hooks, per call"](x)
     ok = {}
-    for name, fn in cases.items():
+    for name, case in cases.items():
+        fn = case.factory() if isinstance(case, _common.PerRound) else case
         y, captured = fn(x)
         got = _as_list(captured)
         ok[name] = torch.equal(y, y_ref) and (got is None or _common.tensors_equal(got, ref))
@@ -332,6 +341,7 @@ def profile(case: str, calls: int = PROFILE_CALLS) -> None:
     model, x = _common.deep_narrow(), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
     with torch.no_grad():
         fn = cases_for(model, x)[case]
+        fn = fn.factory() if isinstance(fn, _common.PerRound) else fn
         for _ in range(_common.DEFAULT_WARMUP):
             fn(x)
         profiler = cProfile.Profile()
@@ -361,7 +371,7 @@ def main() -> None:
             cases = cases_for(model, x)
             checks[label] = check_cases(cases, x)
             _common.check(all(checks[label].values()), f"{label}: {checks[label]}")
-            timed = {name: (lambda fn=fn: fn(x)) for name, fn in cases.items()}
+            timed = {name: _bind(case, x) for name, case in cases.items()}
             results[label] = {
                 "modules_hooked": len(_common.hooked_modules(model)),
                 "batch": x.shape[0],

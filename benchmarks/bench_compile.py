@@ -5,9 +5,10 @@ The model is compiled once (``compiled = torch.compile(model)``), before any run
 - ``compiled bare``: ``compiled(x)``;
 - ``fh.with_hooks on compiled``: ``with fh.with_hooks(compiled, fh.outputs("**")) as run:
   compiled(x)`` and ``run.record`` (dynamo recompiles once for the active run and reuses it);
-- ``compiled fh.capture``: ``torch.compile(fh.capture(model, fh.outputs("**")))`` (when
-  funhooks has ``capture``);
-- ``eager bare``, for scale.
+- ``eager bare``, for scale;
+- then, apart: ``compiled fh.capture`` (``torch.compile(fh.capture(model, fh.outputs("**")))``,
+  when funhooks has ``capture``) against ``compiled bare (capture alive)``: a live capture
+  function keeps funhooks' global hooks installed, so its baseline is measured beside it.
 
 Checked before timing, after the compiled model already ran bare (as a user would): outputs
 and stored tensors equal the eager ones (to float tolerance). A case that fails its check
@@ -39,6 +40,20 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, atol=ATOL) for x, y in zip(a, b))
 
 
+def _check(name: str, call: Callable[[], Any], y_ref: torch.Tensor, ref: list, failures: dict[str, str]) -> bool:
+    """Run one hooked case once; record why it fails (an exception or wrong values)."""
+    try:
+        y, rec = call()
+        stored = rec.stored()
+    except Exception as err:  # reported and left out of the timing, never hidden
+        failures[name] = f"{type(err).__name__}: {str(err)[:300]}"
+        return False
+    if torch.allclose(y, y_ref, atol=ATOL) and _close(stored, ref):
+        return True
+    failures[name] = f"stored {len(stored)} of {len(ref)} module outputs, or values differ"
+    return False
+
+
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0])
     conditions = _common.setup(args.clock)
@@ -48,49 +63,47 @@ def main() -> None:
     x = torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
     spec = fh.outputs("**")
     compiled = torch.compile(model, backend=backend)
+    timing = {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner, "clock": args.clock}
 
     def hooked() -> tuple[Any, fh.Record]:
         with fh.with_hooks(compiled, spec) as run:
             y = compiled(x)
         return y, run.record
 
-    cases: dict[str, Callable[[], Any]] = {"compiled bare": lambda: compiled(x), "fh.with_hooks on compiled": hooked}
-    if hasattr(fh, "capture"):
-        compiled_capture = torch.compile(fh.capture(model, spec), backend=backend)
-        cases["compiled fh.capture"] = lambda: compiled_capture(x)
-    cases["eager bare"] = lambda: model(x)
-
+    results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
     with torch.no_grad():
         y_ref = model(x)
         with fh.with_hooks(model, spec) as run:
             model(x)
         ref = run.record.stored()
+        # Phase 1, nothing else alive: the compiled model runs bare first, as a user's would.
         checks: dict[str, bool] = {"compiled bare": torch.allclose(compiled(x), y_ref, atol=ATOL)}
-        failures: dict[str, str] = {}
-        for name in ("fh.with_hooks on compiled", "compiled fh.capture"):
-            if name not in cases:
-                continue
-            try:  # called after the bare compiled model ran, as a user would
-                y, rec = cases[name]()
-                stored = rec.stored()
-            except Exception as err:  # reported and left out of the timing, never hidden
-                checks[name], failures[name] = False, f"{type(err).__name__}: {str(err)[:300]}"
-                continue
-            checks[name] = torch.allclose(y, y_ref, atol=ATOL) and _close(stored, ref)
-            if not checks[name]:
-                failures[name] = f"stored {len(stored)} of {len(ref)} module outputs, or values differ"
+        checks["fh.with_hooks on compiled"] = _check("fh.with_hooks on compiled", hooked, y_ref, ref, failures)
         checks["bare after runs"] = torch.allclose(compiled(x), y_ref, atol=ATOL)
         fh.testing.assert_no_hooks(model)
-        for name, why in failures.items():
-            print(f"bench_compile: {name!r} failed its check and is not timed: {why}")
-            del cases[name]
         _common.check(checks["compiled bare"] and checks["bare after runs"], f"{checks}")
-        timed = _common.time_cases(cases, baseline="compiled bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock)
-    print(_common.format_table(f"deep-narrow {len(_common.hooked_modules(model))} modules, backend {backend}", timed))
+        cases: dict[str, Callable[[], Any]] = {"compiled bare": lambda: compiled(x), "eager bare": lambda: model(x)}
+        if checks["fh.with_hooks on compiled"]:
+            cases["fh.with_hooks on compiled"] = hooked
+        results["with_hooks"] = _common.time_cases(cases, baseline="compiled bare", **timing)
+        print(_common.format_table(f"deep-narrow {len(ref)} modules, backend {backend}", results["with_hooks"]))
+        # Phase 2: a live capture function holds funhooks' global hooks, so it gets its own
+        # baseline, measured while it is alive.
+        if hasattr(fh, "capture"):
+            compiled_capture = torch.compile(fh.capture(model, spec), backend=backend)
+            checks["compiled fh.capture"] = _check("compiled fh.capture", lambda: compiled_capture(x), y_ref, ref, failures)
+            cases = {"compiled bare (capture alive)": lambda: compiled(x)}
+            if checks["compiled fh.capture"]:
+                cases["compiled fh.capture"] = lambda: compiled_capture(x)
+            results["capture"] = _common.time_cases(cases, baseline="compiled bare (capture alive)", **timing)
+            print(_common.format_table("compiled capture", results["capture"]))
+    for name, why in failures.items():
+        print(f"bench_compile: {name!r} failed its check and was not timed: {why}")
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "backend": backend, "rounds": args.rounds,
         "warmup": args.warmup, "correct": not failures, "checks": checks, "failures": failures,
-        "results": {"deep-narrow": {"modules_hooked": len(_common.hooked_modules(model)), "cases": timed}},
+        "results": {"deep-narrow": {"modules_hooked": len(ref), "cases": {k: v for r in results.values() for k, v in r.items()}}},
     })
     print(f"wrote {path}")
 
