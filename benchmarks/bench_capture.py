@@ -10,6 +10,8 @@ root, so all of them do the same work; checked equal before timing):
   per round, untimed, and dropped after its turn (included when funhooks has ``capture``):
   a live capture function keeps funhooks' global hooks installed, which would slow the
   other cases, the bare forward included.
+- ``bare, beside a live fh.capture``: the bare forward while a capture function of an
+  unrelated model exists: what holding one costs everything else in the process.
 - ``hand hooks, registered once``: one forward hook per module storing ``out.detach()``
   in a dict keyed by module, registered before timing on a copy of the model; per call the
   dict is reset and read out as a list in module order (``named_modules`` order, like a Record).
@@ -286,6 +288,17 @@ def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Te
     cases: dict[str, Callable[[torch.Tensor], tuple[Any, Any]]] = {"bare": bare, "fh.with_hooks": with_hooks}
     if hasattr(fh, "capture"):
         cases["fh.capture"] = _common.PerRound(lambda: fh.capture(model, spec))
+        other = nn.Linear(1, 1)
+
+        def bare_beside_capture() -> Callable[[torch.Tensor], tuple[Any, None]]:
+            alive = fh.capture(other, fh.outputs(""))  # of an unrelated model, never called
+
+            def call(x: torch.Tensor) -> tuple[Any, None]:
+                return model(x), alive and None
+
+            return call
+
+        cases["bare, beside a live fh.capture"] = _common.PerRound(bare_beside_capture)
     cases["hand hooks, registered once"] = _hand_once(model)
     cases["hand hooks, per call"] = _hand_per_call(model)
     name, fastai_call = _fastai_per_call(model)
