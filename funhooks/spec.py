@@ -60,8 +60,8 @@ class Spec:
         (True, 'output', 'forward')
     """
 
-    where: Selector
-    event: str
+    where: Selector = attrs.field(converter=select)  # so `attrs.evolve(spec, where="head.*")` works
+    event: str = attrs.field(validator=lambda spec, _, event: _check_event(spec.label, event))
     role: str
     name: str | None
     fn: Callable[..., Any] | None = None

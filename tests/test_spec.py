@@ -231,6 +231,19 @@ def test_specs_are_frozen(build) -> None:
     assert changed != spec and changed.cpu != spec.cpu
 
 
+def test_evolve_normalises_the_selector_and_checks_the_event() -> None:
+    """`attrs.evolve(spec, where=...)` takes any selector form; a bad event is still refused."""
+    spec = fh.outputs("a")
+    assert attrs.evolve(spec, where="b.*") == fh.outputs("b.*")
+    assert attrs.evolve(spec, where=[nn.Linear]) == fh.outputs([nn.Linear])
+    with pytest.raises(fh.SpecError) as err:
+        attrs.evolve(spec, event="nope")
+    assert str(err.value) == (
+        "outputs: `event` is one of ['forward_pre', 'forward', 'backward_pre', 'backward', 'param_grad'], "
+        "got 'nope'. Pick one of those."
+    )
+
+
 @pytest.mark.parametrize("build", VALUE_SPECS)
 def test_specs_with_module_level_functions_pickle(build) -> None:
     """Specs of module-level functions round-trip through pickle and deepcopy, equal."""
