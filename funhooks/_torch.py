@@ -71,6 +71,31 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         stack.extend(reversed(children))
 
 
+def has_compiled(model: nn.Module) -> bool:
+    """True when `model` or any submodule is a ``torch.compile`` wrapper."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if type(module).__name__ in _WRAPPER_ATTRS:
+            return True
+        stack.extend(unwrap(c) if _wrapper_attr(c) == "module" else c for c in module._modules.values() if c is not None)
+    return False
+
+
+def is_compiled_root(model: nn.Module) -> bool:
+    """True when a ``torch.compile`` wrapper sits in the chain of wrappers around `model`."""
+    while (attr := _wrapper_attr(model)) is not None:
+        if attr == "_orig_mod":
+            return True
+        model = getattr(model, attr)
+    return False
+
+
+def reset_compiled() -> None:
+    """Drop dynamo's compiled code so that the next call traces the hooks installed now."""
+    torch.compiler.reset()
+
+
 def register_pytree(cls: type, flatten: Callable, unflatten: Callable, name: str) -> None:
     """Register ``cls`` as a pytree node so ``torch.func`` transforms see its tensors."""
     pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=name)

@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
@@ -99,10 +98,6 @@ def _compiled_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _as_copy(spec: Spec) -> Spec:
-    return attrs.evolve(spec, clone=True) if not spec.is_edit and spec.role != "call" else spec
-
-
 def _check_leaves(record: Record, caller: str) -> None:
     for path, node in record.items():
         for name in node:
@@ -129,7 +124,7 @@ class _Recorder:
         self.inner = _torch.unwrap(model)
         _check_hookable(model, specs, caller)
         self.plan = _run._Plan.get(self.inner, specs, caller)
-        self.copy_specs = tuple(_as_copy(s) for s in specs)
+        self.copy_specs = tuple(_run.as_copy(s) for s in specs)
         self.copy_plan = _run._Plan.get(self.inner, self.copy_specs, caller)
         self.has_backward = _backward_error(specs, caller) is not None
         for kind in _HOOK_KINDS:
@@ -154,7 +149,7 @@ class _Recorder:
             frame.open = False
             _run._STACK.remove(frame)
         if copies:  # version counters are not kept by graphs and vmap; stored values are copies
-            record = _run._build([(k, v, None) for k, v, _ in frame.buffer], [], plan, self.caller)
+            record = _run._build(frame.buffer, [], plan, self.caller, copies=True)
         else:
             record = _run._build(frame.buffer, frame.extra_checks, plan, self.caller)
         if _torch.is_functorch_active():

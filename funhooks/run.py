@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.modules.module as _module_hooks
 from torch import nn
@@ -79,6 +80,25 @@ def acquire(kind: str) -> None:
         else:
             _HANDLES[kind] = _module_hooks.register_module_forward_pre_hook(_on_forward_pre)
     _USERS[kind] += 1
+
+
+_STICKY: set[str] = set()
+
+
+def hold_forever(kinds: Iterable[str]) -> None:
+    """Keep the global `kinds` hooks installed for the rest of the process.
+
+    Dynamo does not retrace code compiled before a global hook existed, so the first run on
+    a compiled model installs the dispatcher for good and drops compiled code once
+    (``torch.compiler.reset()``: every compiled function recompiles on its next call).
+    From then on every module call in the process takes PyTorch's hook path.
+    """
+    new = [k for k in kinds if k not in _STICKY]
+    for kind in new:
+        acquire(kind)
+        _STICKY.add(kind)
+    if new:
+        _torch.reset_compiled()
 
 
 def release(kind: str) -> None:
@@ -388,6 +408,7 @@ class _Plan:
                         ppath = f"{path}.{pname}" if path else pname
                         order.setdefault(ppath, (module_order[id(module)], i + 1))
                         self.params.append((spec, (ppath, spec.name), weakref.ref(param)))
+        self.compiled = _torch.has_compiled(model)
         self.forward = {k: tuple(v) for k, v in forward.items()}
         self.forward_pre = {k: tuple(v) for k, v in forward_pre.items()}
         self.order = order
@@ -407,6 +428,12 @@ class _Plan:
                 cache.pop(next(iter(cache)))
             cache[specs] = plan
         return plan
+
+
+def as_copy(spec: Spec) -> Spec:
+    """The spec storing copies: where version counters are not kept (compiled graphs,
+    ``vmap``'s batched tensors) a copy is the only value an in-place op cannot change."""
+    return attrs.evolve(spec, clone=True) if not spec.is_edit and spec.role != "call" else spec
 
 
 class _Frame:
@@ -433,11 +460,14 @@ def _stale(caller: str, key: tuple[str, str], spec: Spec | None) -> StaleTensorE
     )
 
 
-def _build(buffer: list, extra: list, plan: _Plan, caller: str) -> Record:
-    """Group the buffer into a Record, checking that no stored tensor changed since."""
+def _build(buffer: list, extra: list, plan: _Plan, caller: str, *, copies: bool = False) -> Record:
+    """Group the buffer into a Record, checking that no stored tensor changed since
+    (unless the values are copies taken where version counters are not kept)."""
     groups: dict[tuple[str, str], list[Any]] = {}
+    if copies:
+        extra = []
     for key, value, check in buffer:
-        if check is not None:
+        if check is not None and not copies:
             if type(check) is int:
                 if value._version != check:
                     raise _stale(caller, key, plan.spec_of.get(key))
@@ -520,7 +550,7 @@ class Run:
     call's) per hooked module and spec.
     """
 
-    __slots__ = ("_model", "_specs", "_plan", "_frame", "_handles", "_state", "_caller")
+    __slots__ = ("_model", "_specs", "_plan", "_frame", "_handles", "_state", "_caller", "_copies")
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec], *, caller: str = "with_hooks") -> None:
         set_ = object.__setattr__
@@ -528,6 +558,7 @@ class Run:
         set_(self, "_model", _check_model(model, caller))
         set_(self, "_specs", _as_specs(specs, caller))
         set_(self, "_plan", _Plan.get(_torch.unwrap(model), self._specs, caller))
+        set_(self, "_copies", False)
         set_(self, "_frame", _Frame(self._plan))
         set_(self, "_handles", [])
         set_(self, "_state", "new")
@@ -544,7 +575,17 @@ class Run:
         if self._state != "new":
             raise RuntimeError(f"{self._caller}: a run is entered once, got a second `with`. Call `with_hooks` again.")
         object.__setattr__(self, "_state", "open")
-        frame, plan = self._frame, self._plan
+        plan = self._plan
+        compiled = plan.compiled or _torch.is_compiled_root(self._model)
+        if compiled or _torch.is_compiling() or _torch.is_functorch_active():
+            # no version counters there: store copies, and keep the dispatcher traced
+            plan = _Plan.get(_torch.unwrap(self._model), tuple(as_copy(s) for s in self._specs), self._caller)
+            object.__setattr__(self, "_plan", plan)
+            object.__setattr__(self, "_frame", _Frame(plan))
+            object.__setattr__(self, "_copies", True)
+            if compiled:
+                hold_forever(("forward", "forward_pre") if plan.forward_pre else ("forward",))
+        frame = self._frame
         try:
             for kind in ("forward", "forward_pre"):
                 if kind == "forward" or plan.forward_pre:
@@ -601,7 +642,7 @@ class Run:
         Raises:
             StaleTensorError: when a stored tensor was changed in place after it was stored.
         """
-        return _build(self._frame.buffer, self._frame.extra_checks, self._plan, self._caller)
+        return _build(self._frame.buffer, self._frame.extra_checks, self._plan, self._caller, copies=self._copies)
 
     def take(self) -> Record:
         """The Record of everything stored since the last ``take``, then start afresh.
@@ -609,7 +650,7 @@ class Run:
         Use it to get one Record per batch from a single block around a loop.
         """
         frame = self._frame
-        rec = _build(frame.buffer, frame.extra_checks, self._plan, self._caller)
+        rec = _build(frame.buffer, frame.extra_checks, self._plan, self._caller, copies=self._copies)
         frame.buffer, frame.extra_checks = [], []
         return rec
 

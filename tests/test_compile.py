@@ -11,8 +11,6 @@ import funhooks as fh
 pytestmark = [
     # inductor's own use of deprecated torch.jit APIs, not ours
     pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning"),
-    # torch warns whenever a global hook (our dispatcher) meets an OptimizedModule
-    pytest.mark.filterwarnings("ignore:Using `torch.compile(module)` when there are global hooks:UserWarning"),
 ]
 
 
@@ -61,16 +59,40 @@ def test_capture_refuses_selection_inside_a_compiled_submodule() -> None:
         fh.capture(model, fh.outputs("2"))
 
 
-@pytest.mark.xfail(strict=True, reason="core: hooks added after compile never fire (see docs/functional.md)")
 def test_with_hooks_on_a_model_compiled_before_the_run_records() -> None:
-    """with_hooks on an OptimizedModule compiled before the run gives the eager Record."""
-    torch._dynamo.reset()
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    """with_hooks on a model compiled before any run gives the eager Record, also over
+    repeated runs without new graphs, and stores nothing once the block has exited."""
+    from torch._dynamo.utils import counters
+
+    model = small()
     compiled = torch.compile(model)
     x = torch.randn(3, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns about global hooks on OptimizedModule
-        compiled(x)
-        with fh.with_hooks(compiled, fh.outputs(nn.Linear)) as run:
+    compiled(x)  # compiled before funhooks installed anything
+    with fh.with_hooks(compiled, fh.outputs("**")) as run:
+        y = compiled(x)
+    with fh.with_hooks(model, fh.outputs("**", clone=True)) as eager:
+        model(x)
+    assert list(run.record) == ["0", "1", "2"]
+    assert run.record.equal(eager.record, atol=1e-6)
+    assert torch.allclose(run.record["2"]["output"], y)
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(5):
+        with fh.with_hooks(compiled, fh.outputs("**")) as again:
             compiled(x)
-    assert len(run.record) == 2
+        assert again.record.equal(run.record, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == graphs
+    compiled(x)
+    assert len(again.record.calls("0", "output")) == 1
+    fh.testing.assert_no_hooks(model)
+
+
+def test_with_hooks_on_a_model_with_a_compiled_submodule_records_its_paths() -> None:
+    """A submodule compiled on its own is hooked at its plain path, no `_orig_mod.`."""
+    inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    outer = nn.Sequential(torch.compile(inner), nn.Linear(4, 1))
+    x = torch.randn(2, 4)
+    outer(x)
+    with fh.with_hooks(outer, fh.outputs("**")) as run:
+        y = outer(x)
+    assert list(run.record) == ["0", "0.0", "0.1", "1"]
+    assert torch.allclose(run.record["1"]["output"], y)
