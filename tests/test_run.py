@@ -4,8 +4,9 @@ safety, errors raised before registration, and Hypothesis properties on random m
 from __future__ import annotations
 
 import copy
-import warnings
 import pickle
+import tempfile
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -797,8 +798,6 @@ def test_record_of_a_run_round_trips_through_save_load(model_x: tuple[nn.Sequent
     with fh.with_hooks(model, [fh.outputs("**", clone=True), fh.inputs("**", clone=True), fh.grads("**")]) as run:
         model(x.requires_grad_(True)).sum().backward()
     rec = run.record
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         rec.save(Path(d) / "r.pt")
         back = fh.Record.load(Path(d) / "r.pt")
