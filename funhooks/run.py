@@ -656,13 +656,23 @@ class Run:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Inside this block the run's hooks stay installed but do nothing (and cost a lookup)."""
+        """Inside this block the run stores nothing: its holds on the global dispatcher are
+        released (so module calls cost nothing when no other run or compiled model holds
+        it) and its per-module hooks stay installed but return at once."""
         frame = self._frame
-        before, frame.active = frame.active, False
+        if not frame.active:
+            yield
+            return
+        kinds = [h for h in self._handles if isinstance(h, str)]
+        frame.active = False
+        for kind in kinds:
+            release(kind)
         try:
             yield
         finally:
-            frame.active = before
+            for kind in kinds:
+                acquire(kind)
+            frame.active = True
 
     @property
     def stored(self) -> list[Any]:
