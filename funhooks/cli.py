@@ -156,9 +156,15 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
+    from .errors import ExtraError
 
     fast = args.fast or os.environ.get("FUNHOOKS_FAST", "") not in ("", "0")
-    demo.run(out=args.out, epochs=args.epochs, fast=fast, progress=not args.no_progress)
+    try:
+        demo.run(out=args.out, epochs=args.epochs, fast=fast, progress=False if args.no_progress else None)
+    except ExtraError as err:
+        raise CommandError(str(err).rstrip(".")) from None
+    except OSError as err:
+        raise CommandError(f"cannot write the plots into {args.out!r}: {_first_line(err)}. Pass a writable `--out`") from None
     return 0
 
 

@@ -26,7 +26,7 @@ from .fold import fit
 from .loop import Step
 from .spec import Spec
 from .stats import ActivationStats, ActivationStatsResult
-from .summary import module_summary
+from .summary import ModuleSummary, module_summary
 
 __all__ = ["DemoResult", "LossCurve", "digits", "digits_cnn", "run"]
 
@@ -98,7 +98,7 @@ class DemoResult:
     losses: list[float]
     stats: ActivationStatsResult
     accuracy: float
-    summary: Any
+    summary: ModuleSummary
 
 
 def digits(*, train_size: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -254,6 +254,8 @@ def run(
     Raises:
         ExtraError: without scikit-learn or matplotlib (install ``funhooks[demo]``).
     """
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)  # fail before training, not after
     torch.manual_seed(SEED)
     epochs = epochs or (FAST_EPOCHS if fast else EPOCHS)
     (x_train, y_train), (x_valid, y_valid) = digits(train_size=FAST_TRAIN_SIZE if fast else None)
@@ -275,8 +277,6 @@ def run(
     with torch.no_grad():
         accuracy = (model(x_valid).argmax(dim=1) == y_valid).float().mean().item()
 
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     figures = {
         "layer_stats": plot_layer_stats(stats, model, len(batches)),
         "color_dim": plot_color_dim(stats, model),

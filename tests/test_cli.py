@@ -208,3 +208,13 @@ def test_bad_arguments_give_one_line(in_models_dir: Path, capsys: pytest.Capture
                                      code: int, expected: str) -> None:
     """Each bad argument gives exactly its one-line message and exit status (1: failed, 2: usage)."""
     assert run_main(args, capsys) == (code, "", expected + "\n")
+
+
+def test_demo_with_an_unwritable_out_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`funhooks demo --out` under a file fails at once, in one line, before any training."""
+    (tmp_path / "a_file").write_text("")
+    code, out, err = run_main(["demo", "--out", str(tmp_path / "a_file" / "plots"), "--fast"], capsys)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"funhooks demo: cannot write the plots into '{tmp_path / 'a_file' / 'plots'}': "
+                          "NotADirectoryError: ")
+    assert err.endswith("Pass a writable `--out`.\n") and err.count("\n") == 1
