@@ -166,13 +166,6 @@ def summarise(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _calls_per_round(fn: Callable[[], Any]) -> int:
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    return max(1, int(TARGET_ROUND_SECONDS / once))
-
-
 class PerRound:
     """A case built afresh (untimed) before its turn in every round and dropped after it.
 
@@ -227,7 +220,7 @@ def time_cases(
                 break
         del fn
     gc.collect()
-    n = inner or _calls_per_round(_resolve(cases[baseline]))
+    n = inner or max(1, int(TARGET_ROUND_SECONDS / max(once.get(baseline, 0.0), 1e-7)))
     calls = {name: max(1, min(n, int(MAX_CASE_ROUND_SECONDS / max(once.get(name, 0.0), 1e-9)))) for name in cases}
     calls[baseline] = n
     names = list(cases)
@@ -257,6 +250,11 @@ def time_cases(
         name: {"seconds": summarise(per_call[name]), "ratio": summarise(ratios[name]), "calls_per_round": calls[name]}
         for name in names
     }
+
+
+def synchronizer(device: str) -> Callable[[], None] | None:
+    """``torch.cuda.synchronize`` for a CUDA device (timings then wait for the kernels), else None."""
+    return torch.cuda.synchronize if device.startswith("cuda") else None
 
 
 def write(name: str, out: pathlib.Path, payload: dict[str, Any]) -> pathlib.Path:

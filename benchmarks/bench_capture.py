@@ -381,6 +381,7 @@ def main() -> None:
     results, checks = {}, {}
     with torch.no_grad():
         for label, (model, x) in models.items():
+            model, x = model.to(args.device), x.to(args.device)
             cases = cases_for(model, x)
             checks[label] = check_cases(cases, x)
             _common.check(all(checks[label].values()), f"{label}: {checks[label]}")
@@ -388,7 +389,7 @@ def main() -> None:
             results[label] = {
                 "modules_hooked": len(_common.hooked_modules(model)),
                 "batch": x.shape[0],
-                "cases": _common.time_cases(timed, baseline="bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock),
+                "cases": _common.time_cases(timed, baseline="bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock, sync=_common.synchronizer(args.device)),
             }
             print(_common.format_table(f"{label} ({results[label]['modules_hooked']} modules hooked)", results[label]["cases"]))
     path = _common.write(NAME, args.out, {

@@ -59,11 +59,12 @@ def main() -> None:
     conditions = _common.setup(args.clock)
     backend = "eager" if args.quick else "inductor"
     torch.manual_seed(0)
-    model = _common.deep_narrow(depth=QUICK_DEPTH if args.quick else DEPTH)
-    x = torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
+    model = _common.deep_narrow(depth=QUICK_DEPTH if args.quick else DEPTH).to(args.device)
+    x = torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH, device=args.device)
     spec = fh.outputs("**")
     compiled = torch.compile(model, backend=backend)
-    timing = {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner, "clock": args.clock}
+    timing = {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner, "clock": args.clock,
+              "sync": _common.synchronizer(args.device)}
 
     def hooked() -> tuple[Any, fh.Record]:
         with fh.with_hooks(compiled, spec) as run:

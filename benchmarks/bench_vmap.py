@@ -55,15 +55,16 @@ def main() -> None:
         return
     torch.manual_seed(0)
     batch = QUICK_BATCH if args.quick else BATCH
-    model = _common.deep_narrow(depth=QUICK_DEPTH if args.quick else _common.DEEP_NARROW_DEPTH)
-    x = torch.randn(batch, _common.DEEP_NARROW_WIDTH)
+    model = _common.deep_narrow(depth=QUICK_DEPTH if args.quick else _common.DEEP_NARROW_DEPTH).to(args.device)
+    x = torch.randn(batch, _common.DEEP_NARROW_WIDTH, device=args.device)
     f = fh.capture(model, fh.outputs("**"))
     vmapped = torch.func.vmap(f)
     with torch.no_grad():
         correct = check(f, x)
         _common.check(correct, "vmap record != stacked per-example records")
         cases = {"loop": lambda: [f(xi) for xi in x], "vmap": lambda: vmapped(x)}
-        timed = _common.time_cases(cases, baseline="loop", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock)
+        timed = _common.time_cases(cases, baseline="loop", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock,
+                                     sync=_common.synchronizer(args.device))
     print(_common.format_table(f"deep-narrow, {batch} examples (ratio: time / loop time)", timed))
     speedup = 1 / timed["vmap"]["ratio"]["median"]
     print(f"vmap speed-up over the loop: {speedup:.1f}x")
