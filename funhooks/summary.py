@@ -1,9 +1,9 @@
 """Model utilities with fastai's names and results: parameter counts, dummy passes, shapes,
 per-layer rows and the summary table.
 
-Shapes are computed on the *meta* device: the model runs through
-``torch.func.functional_call`` with parameters, buffers and inputs replaced by meta tensors,
-so no memory is allocated and no arithmetic is done, however large the model or batch. A
+Shapes are computed on the *meta* device: for one call, the model's parameters, buffers and
+inputs are replaced by meta tensors of the same shapes (and put back after, however the call
+ends), so no memory is allocated and no arithmetic is done, however large the model or batch. A
 model the meta device cannot run (a kernel without a meta implementation, a real tensor made
 inside ``forward``, Python control flow on tensor values) falls back to one real pass under
 ``torch.no_grad()``; its ``forward`` then runs twice.
@@ -370,23 +370,47 @@ def _meta(value: Any) -> Any:
     return _torch.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, value)
 
 
+@contextlib.contextmanager
+def _on_meta(model: nn.Module) -> Iterator[None]:
+    """Inside the block every parameter and buffer of `model` is a meta tensor of its shape;
+    the originals are put back after, however the block exits. Each module is visited
+    once, so a module shared under several paths is swapped and restored once."""
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    meta = torch.empty_like(t, device="meta")
+                    saved.append((table, name, t))
+                    table[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        yield
+    finally:
+        for table, name, t in reversed(saved):
+            table[name] = t
+
+
 def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record, Any]:
     """Run `model` on `args` in eval mode, storing the output shape of the modules `where`
     selects (none when `where` is None). Returns ``(record, output shape)``: on the meta
-    device when it can, else with one real pass."""
+    device when it can, else with one real pass. Lazy modules always get the real pass
+    (it initialises them, as users of fastai's ``dummy_eval`` expect)."""
     model = _torch.unwrap(model)
     specs = () if where is None else (observe(where, _shape, name="shape", detach=False),)
     with_hooks(model, specs)  # validates the selector before anything runs
+    lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
     with _eval_mode(model), torch.no_grad():
-        state = {name: torch.empty_like(t, device="meta")
-                 for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
-        try:
-            with with_hooks(model, specs) as run:
-                out = torch.func.functional_call(model, state, _meta(args))
-        except Exception:  # noqa: BLE001 - no meta kernel, real tensors made in forward, data-dependent ops
-            with with_hooks(model, specs) as run:
-                out = model(*args)
-    return run.record, _shape_tree(out)
+        if not lazy:
+            try:
+                with _on_meta(model), with_hooks(model, specs) as run:
+                    out = model(*_meta(args))
+                return run.record, _shape_tree(out)
+            except Exception:  # noqa: BLE001 - no meta kernel, real tensors made in forward, data-dependent ops
+                pass
+        with with_hooks(model, specs) as run:
+            out = model(*args)
+        return run.record, _shape_tree(out)
 
 
 def _last_shape(rec: Any, path: str) -> Any:

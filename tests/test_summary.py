@@ -255,6 +255,49 @@ def test_summary_of_a_large_batch_costs_no_memory() -> None:
     assert s.rows[-1].shape == (4096, 64, 224, 224)
 
 
+def _real_shape(module: nn.Module, args: tuple, output: object) -> object:
+    return torch.utils._pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else None, output)
+
+
+def _is_leaf(path: str, module: nn.Module) -> bool:
+    return not list(module.children())
+
+
+@hypothesis.given(pair=fh.testing.models_and_inputs() if hasattr(fh.testing, "models_and_inputs") else st.nothing())
+def test_meta_shapes_equal_real_shapes(pair: tuple[nn.Module, torch.Tensor]) -> None:
+    """For any drawn model, the summary's shapes (meta device) are those of a real eval pass,
+    and the model's modes and state are untouched."""
+    model, x = pair
+    before, state = modes(model), copy.deepcopy(model.state_dict())
+    rows = fh.module_summary(model, x).rows
+    assert modes(model) == before
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    model.eval()
+    with torch.no_grad(), fh.with_hooks(model, fh.observe(_is_leaf, _real_shape, name="shape")) as run:
+        model(x)
+    rec = run.record
+    expected = [rec.calls(r.path, "shape")[-1] if r.path in rec else None for r in rows]
+    assert [r.shape for r in rows] == expected
+
+
+def test_shared_module_keeps_its_real_parameters() -> None:
+    """A module registered under two paths gets its own parameters back after the meta pass."""
+    shared = nn.Linear(3, 3)
+    m = nn.Sequential(shared, nn.Tanh(), shared)
+    weight, bias = shared.weight, shared.bias
+    rows = fh.layer_info(m, torch.randn(2, 3))
+    assert [r.path for r in rows] == ["0", "1"]  # the shared instance is listed once, at its first path
+    assert shared.weight is weight and shared.bias is bias and weight.device.type == "cpu"
+
+
+def test_lazy_modules_are_initialised_by_a_real_pass() -> None:
+    """A lazy model gets a real pass (which initialises it, as fastai's dummy_eval would)."""
+    m = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    rows = fh.layer_info(m, torch.randn(5, 3))
+    assert rows == [("Linear", 16, True, [1, 4]), ("ReLU", 0, False, [1, 4])]
+    assert m[0].weight.shape == (4, 3) and m[0].weight.device.type == "cpu"
+
+
 def test_model_rejecting_the_input_raises_its_own_error() -> None:
     """When the model rejects the input, the user sees the model's error."""
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
