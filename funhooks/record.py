@@ -60,6 +60,16 @@ class RecordNode(_Frozen, Mapping):
     """What one module stored: record name -> value, for a module that ran once.
 
     ``node[name]`` is the single value; ``node.calls(name)`` the tuple of every call's value.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> with fh.with_hooks(model, [fh.outputs("0"), fh.inputs("0")]) as run:
+        ...     y = model(torch.ones(1, 2))
+        >>> node = run.record["0"]
+        >>> sorted(node), node["output"].shape, len(node.calls("input"))
+        (['input', 'output'], torch.Size([1, 2]), 1)
     """
 
     __slots__ = ("_path", "_values")

@@ -548,6 +548,18 @@ class Run:
     installed on entry and removed on exit, whatever the exit. ``run.record`` is a snapshot
     valid inside and after the block; ``run.stored`` is fastai's list, one value (the last
     call's) per hooked module and spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> with fh.with_hooks(model, fh.outputs("0")) as run:
+        ...     for _ in range(3):
+        ...         y = run(torch.randn(4, 2))     # run(x) is model(x)
+        ...     first = run.take()                  # the record so far; the buffer restarts
+        ...     y = run(torch.randn(4, 2))
+        >>> len(first.calls("0", "output")), len(run.record.calls("0", "output"))
+        (3, 1)
     """
 
     __slots__ = ("_model", "_specs", "_plan", "_frame", "_handles", "_state", "_caller", "_copies")
