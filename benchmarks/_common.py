@@ -167,7 +167,8 @@ def summarise(values: Sequence[float]) -> dict[str, float]:
 
 
 class PerRound:
-    """A case built afresh (untimed) before its turn in every round and dropped after it.
+    """A case built afresh (untimed) before its turn in every round and dropped after it
+    (its ``close()`` called first, when it has one).
 
     For a case whose mere existence changes the others' cost: ``fh.capture`` holds
     funhooks' global dispatcher hooks while the function it returns is alive, and those
@@ -180,6 +181,12 @@ class PerRound:
 
 def _resolve(case: Callable[[], Any] | PerRound) -> Callable[[], Any]:
     return case.factory() if isinstance(case, PerRound) else case
+
+
+def _release(fn: Callable[[], Any]) -> None:
+    close = getattr(fn, "close", None)
+    if close is not None:
+        close()
 
 
 def time_cases(
@@ -218,6 +225,7 @@ def time_cases(
             once[name] = time.perf_counter() - t
             if i + 1 >= MIN_WARMUP_CALLS and time.perf_counter() - start > MAX_WARMUP_SECONDS:
                 break
+        _release(fn)
         del fn
     gc.collect()
     n = inner or max(1, int(TARGET_ROUND_SECONDS / max(once.get(baseline, 0.0), 1e-7)))
@@ -240,6 +248,7 @@ def time_cases(
                     fn()
                 sync()
                 times[name] = (now() - start) / k
+                _release(fn)
                 del fn
         finally:
             gc.enable()

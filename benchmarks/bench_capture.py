@@ -12,6 +12,9 @@ root, so all of them do the same work; checked equal before timing):
   other cases, the bare forward included.
 - ``bare, beside a live fh.capture``: the bare forward while a capture function of an
   unrelated model exists: what holding one costs everything else in the process.
+- ``floor: a no-op global forward hook``: the bare forward with one global forward hook
+  that does nothing (installed for its turn only): PyTorch's hooked call path, which every
+  hooking case pays; what a case costs above it is its own.
 - ``hand hooks, registered once``: one forward hook per module storing ``out.detach()``
   in a dict keyed by module, registered before timing on a copy of the model; per call the
   dict is reset and read out as a list in module order (``named_modules`` order, like a Record).
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.modules.module as global_hooks
 from torch import nn
 
 import _common
@@ -157,6 +161,25 @@ def _fastai_per_call(model: nn.Module) -> tuple[str, Callable[[torch.Tensor], tu
         return y, hooks.stored
 
     return "fastai-style Hooks emulation", call
+
+
+class _NoOpGlobalHook:
+    """The bare forward with a global forward hook that does nothing: the part of any hook's
+    cost that is PyTorch's own hooked call path, the floor under every capture case."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.handle = global_hooks.register_module_forward_hook(self._noop, with_kwargs=True)
+
+    @staticmethod
+    def _noop(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        return None
+
+    def __call__(self, x: torch.Tensor) -> tuple[Any, None]:
+        return self.model(x), None
+
+    def close(self) -> None:
+        self.handle.remove()
 
 
 # -- peers, only when importable --------------------------------------------------------------
@@ -299,6 +322,7 @@ def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Te
             return call
 
         cases["bare, beside a live fh.capture"] = _common.PerRound(bare_beside_capture)
+    cases["floor: a no-op global forward hook"] = _common.PerRound(lambda: _NoOpGlobalHook(model))
     cases["hand hooks, registered once"] = _hand_once(model)
     cases["hand hooks, per call"] = _hand_per_call(model)
     name, fastai_call = _fastai_per_call(model)
@@ -317,10 +341,34 @@ def _as_list(captured: Any) -> list[torch.Tensor] | None:
     return None  # a peer's own log: only its output is compared
 
 
+class _Bound:
+    """``f(x)`` as a call of no arguments, closing `f` when it is closed."""
+
+    def __init__(self, f: Any, x: torch.Tensor) -> None:
+        self.f, self.x = f, x
+
+    def __call__(self) -> Any:
+        return self.f(self.x)
+
+    def close(self) -> None:
+        _drop(self.f)
+
+
 def _bind(case: Any, x: torch.Tensor) -> Any:
     if isinstance(case, _common.PerRound):
-        return _common.PerRound(lambda: (lambda f=case.factory(): f(x)))
+        def make() -> Any:
+            f = case.factory()
+            call = _Bound(f, x)
+            return call
+
+        return _common.PerRound(make)
     return lambda: case(x)
+
+
+def _drop(fn: Any) -> None:
+    close = getattr(fn, "close", None)
+    if close is not None:
+        close()
 
 
 def check_cases(cases: dict[str, Callable], x: torch.Tensor) -> dict[str, bool]:
@@ -331,6 +379,7 @@ def check_cases(cases: dict[str, Callable], x: torch.Tensor) -> dict[str, bool]:
     for name, case in cases.items():
         fn = case.factory() if isinstance(case, _common.PerRound) else case
         y, captured = fn(x)
+        _drop(fn)
         got = _as_list(captured)
         ok[name] = torch.equal(y, y_ref) and (got is None or _common.tensors_equal(got, ref))
     return ok
@@ -362,6 +411,7 @@ def profile(case: str, calls: int = PROFILE_CALLS) -> None:
         for _ in range(calls):
             fn(x)
         profiler.disable()
+        _drop(fn)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(PROFILE_TOP)
 
 
