@@ -307,6 +307,9 @@ BATCH = 32
 IMAGE = (3, 32, 32)
 CNN_WIDTHS = (16, 32, 64)
 CLASSES = 10
+QUICK_CNN_WIDTHS = (4, 8)
+QUICK_BATCH = 2
+"""Sizes of the smoke runs (``--quick``): enough to exercise every case, nothing to time."""
 
 
 def deep_narrow(depth: int = DEEP_NARROW_DEPTH, width: int = DEEP_NARROW_WIDTH) -> torch.nn.Module:

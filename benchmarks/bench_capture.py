@@ -424,7 +424,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.quick:
         models = {"deep-narrow": (_common.deep_narrow(depth=QUICK_DEPTH), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)),
-                  "cnn": (_common.small_cnn(widths=(4, 8)), torch.randn(2, *_common.IMAGE))}
+                  "cnn": (_common.small_cnn(widths=_common.QUICK_CNN_WIDTHS), torch.randn(_common.QUICK_BATCH, *_common.IMAGE))}
     else:
         models = {"deep-narrow": (_common.deep_narrow(), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)),
                   "cnn": (_common.small_cnn(), torch.randn(_common.BATCH, *_common.IMAGE))}

@@ -34,6 +34,8 @@ NAME = "compile"
 DEPTH = 16
 QUICK_DEPTH = 4
 ATOL = 1e-5
+MESSAGE_CHARS = 300
+"""How much of a failing case's error message the result keeps."""
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -46,7 +48,7 @@ def _check(name: str, call: Callable[[], Any], y_ref: torch.Tensor, ref: list, f
         y, rec = call()
         stored = rec.stored()
     except Exception as err:  # reported and left out of the timing, never hidden
-        failures[name] = f"{type(err).__name__}: {str(err)[:300]}"
+        failures[name] = f"{type(err).__name__}: {str(err)[:MESSAGE_CHARS]}"
         return False
     if torch.allclose(y, y_ref, atol=ATOL) and _close(stored, ref):
         return True

@@ -76,11 +76,11 @@ def main() -> None:
     device = torch.device(args.device)
     conditions = _common.setup(args.clock)
     torch.manual_seed(0)
-    batch = 2 if args.quick else _common.BATCH
+    batch = _common.QUICK_BATCH if args.quick else _common.BATCH
     models = {
         "deep-narrow": (_common.deep_narrow(depth=QUICK_DEPTH if args.quick else _common.DEEP_NARROW_DEPTH),
                         torch.randn(batch, _common.DEEP_NARROW_WIDTH)),
-        "cnn": (_common.small_cnn(widths=(4, 8) if args.quick else _common.CNN_WIDTHS), torch.randn(batch, *_common.IMAGE)),
+        "cnn": (_common.small_cnn(widths=_common.QUICK_CNN_WIDTHS if args.quick else _common.CNN_WIDTHS), torch.randn(batch, *_common.IMAGE)),
     }
     variants = {
         "detach=True (default)": fh.outputs("**"),
