@@ -13,6 +13,7 @@ matplotlib (the ``demo`` extra) are imported only here.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ LR = 0.1
 MOMENTUM = 0.9
 PIXEL_MAX = 16.0  # digits' pixels are integers 0..16
 SMOOTHING = 0.9  # exponential moving average of the loss curve
+REPORT_WIDTH = 88  # columns of the printed report
 FILES = {
     "layer_stats": "layer_stats.png",
     "color_dim": "color_dim.png",
@@ -222,6 +224,9 @@ def plot_loss(losses: list[float], epoch_len: int) -> Any:
 
 
 def _epochs(ax: Any, steps: int, epoch_len: int) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     for boundary in range(epoch_len, steps, epoch_len):
         ax.axvline(boundary, color="grey", linestyle=":", linewidth=1)
 
@@ -297,5 +302,6 @@ def run(
              f"near zero {100 * s['near_zero']:.0f}%")
     echo(f"\nPlots written to {folder.resolve()}:")
     for name, path in files.items():
-        echo(f"  {path.name:<16} {WHAT[name]}")
+        lines = textwrap.wrap(WHAT[name], width=REPORT_WIDTH - 19)
+        echo(f"  {path.name:<16} " + f"\n{' ' * 19}".join(lines))
     return DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary)
