@@ -56,7 +56,7 @@ QUICK_DEPTH = 4
 
 
 def _hand_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
-    """Hooks registered once on a private copy; a call resets the list and runs the model."""
+    """Hooks registered once on a private copy; a call resets their dict and runs the model."""
     model = copy.deepcopy(model)
     modules = _common.hooked_modules(model)
     store: dict[nn.Module, torch.Tensor] = {}
@@ -317,8 +317,9 @@ def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Te
             alive = fh.capture(other, fh.outputs(""))  # of an unrelated model, never called
 
             def call(x: torch.Tensor) -> tuple[Any, None]:
-                return model(x), alive and None
+                return model(x), None
 
+            call.keep_alive = alive  # type: ignore[attr-defined]
             return call
 
         cases["bare, beside a live fh.capture"] = _common.PerRound(bare_beside_capture)
