@@ -6,7 +6,9 @@ inputs are replaced by meta tensors of the same shapes (and put back after, howe
 ends), so no memory is allocated and no arithmetic is done, however large the model or batch. A
 model the meta device cannot run (a kernel without a meta implementation, a real tensor made
 inside ``forward``, Python control flow on tensor values) falls back to one real pass under
-``torch.no_grad()``; its ``forward`` then runs twice.
+``torch.no_grad()``; its ``forward`` then runs twice. A tensor that ``forward`` caches as a
+plain module attribute during the meta pass is put back as it was; caches kept elsewhere
+(in a list or dict, outside the model) can keep a meta tensor.
 
 Unlike fastai, nothing here changes the model: every module's train/eval flag is restored
 (passes run in eval mode, as fastai's do), buffers are not updated, and the dummy batch is
@@ -374,8 +376,11 @@ def _meta(value: Any) -> Any:
 def _on_meta(model: nn.Module) -> Iterator[None]:
     """Inside the block every parameter and buffer of `model` is a meta tensor of its shape;
     the originals are put back after, however the block exits. Each module is visited
-    once, so a module shared under several paths is swapped and restored once."""
+    once, so a module shared under several paths is swapped and restored once. A plain
+    tensor attribute that ``forward`` set to a meta tensor (a cache) is put back as it was,
+    or removed when it is new."""
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    attributes = [(m, dict(vars(m))) for m in model.modules()]
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -389,6 +394,13 @@ def _on_meta(model: nn.Module) -> Iterator[None]:
     finally:
         for table, name, t in reversed(saved):
             table[name] = t
+        for module, before in attributes:
+            for key, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and value.is_meta and value is not before.get(key):
+                    if key in before:
+                        vars(module)[key] = before[key]
+                    else:
+                        del vars(module)[key]
 
 
 def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record, Any]:

@@ -290,6 +290,31 @@ def test_shared_module_keeps_its_real_parameters() -> None:
     assert shared.weight is weight and shared.bias is bias and weight.device.type == "cpu"
 
 
+class Cached(nn.Module):
+    """Caches a tensor computed in forward as a plain attribute (as rotary embeddings do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None or self.cache.shape != x.shape[1:]:
+            self.cache = torch.ones_like(self.lin.weight[0])
+        return self.lin(x) * self.cache
+
+
+def test_meta_pass_leaves_no_meta_cache_behind() -> None:
+    """A tensor that forward caches on the module is not left on the meta device."""
+    m = Cached()
+    fh.layer_info(m, torch.randn(2, 3))
+    assert m.cache is None
+    m(torch.randn(2, 3))
+    cache = m.cache
+    fh.module_summary(m, torch.randn(2, 3))
+    assert m.cache is cache and m(torch.randn(2, 3)).device.type == "cpu"
+
+
 def test_lazy_modules_are_initialised_by_a_real_pass() -> None:
     """A lazy model gets a real pass (which initialises it, as fastai's dummy_eval would)."""
     m = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
