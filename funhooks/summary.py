@@ -186,6 +186,13 @@ class ModuleSummary:
         rows: one :class:`LayerRow` per leaf module, in module order.
         total: parameters of the model, each shared parameter counted once.
         trainable: how many of them require grad.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> summary = fh.module_summary(nn.Sequential(nn.Linear(1, 50), nn.ReLU()), torch.randn(16, 1))
+        >>> summary.total, summary.trainable, summary.non_trainable, len(summary.rows)
+        (100, 100, 0, 2)
     """
 
     model: str
