@@ -14,33 +14,32 @@ Example:
     [(3, 8), (3, 2)]
 """
 
+import warnings as _warnings
 from importlib import metadata as _metadata
 
-from . import testing
+from . import distributed, plot, progress, testing
+from .distributed import merge_across_ranks
 from .errors import (
+    ExtraError,
     FrozenError,
     HookError,
+    LoopError,
     RecordError,
+    ReducerError,
     SelectorError,
     SpecError,
     StaleTensorError,
     TransformError,
 )
-from .functional import capture, functional
-from . import distributed
-from .distributed import merge_across_ranks
-from .grads import activation_grads
-from .functional import capture, functional
-from .grads import activation_grads
-from . import plot, progress
-from .errors import ExtraError, LoopError, ReducerError
 from .fold import Reducer, fit, fold, fold_all, running
+from .functional import capture, functional
+from .grads import activation_grads
 from .loop import Step, evaluate, train
-from .stats import ActivationStats, ActivationStatsResult, HookCallback
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .select import Selector, select
 from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
+from .stats import ActivationStats, ActivationStatsResult, HookCallback
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -54,75 +53,71 @@ from .summary import (
     total_params,
 )
 
+# funhooks' dispatcher is a global hook that skips the OptimizedModule wrapper itself, so
+# PyTorch's warning that global hooks fire "an extra time" for the wrapper does not apply.
+_warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+
 try:
     __version__ = _metadata.version("funhooks")
 except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
-    # training loop and reducers
+    "activation_grads",
     "ActivationStats",
     "ActivationStatsResult",
-    "ExtraError",
-    "HookCallback",
-    "LoopError",
-    "Reducer",
-    "ReducerError",
-    "Step",
+    "capture",
+    "distributed",
+    "dummy_batch",
+    "dummy_eval",
+    "edit",
     "evaluate",
+    "EVENTS",
+    "ExtraError",
     "fit",
     "fold",
     "fold_all",
-    "plot",
-    "progress",
-    "running",
-    "train",
-    "EVENTS",
     "FrozenError",
+    "functional",
+    "grads",
+    "has_params",
     "Hook",
+    "hook_output",
+    "hook_outputs",
+    "HookCallback",
     "HookError",
     "Hooks",
+    "inputs",
+    "layer_info",
+    "LayerRow",
+    "LoopError",
+    "merge_across_ranks",
+    "model_sizes",
+    "module_summary",
+    "ModuleSummary",
+    "num_features_model",
+    "observe",
+    "outputs",
+    "plot",
+    "progress",
     "Record",
     "RecordError",
     "RecordNode",
+    "Reducer",
+    "ReducerError",
     "Run",
-    "SelectorError",
+    "running",
+    "select",
     "Selector",
+    "SelectorError",
     "Spec",
     "SpecError",
     "StaleTensorError",
-    "TransformError",
-    "__version__",
-    "edit",
-    "grads",
-    "hook_output",
-    "hook_outputs",
-    "inputs",
-    "observe",
-    "outputs",
-    "select",
+    "Step",
     "testing",
-    "with_hooks",
-    # distributed
-    "distributed",
-    "merge_across_ranks",
-    # functional
-    "activation_grads",
-    "capture",
-    "functional",
-    # functional
-    "activation_grads",
-    "capture",
-    "functional",
-    # summary
-    "LayerRow",
-    "ModuleSummary",
-    "dummy_batch",
-    "dummy_eval",
-    "has_params",
-    "layer_info",
-    "model_sizes",
-    "module_summary",
-    "num_features_model",
     "total_params",
+    "train",
+    "TransformError",
+    "with_hooks",
+    "__version__",
 ]
