@@ -157,10 +157,15 @@ def _preparer(spec: Spec) -> Callable[[Any], Any] | None:
             t = step(t)
         return t
 
+    def prep_leaf(x: Any) -> Any:
+        return prep_tensor(x) if isinstance(x, Tensor) else x
+
     def prep(value: Any) -> Any:
         if isinstance(value, Tensor):
             return prep_tensor(value)
-        return _torch.tree_map(lambda x: prep_tensor(x) if isinstance(x, Tensor) else x, value)
+        if type(value) is tuple and all(isinstance(x, Tensor) for x in value):
+            return tuple([prep_tensor(x) for x in value])  # the usual `args`, without pytree
+        return _torch.tree_map(prep_leaf, value)
 
     return prep
 
