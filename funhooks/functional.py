@@ -127,7 +127,8 @@ class _Recorder:
         self.copy_specs = tuple(_run.as_copy(s) for s in specs)
         self.copy_plan = _run._Plan.get(self.inner, self.copy_specs, caller)
         self.has_backward = _backward_error(specs, caller) is not None
-        for kind in _HOOK_KINDS:
+        # the forward-pre hook only when a spec needs it: every hold slows every model
+        for kind in _HOOK_KINDS if self.plan.forward_pre else _HOOK_KINDS[:1]:
             _run.acquire(kind)
             weakref.finalize(self, _run.release, kind)
 
