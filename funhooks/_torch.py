@@ -8,7 +8,6 @@ in PyTorch is fixed here once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.utils._pytree as pytree

@@ -297,7 +297,7 @@ def _grad_hook(frame: _Frame, slot: _Slot, i: int, prep: Callable[[Any], Any] | 
 
 
 def _forward_pre_entry(spec: Spec, key: tuple[str, str | None]) -> Callable[..., Any]:
-    prep, path = _preparer(spec), key[0]
+    prep = _preparer(spec)
     if spec.role == "input":
 
         def store_input(frame: _Frame, module: nn.Module, args: tuple) -> None:
@@ -308,57 +308,43 @@ def _forward_pre_entry(spec: Spec, key: tuple[str, str | None]) -> Callable[...,
 
         return store_input
 
-    fn = spec.fn
-    assert fn is not None
-
     def call_pre(frame: _Frame, module: nn.Module, args: tuple) -> Any:
-        try:
-            value = fn(module, args if spec.is_edit or prep is None else prep(args))
-        except Exception as err:
-            raise _hook_error(spec, path, err) from err
-        if spec.is_edit:
-            return value
-        frame.buffer.append((key, value, _checks(value)))
-        return None
+        return _call(spec, key, prep, frame, module, (args,))
 
     return call_pre
 
 
+def _call(spec: Spec, key: tuple[str, str | None], prep: Callable[[Any], Any] | None, frame: _Frame,
+          first: Any, hook_args: tuple) -> Any:
+    """Call ``spec.fn(first, *hook_args)``: return an editor's result, store an observer's."""
+    if not (spec.is_edit or prep is None):
+        hook_args = tuple([prep(a) for a in hook_args])
+    try:
+        value = spec.fn(first, *hook_args)  # type: ignore[misc]
+    except Exception as err:
+        raise _hook_error(spec, key[0], err) from err
+    if spec.is_edit:
+        return value
+    frame.buffer.append((key, value, _checks(value)))
+    return None
+
+
 def _backward_entry(spec: Spec, key: tuple[str, str | None], frame: _Frame) -> Callable[..., Any]:
     """A full backward (pre) hook for `frame`: PyTorch's semantics, registered per module."""
-    prep, path, fn = _preparer(spec), key[0], spec.fn
-    assert fn is not None
+    prep = _preparer(spec)
 
     def call_backward(module: nn.Module, *grads: Any) -> Any:
-        if not (frame.open and frame.active):
-            return None
-        try:
-            value = fn(module, *(grads if spec.is_edit or prep is None else [prep(g) for g in grads]))
-        except Exception as err:
-            raise _hook_error(spec, path, err) from err
-        if spec.is_edit:
-            return value
-        frame.buffer.append((key, value, _checks(value)))
-        return None
+        return _call(spec, key, prep, frame, module, grads) if frame.open and frame.active else None
 
     return call_backward
 
 
 def _param_entry(spec: Spec, key: tuple[str, str | None], param: nn.Parameter, frame: _Frame) -> Callable[..., Any]:
-    prep, path, fn = _preparer(spec), key[0], spec.fn
-    assert fn is not None
+    """A gradient hook on `param` for `frame`: ``fn(param, grad)``."""
+    prep = _preparer(spec)
 
     def call_param(grad: Tensor) -> Any:
-        if not (frame.open and frame.active):
-            return None
-        try:
-            value = fn(param, grad if spec.is_edit or prep is None else prep(grad))
-        except Exception as err:
-            raise _hook_error(spec, path, err) from err
-        if spec.is_edit:
-            return value
-        frame.buffer.append((key, value, _checks(value)))
-        return None
+        return _call(spec, key, prep, frame, param, (grad,)) if frame.open and frame.active else None
 
     return call_param
 

@@ -1,6 +1,5 @@
 """torch.compile: compiled capture functions, and the state of with_hooks on compiled models."""
 
-import warnings
 
 import pytest
 import torch
