@@ -59,7 +59,6 @@ def _check_hookable(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> N
     if isinstance(inner, torch.fx.GraphModule):
         called = {"", *(str(n.target) for n in inner.graph.nodes if n.op == "call_module")}
     scripted = [p for p, m in _torch.named_modules(inner) if isinstance(m, torch.jit.ScriptModule)]
-    compiled = [p for p, m in _compiled_children(inner)]
     for spec in specs:
         for path, _ in resolve(spec.where, inner, caller=caller, spec=spec):
             if any(path.startswith(f"{s}.") for s in scripted):
@@ -67,35 +66,12 @@ def _check_hookable(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> N
                     f"{caller}: hooks on modules inside a TorchScript module never fire, got module "
                     f"{path!r} selected by {spec!r}. Hook the eager model before scripting it."
                 )
-            hit = next((c for c in compiled if path == c or path.startswith(f"{c}.")), None)
-            if hit is not None:
-                raise TransformError(
-                    f"{caller}: hooks added after `torch.compile` ran a module never fire inside it, got "
-                    f"module {path!r} inside the compiled submodule {hit!r}, selected by {spec!r}. Pass "
-                    "the uncompiled model and compile the whole function: "
-                    "`torch.compile(fh.capture(model, specs))`."
-                )
             if called is not None and path not in called:
                 raise TransformError(
                     f"{caller}: fx inlined module {path!r} into the GraphModule's code, so hooks on it "
                     f"never fire, got it selected by {spec!r}; the called modules are {sorted(called)}. "
                     "Hook the eager model, or keep the module a leaf when tracing."
                 )
-
-
-def _compiled_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(path, module)`` of every submodule wrapped by ``torch.compile`` below the root."""
-    found, stack = [], [("", model)]
-    while stack:
-        path, module = stack.pop()
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            sub = f"{path}.{name}" if path else name
-            if _torch.is_wrapper(child) and type(child).__name__ == "OptimizedModule":
-                found.append((sub, child))
-            stack.append((sub, _torch.unwrap(child)))
-    return found
 
 
 def _check_leaves(record: Record, caller: str) -> None:
@@ -128,15 +104,18 @@ class _Recorder:
         self.copy_plan = _run._Plan.get(self.inner, self.copy_specs, caller)
         self.has_backward = _backward_error(specs, caller) is not None
         # the forward-pre hook only when a spec needs it: every hold slows every model
-        for kind in _HOOK_KINDS if self.plan.forward_pre else _HOOK_KINDS[:1]:
+        kinds = _HOOK_KINDS if self.plan.forward_pre else _HOOK_KINDS[:1]
+        for kind in kinds:
             _run.acquire(kind)
             weakref.finalize(self, _run.release, kind)
+        if self.plan.compiled:  # submodules compiled on their own must retrace the dispatcher
+            _run.hold_forever(kinds)
 
     def __call__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Record]:
         if self.has_backward:
             raise _backward_error(self.specs, self.caller)  # type: ignore[misc]
         compiling = _torch.is_compiling()
-        copies = compiling or _torch.is_functorch_active()
+        copies = compiling or self.plan.compiled or _torch.is_functorch_active()
         plan = self.copy_plan if copies else self.plan
         if not compiling and plan.generation != _run._GENERATION[0]:
             self.plan = plan = _run._Plan.get(self.inner, self.specs, self.caller)
