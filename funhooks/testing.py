@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _torch
+from . import _models, _torch
 from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
@@ -283,164 +283,6 @@ def tensors(shape: Iterable[int], *, min_value: float = -10.0, max_value: float 
 # Random models are built from these small modules; each has a readable repr for Hypothesis.
 
 
-class _Residual(nn.Module):
-    """``x + body(x)``."""
-
-    def __init__(self, body: nn.Module) -> None:
-        super().__init__()
-        self.body = body
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.body(x)
-
-
-class _Fork(nn.Module):
-    """Returns a tuple ``(x, body(x))``."""
-
-    def __init__(self, body: nn.Module) -> None:
-        super().__init__()
-        self.body = body
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, self.body(x)
-
-
-class _Join(nn.Module):
-    """Takes two positional tensors and adds them."""
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
-
-
-class _ForkJoin(nn.Module):
-    """A module returning a tuple, unpacked into the next one."""
-
-    def __init__(self, body: nn.Module) -> None:
-        super().__init__()
-        self.fork, self.join = _Fork(body), _Join()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.join(*self.fork(x))
-
-
-class _Scale(nn.Module):
-    """Multiplies by a keyword-only `scale`."""
-
-    def forward(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:
-        return x * scale
-
-
-class _Scaled(nn.Module):
-    """Calls a submodule with a keyword argument: ``scale(body(x), scale=...)``."""
-
-    def __init__(self, body: nn.Module, scale: float) -> None:
-        super().__init__()
-        self.body, self.scale, self.factor = body, _Scale(), scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale(self.body(x), scale=self.factor)
-
-
-class _Chain(nn.Module):
-    """A loop over an ``nn.ModuleList``."""
-
-    def __init__(self, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-_MAX_FEATURES = 6
-_MAX_CHANNELS = 3
-_MAX_SIDE = 5
-_SCALES = (0.5, 2.0)
-_MAX_BLOCKS = 3
-
-
-_ACTIVATIONS = {
-    "relu": (nn.ReLU, False),
-    "tanh": (nn.Tanh, False),
-    "gelu": (nn.GELU, True),
-    "sigmoid": (nn.Sigmoid, False),
-    "leaky_relu": (lambda: nn.LeakyReLU(0.1), False),
-}
-"""name -> (factory, whether an in-place op may follow: the output is not saved for backward)."""
-
-
-def _activation(draw: Callable[..., Any], st: Any, *, inplace_ok: bool) -> tuple[nn.Module, bool]:
-    """An activation, in place only where autograd allows it, and its own freshness."""
-    kinds = list(_ACTIVATIONS) + (["relu_", "leaky_relu_"] if inplace_ok else [])
-    kind = draw(st.sampled_from(kinds))
-    if kind == "relu_":
-        return nn.ReLU(inplace=True), False
-    if kind == "leaky_relu_":
-        return nn.LeakyReLU(0.1, inplace=True), False
-    factory, fresh = _ACTIVATIONS[kind]
-    return factory(), fresh
-
-
-def _block(draw: Callable[..., Any], st: Any, shape: tuple, depth: int, fresh: bool,
-           keep_shape: bool) -> tuple[nn.Module, tuple, bool]:
-    """One drawn block for inputs of `shape` (``("vec", F)`` or ``("img", C, H)``).
-
-    `fresh` says whether an in-place op may modify the block's input (it is no leaf and
-    no op before saved it); `keep_shape` asks for a block whose output has the input's
-    shape. Returns the block, its output shape and its own freshness.
-    """
-    kinds = ["layer", "norm", "activation", "activation"]
-    if shape[0] == "img" and not keep_shape:
-        kinds.append("flatten")
-    if depth > 0:
-        kinds += ["sequential", "chain", "residual", "fork", "scaled", "shared"]
-    kind = draw(st.sampled_from(kinds))
-    if kind == "layer":
-        if shape[0] == "vec":
-            out = shape[1] if keep_shape else draw(st.integers(1, _MAX_FEATURES))
-            return nn.Linear(shape[1], out), ("vec", out), True
-        out = shape[1] if keep_shape else draw(st.integers(1, _MAX_CHANNELS))
-        return nn.Conv2d(shape[1], out, 3, padding=1), ("img", out, shape[2]), True
-    if kind == "norm":
-        if shape[0] == "vec":
-            norm = draw(st.sampled_from([nn.BatchNorm1d, nn.LayerNorm]))(shape[1])
-        else:
-            norm = draw(st.sampled_from([nn.BatchNorm2d, lambda c: nn.GroupNorm(1, c)]))(shape[1])
-        return norm, shape, True
-    if kind == "activation":
-        module, after = _activation(draw, st, inplace_ok=fresh)
-        return module, shape, after
-    if kind == "flatten":
-        return nn.Flatten(), ("vec", shape[1] * shape[2] * shape[2]), fresh
-    if kind in ("sequential", "chain"):
-        layers, shape, fresh = _blocks(draw, st, shape, depth - 1, fresh, keep_shape)
-        return (nn.Sequential(*layers) if kind == "sequential" else _Chain(layers)), shape, fresh
-    if kind == "shared":
-        # One instance called twice: shape preserving, so it can run on its own output.
-        if shape[0] == "vec":
-            layer: nn.Module = nn.Linear(shape[1], shape[1])
-        else:
-            layer = nn.Conv2d(shape[1], shape[1], 3, padding=1)
-        return nn.Sequential(layer, nn.Tanh(), layer), shape, True
-    # The body's input is shared with the skip path, so nothing may change it in place.
-    body_layers, body_shape, _ = _blocks(draw, st, shape, depth - 1, False, keep_shape or kind != "scaled")
-    body = nn.Sequential(*body_layers)
-    if kind == "scaled":
-        return _Scaled(body, draw(st.sampled_from(_SCALES))), body_shape, True
-    return (_Residual(body) if kind == "residual" else _ForkJoin(body)), shape, True
-
-
-def _blocks(draw: Callable[..., Any], st: Any, shape: tuple, depth: int, fresh: bool,
-            keep_shape: bool = False) -> tuple[list[nn.Module], tuple, bool]:
-    layers = []
-    for _ in range(draw(st.integers(1, _MAX_BLOCKS))):
-        block, shape, fresh = _block(draw, st, shape, depth, fresh, keep_shape)
-        layers.append(block)
-    return layers, shape, fresh
-
-
 def models_and_inputs(*, max_depth: int = 2, device: str | torch.device = "cpu") -> st.SearchStrategy[tuple[nn.Module, torch.Tensor]]:
     """A strategy for ``(model, x)``: a small random model and an input it accepts.
 
@@ -476,13 +318,13 @@ def models_and_inputs(*, max_depth: int = 2, device: str | torch.device = "cpu")
     def draw_pair(draw: Callable[..., Any]) -> tuple[nn.Module, torch.Tensor]:
         batch = draw(st.integers(2, 4))
         if draw(st.booleans()):
-            shape: tuple = ("vec", draw(st.integers(1, _MAX_FEATURES)))
+            shape: tuple = ("vec", draw(st.integers(1, _models.MAX_FEATURES)))
             size: tuple = (batch, shape[1])
         else:
-            side = draw(st.integers(2, _MAX_SIDE))
-            shape = ("img", draw(st.integers(1, _MAX_CHANNELS)), side)
+            side = draw(st.integers(2, _models.MAX_SIDE))
+            shape = ("img", draw(st.integers(1, _models.MAX_CHANNELS)), side)
             size = (batch, shape[1], side, side)
-        layers, _, _ = _blocks(draw, st, shape, max_depth, False)
+        layers, _, _ = _models.blocks(draw, st, shape, max_depth, False)
         seed = draw(st.integers(0, 2**31 - 1))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
