@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+_SCALARS = (bool, int, float, complex, str)
 
 
 def _gather(t: Tensor) -> Tensor:
@@ -83,7 +84,11 @@ def checks(value: Any) -> Any:
     """What the record needs to tell later whether `value` was changed in place."""
     if isinstance(value, Tensor):
         return value._version
-    return tuple((t, t._version) for t in _torch.tree_leaves(value) if isinstance(t, Tensor))
+    if value is None or isinstance(value, _SCALARS):
+        return None
+    if type(value) is tuple and all(isinstance(t, Tensor) for t in value):
+        return tuple([(t, t._version) for t in value])  # the usual args, without a pytree walk
+    return tuple([(t, t._version) for t in _torch.tree_leaves(value) if isinstance(t, Tensor)])
 
 
 class Slot:

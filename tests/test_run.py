@@ -842,3 +842,36 @@ def test_call_counts_equal_an_independent_count_on_kit_models(model_x: tuple[nn.
     for h in handles:
         h.remove()
     assert {p: len(run.record.calls(p, "output")) for p in run.record} == dict(counts)
+
+
+class _Pair(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] + pair[1]
+
+
+class _ChangesItsPairAfter(nn.Module):
+    """Calls `_Pair` with a nested tuple, then changes one of its tensors in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = _Pair()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pair = (x * 1, x * 2)
+        y = self.pair(pair)
+        pair[0].relu_()
+        return y
+
+
+def test_in_place_change_of_a_nested_stored_tensor_is_caught(device: torch.device) -> None:
+    """Version checks reach tensors nested in stored tuples, for inputs and observers."""
+    model = _ChangesItsPairAfter().to(device)
+    x = torch.randn(5, device=device)
+    with fh.with_hooks(model, fh.inputs("pair")) as run:
+        model(x)
+    with pytest.raises(fh.StaleTensorError, match="'input' of module 'pair'"):
+        run.record
+    with fh.with_hooks(model, fh.inputs("pair", clone=True)) as run:
+        model(x)
+    (args, kwargs), = run.record.calls("pair", "input")
+    assert torch.equal(args[0][0], x * 1) and kwargs == {}
