@@ -126,7 +126,8 @@ def test_hooks_removed_when_a_generator_is_closed() -> None:
     gen = batches()
     first = next(gen)
     assert list(first) == ["0", "2"]
-    assert fh_run._STACK != []
+    with pytest.raises(AssertionError):  # installed while the generator is suspended
+        fh.testing.assert_no_hooks(model)
     gen.close()
     assert_clean(model)
 
@@ -875,3 +876,76 @@ def test_in_place_change_of_a_nested_stored_tensor_is_caught(device: torch.devic
         model(x)
     (args, kwargs), = run.record.calls("pair", "input")
     assert torch.equal(args[0][0], x * 1) and kwargs == {}
+
+
+def _deep(device: torch.device) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(4, 4), nn.ReLU())]).to(device)
+
+
+def test_a_sparse_run_hooks_only_its_modules_and_leaves_the_dispatcher_alone(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hooking few modules of an eager model registers per-module hooks on exactly those
+    modules (the others keep PyTorch's fast path) and takes no hold on the dispatcher."""
+    monkeypatch.setattr(fh_run, "_STICKY", set())  # as in a process that compiled nothing
+    model = _deep(device)
+    with fh.with_hooks(model, fh.outputs(["2", "8"])) as run:
+        hooked = [p for p, m in model.named_modules() if m._forward_hooks]
+        assert hooked == ["2", "8"]
+        assert fh_run._USERS == _BASELINE
+        y = model(torch.randn(3, 4, device=device))
+    assert list(run.record) == ["2", "8"]
+    assert_clean(model)
+    assert y.shape == (3, 4)
+
+
+def test_sparse_and_dense_runs_record_the_same(device: torch.device) -> None:
+    """Per-module hooks and the global dispatcher give equal Records, editors included."""
+    model = _deep(device)
+    x = torch.randn(3, 4, device=device)
+    specs = [fh.outputs(["0", "6"]), fh.inputs("4"), fh.edit("2", lambda m, a, o: o * 0.5)]
+    sparse = fh.with_hooks(model, specs)
+    dense = fh.Run(model, specs, per_module=False)
+    with sparse:
+        y_sparse = model(x)
+    with dense:
+        y_dense = model(x)
+    assert torch.equal(y_sparse, y_dense)
+    assert sparse.record.equal(dense.record)
+    assert_clean(model)
+
+
+def test_nested_sparse_and_dense_runs_each_record(device: torch.device) -> None:
+    """An outer per-module run and an inner dispatcher run both see the same call."""
+    model = _deep(device)
+    with fh.with_hooks(model, fh.outputs("0")) as outer:
+        with fh.with_hooks(model, fh.outputs("**")) as inner:
+            model(torch.randn(2, 4, device=device))
+    assert len(outer.record.calls("0", "output")) == 1
+    assert len(inner.record) == 12
+    assert torch.equal(outer.record["0"]["output"], inner.record["0"]["output"])
+    assert_clean(model)
+
+
+def test_a_sparse_run_removes_its_hooks_after_an_exception(device: torch.device) -> None:
+    """Per-module hooks go on every exit, like the dispatcher's frames."""
+    model = _deep(device)
+    with pytest.raises(KeyError):
+        with fh.with_hooks(model, fh.outputs("4")):
+            model(torch.randn(2, 4, device=device))
+            raise KeyError("mid-run")
+    assert_clean(model)
+
+
+def test_once_compiled_code_holds_the_dispatcher_sparse_runs_use_it(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the dispatcher held for good (after a run on a compiled model), a sparse run
+    routes through it instead of adding per-module hooks."""
+    monkeypatch.setattr(fh_run, "_STICKY", {"forward"})
+    model = _deep(device)
+    with fh.with_hooks(model, fh.outputs("2")) as run:
+        assert not any(m._forward_hooks for m in model.modules())
+        model(torch.randn(3, 4, device=device))
+    assert list(run.record) == ["2"]
