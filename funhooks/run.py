@@ -181,10 +181,11 @@ class _Plan:
         self.slots: list[tuple[str, str]] = []
         order: dict[str, tuple[int, int]] = {}
         names: dict[tuple[str, str], Spec] = {}
-        module_order = {id(m): i for i, (_, m) in enumerate(_torch.named_modules(model))}
+        modules = list(_torch.named_modules(model))  # one walk, shared by every spec
+        module_order = {id(m): i for i, (_, m) in enumerate(modules)}
         self.hooked: dict[int, weakref.ref] = {}
         for spec in specs:
-            found = resolve(spec.where, model, caller=caller, spec=spec)
+            found = resolve(spec.where, model, caller=caller, spec=spec, modules=modules)
             if spec.label in _FASTAI_LISTS:  # fastai's `stored` follows the order of `ms`
                 rank = {id(m): i for i, m in enumerate(spec.where.instances())}
                 found = tuple(sorted(found, key=lambda pm: rank.get(id(pm[1]), len(rank))))

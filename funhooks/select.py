@@ -192,7 +192,14 @@ def _type_selector(types: tuple[type, ...]) -> Selector:
     return Selector("type", types)
 
 
-def resolve(selector: Selector, model: nn.Module, *, caller: str, spec: Any = None) -> tuple[tuple[str, nn.Module], ...]:
+def resolve(
+    selector: Selector,
+    model: nn.Module,
+    *,
+    caller: str,
+    spec: Any = None,
+    modules: list[tuple[str, nn.Module]] | None = None,
+) -> tuple[tuple[str, nn.Module], ...]:
     """Resolve `selector` on `model`, raising a helpful error when it picks nothing.
 
     Args:
@@ -200,6 +207,7 @@ def resolve(selector: Selector, model: nn.Module, *, caller: str, spec: Any = No
         model: the model (wrappers are looked through).
         caller: the public function name, used in messages.
         spec: the spec being resolved, named in messages.
+        modules: ``_torch.named_modules(model)`` when the caller already walked it.
 
     Returns:
         The ``(path, module)`` pairs, in module order.
@@ -207,7 +215,8 @@ def resolve(selector: Selector, model: nn.Module, *, caller: str, spec: Any = No
     Raises:
         SelectorError: when a module instance is not part of `model`, or nothing matches.
     """
-    modules = list(_torch.named_modules(model))
+    if modules is None:
+        modules = list(_torch.named_modules(model))
     by_id = {id(m) for _, m in modules}
     where = f" in spec {spec!r}" if spec is not None else ""
     for inst in selector.instances():
