@@ -143,7 +143,7 @@ def forward_entry(spec: Spec, key: tuple[str, str | None]) -> Callable[..., Any]
 
         def finish_input(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             slot = frame.pending.pop()
-            if kwargs:
+            if slot is not None and kwargs:
                 value = kwargs if prep is None else prep(kwargs)
                 slot.value = (slot.value[0], value)
                 frame.extra_checks.append((key, checks(value)))
@@ -208,18 +208,28 @@ def _grad_hook(frame: _Frame, slot: Slot, i: int, prep: Callable[[Any], Any] | N
 
 
 def forward_pre_entry(spec: Spec, key: tuple[str, str | None]) -> Callable[..., Any]:
+    """Called with the module's `kwargs` by a wrapped forward, with None by the global
+    forward-pre hook (which gets none: keyword inputs are then completed after the call)."""
     prep = _preparer(spec)
     if spec.role == "input":
 
-        def store_input(frame: _Frame, module: nn.Module, args: tuple) -> None:
+        def store_input(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict | None) -> None:
             value = args if prep is None else prep(args)
-            slot = Slot((value, {}))
-            frame.pending.append(slot)
-            frame.buffer.append((key, slot, checks(value)))
+            if kwargs is None:
+                slot = Slot((value, {}))
+                frame.pending.append(slot)
+                frame.buffer.append((key, slot, checks(value)))
+                return
+            frame.pending.append(None)  # complete already: nothing for `finish_input` to do
+            if kwargs:
+                kwargs = kwargs if prep is None else prep(kwargs)
+                frame.buffer.append((key, (value, kwargs), checks((value, kwargs))))
+            else:
+                frame.buffer.append((key, (value, {}), checks(value)))
 
         return store_input
 
-    def call_pre(frame: _Frame, module: nn.Module, args: tuple) -> Any:
+    def call_pre(frame: _Frame, module: nn.Module, args: tuple, kwargs: dict | None) -> Any:
         return _call(spec, key, prep, frame, module, (args,))
 
     return call_pre

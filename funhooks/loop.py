@@ -180,7 +180,7 @@ def train_steps(
     """
     _check_loop(model, batches, epochs, caller)
     _check_opt(opt, caller)
-    run = Run(model, specs, caller=caller, per_module=False)  # paused often: see Run
+    run = Run(model, specs, caller=caller)
     return _train(model, batches, loss_fn, opt, run if run.specs else None, epochs, records, caller)
 
 
@@ -317,7 +317,7 @@ def evaluate(
         (torch.Size([2, 2]), True)
     """
     _check_loop(model, batches, 1, "evaluate")
-    run = Run(model, specs, caller="evaluate", per_module=False)
+    run = Run(model, specs, caller="evaluate")
     steps = _evaluate(model, batches, loss_fn, run if run.specs else None)
     return _progress.wrap(steps, total=_total(batches, 1), desc="evaluate", progress=progress)
 

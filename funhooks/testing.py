@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _models, _torch
+from . import _models, _patch, _torch
 from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
@@ -75,7 +75,8 @@ def _hypothesis() -> Any:
 
 def assert_no_hooks(model: nn.Module) -> None:
     """Assert that nothing is attached to `model`: no module, parameter or buffer hook of
-    any origin, and no active funhooks run routing its modules.
+    any origin, no ``forward`` wrapped by funhooks, and no active funhooks run routing its
+    modules.
 
     Args:
         model: the model to inspect (DDP / ``torch.compile`` wrappers included).
@@ -117,6 +118,12 @@ def assert_no_hooks(model: nn.Module) -> None:
                     f"assert_no_hooks: an active funhooks run still routes module {where}, got a run "
                     "that was entered and not exited. Exit its `with` block."
                 )
+        wrapped = module.__dict__.get("forward")
+        if isinstance(wrapped, _patch.Forward):
+            raise AssertionError(
+                f"assert_no_hooks: module {where} still has its `forward` wrapped by funhooks, got "
+                f"{wrapped!r} with {len(wrapped.users)} active run(s). Exit every `with_hooks` block."
+            )
 
 
 # -- transparency ----------------------------------------------------------------------------

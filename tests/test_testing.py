@@ -175,10 +175,23 @@ def test_assert_no_hooks_names_a_leftover_parameter_hook():
         handle.remove()
 
 
-def test_assert_no_hooks_names_an_active_run():
-    """Inside a `with_hooks` block the run still routes the model's modules."""
+def test_assert_no_hooks_names_a_wrapped_forward():
+    """Inside a `with_hooks` block the run has wrapped the hooked module's forward."""
     model = nn.Sequential(nn.Linear(1, 1))
     with fh.with_hooks(model, fh.outputs("0")):
+        with pytest.raises(AssertionError) as info:
+            assert_no_hooks(model)
+    assert str(info.value) == (
+        "assert_no_hooks: module '0' still has its `forward` wrapped by funhooks, got <funhooks-wrapped "
+        f"{model[0].forward!r}> with 1 active run(s). Exit every `with_hooks` block."
+    )
+    assert_no_hooks(model)
+
+
+def test_assert_no_hooks_names_an_active_dispatcher_run():
+    """A run going through the global dispatcher routes the model's modules while open."""
+    model = nn.Sequential(nn.Linear(1, 1))
+    with fh.Run(model, fh.outputs("0"), per_module=False):
         with pytest.raises(AssertionError) as info:
             assert_no_hooks(model)
     assert str(info.value) == (
