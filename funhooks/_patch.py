@@ -47,37 +47,49 @@ def patchable(cls: type) -> bool:
 class Forward:
     """A module's ``forward`` while at least one run hooks it.
 
-    ``users`` is a tuple of ``(frame, pre_entries, entries)``, outermost run first; it is
-    replaced, never mutated, so a call in progress keeps the users it started with. A plan
-    keeps one ``Forward`` per hooked module and reuses it run after run; between runs it
-    holds the module only weakly.
+    ``users`` is a tuple of ``(frame, pre_entries, entries)``, outermost run first; the hot
+    path reads ``before`` and ``after``, the same users without the ones that have no entries
+    of that kind. All three are replaced, never mutated, so a call in progress keeps the
+    users it started with. A plan keeps one ``Forward`` per hooked module and reuses it run
+    after run; between runs it holds the module only weakly.
     """
 
-    __slots__ = ("inner", "ref", "saved", "users")
+    __slots__ = ("after", "before", "inner", "module", "ref", "saved", "users")
 
     def __init__(self, module: nn.Module) -> None:
         self.ref = weakref.ref(module)
+        self.module: Any = None  # the module, while installed
         self.inner: Any = None  # what the module's forward was, while installed
         self.saved: Any = None  # the instance attribute `forward` it replaced, if any
         self.users: tuple = ()
+        self.before: tuple = ()  # (frame, pre_entries) of the users that have some
+        self.after: tuple = ()  # (frame, entries) of the users that have some
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        users = self.users
-        module = self.ref()
-        for frame, pre, _ in users:
-            if pre and frame.active:
-                for entry in pre:
-                    new = entry(frame, module, args, kwargs)
-                    if new is not None:
-                        args = new if isinstance(new, tuple) else (new,)
+        if self.before:
+            args = self._before(args, kwargs)
         output = self.inner(*args, **kwargs)
-        for frame, _, post in users:
-            if post and frame.active:
-                for entry in post:
-                    new = entry(frame, module, args, kwargs, output)
+        for frame, entries in self.after:
+            if frame.active:
+                for entry in entries:
+                    new = entry(frame, self.module, args, kwargs, output)
                     if new is not None:
                         output = new
         return output
+
+    def _before(self, args: tuple, kwargs: dict) -> tuple:
+        for frame, entries in self.before:
+            if frame.active:
+                for entry in entries:
+                    new = entry(frame, self.module, args, kwargs)
+                    if new is not None:
+                        args = new if isinstance(new, tuple) else (new,)
+        return args
+
+    def _set_users(self, users: tuple) -> None:
+        self.users = users
+        self.before = tuple([(frame, pre) for frame, pre, _ in users if pre])
+        self.after = tuple([(frame, post) for frame, _, post in users if post])
 
     # -- looking like the forward it wraps ------------------------------------------------
 
@@ -85,8 +97,17 @@ class Forward:
     def __wrapped__(self) -> Any:  # inspect.signature(module.forward) sees the real one
         return self.inner
 
-    def __getattr__(self, name: str) -> Any:  # __self__, __func__, __name__, ...
-        return getattr(self.inner, name)
+    @property
+    def __self__(self) -> Any:
+        return getattr(self.inner, "__self__", None)
+
+    @property
+    def __func__(self) -> Any:
+        return getattr(self.inner, "__func__", self.inner)
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.inner, "__name__", "forward")
 
     def __repr__(self) -> str:
         return f"<funhooks-wrapped {self.inner!r}>"
@@ -118,14 +139,16 @@ def install(frame: Any, items: list[tuple[weakref.ref, Forward, tuple, tuple]]) 
             continue
         d = module.__dict__
         current = d.get("forward")
-        if type(current) is Forward and current.ref() is module:  # wrapped by a run already
-            current.users = (*current.users, (frame, pre, post))
+        if type(current) is Forward and current.module is module:  # wrapped by a run already
+            current._set_users((*current.users, (frame, pre, post)))
             installed.append(current)
             continue
         if fwd.inner is not None:  # still in use under someone else's forward: never reuse
             fwd = Forward(module)
         fwd.inner = module.forward if current is None else current
-        fwd.saved, fwd.users = current, ((frame, pre, post),)
+        fwd.module, fwd.saved, fwd.users = module, current, ((frame, pre, post),)
+        fwd.before = ((frame, pre),) if pre else ()
+        fwd.after = ((frame, post),) if post else ()
         d["forward"] = fwd
         installed.append(fwd)
     return installed
@@ -139,18 +162,15 @@ def uninstall(frame: Any, installed: list[Forward]) -> None:
     for fwd in reversed(installed):
         users = fwd.users
         if len(users) == 1 and users[0][0] is frame:
-            users = ()
+            fwd.users = fwd.before = fwd.after = ()
         else:
-            users = tuple(u for u in users if u[0] is not frame)
-        fwd.users = users
-        if users:
-            continue
-        module = fwd.ref()
-        d = {} if module is None else module.__dict__
-        if module is None or d.get("forward") is fwd:
-            if module is not None:
-                if fwd.saved is None:
-                    del d["forward"]
-                else:
-                    d["forward"] = fwd.saved
-            fwd.inner = fwd.saved = None
+            fwd._set_users(tuple([u for u in users if u[0] is not frame]))
+            if fwd.users:
+                continue
+        d = fwd.module.__dict__
+        if d.get("forward") is fwd:
+            if fwd.saved is None:
+                del d["forward"]
+            else:
+                d["forward"] = fwd.saved
+            fwd.module = fwd.inner = fwd.saved = None
