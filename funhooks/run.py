@@ -192,6 +192,14 @@ class _Plan:
         self.order = order
         self.paths = sorted(order, key=order.__getitem__)  # every path, in module order
         self.spec_of = names
+        self.specs = specs
+        self._copy_specs: tuple[Spec, ...] | None = None
+
+    def copy_specs(self) -> tuple[Spec, ...]:
+        """The specs storing copies (see :func:`as_copy`), made once per plan."""
+        if self._copy_specs is None:
+            self._copy_specs = tuple(as_copy(s) for s in self.specs)
+        return self._copy_specs
 
     @staticmethod
     def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> _Plan:
@@ -395,7 +403,7 @@ class Run:
         compiled = plan.compiled or _torch.is_compiled_root(self._model)
         if compiled or _torch.is_compiling() or _torch.is_functorch_active():
             # no version counters there: store copies, and keep the dispatcher traced
-            plan = _Plan.get(_torch.unwrap(self._model), tuple(as_copy(s) for s in self._specs), self._caller)
+            plan = _Plan.get(_torch.unwrap(self._model), plan.copy_specs(), self._caller)
             object.__setattr__(self, "_plan", plan)
             object.__setattr__(self, "_frame", _Frame(plan))
             object.__setattr__(self, "_copies", True)
