@@ -27,11 +27,17 @@ root, so all of them do the same work; checked equal before timing):
   ``HookPoint`` after every module), torchlens (``trace``, every layer; it logs
   ops rather than modules, so only its output is compared).
 
+Apart, hooking a few modules (``SPARSE_PATHS``, 3 of the deep-narrow MLP's 97 modules):
+``bare``; ``fh.with_hooks`` (the hooked modules' forwards wrapped); the same run forced
+through funhooks' global dispatcher (``fh.Run(..., per_module=False)``, what compiled models
+use); hand-written hooks registered and removed per call.
+
 Models: the deep-narrow MLP (48 x (Linear(64, 64), ReLU), batch 32) and a small
 ResNet-like CNN (3 x 32 x 32, batch 32), both in eval mode, under ``torch.no_grad()``.
 
 Run: ``python benchmarks/bench_capture.py`` (``--quick`` for a smoke run;
-``--profile 'fh.with_hooks'`` prints a cProfile of one case instead of timing).
+``--profile 'fh.with_hooks'`` prints a cProfile of one case instead of timing;
+``--breakdown`` splits a ``with_hooks`` call into set-up, forward and Record by subtraction).
 """
 
 from __future__ import annotations
@@ -332,6 +338,46 @@ def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Te
     return cases
 
 
+SPARSE_PATHS = ("10", "50", "90")
+QUICK_SPARSE_PATHS = ("1", "3", "5")
+
+
+def sparse_cases(model: nn.Module, paths: tuple[str, ...]) -> dict[str, Callable[[torch.Tensor], tuple[Any, Any]]]:
+    """Hooking `paths` only: name -> ``f(x) -> (output, captured outputs)``."""
+    spec = fh.outputs(list(paths))
+    modules = [model.get_submodule(p) for p in paths]
+
+    def bare(x: torch.Tensor) -> tuple[Any, None]:
+        return model(x), None
+
+    def with_hooks(x: torch.Tensor) -> tuple[Any, Any]:
+        with fh.with_hooks(model, spec) as run:
+            y = model(x)
+        return y, run.record
+
+    def dispatcher(x: torch.Tensor) -> tuple[Any, Any]:
+        with fh.Run(model, spec, per_module=False) as run:
+            y = model(x)
+        return y, run.record
+
+    def hand(x: torch.Tensor) -> tuple[Any, list]:
+        stored: dict[nn.Module, torch.Tensor] = {}
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            stored[module] = out.detach()
+
+        handles = [m.register_forward_hook(hook) for m in modules]
+        try:
+            y = model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        return y, [stored[m] for m in modules]
+
+    return {"bare": bare, "fh.with_hooks": with_hooks, "fh.Run through the global dispatcher": dispatcher,
+            "hand hooks, per call": hand}
+
+
 def _as_list(captured: Any) -> list[torch.Tensor] | None:
     if captured is None:
         return None
@@ -393,6 +439,8 @@ PROFILE_TOP = 25
 def _add_arguments(parser: Any) -> None:
     parser.add_argument("--profile", default="", metavar="CASE",
                         help="instead of timing, cProfile CASE (e.g. 'fh.with_hooks') on the deep-narrow MLP")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead of the comparison, split a with_hooks call's time into its parts")
 
 
 def profile(case: str, calls: int = PROFILE_CALLS) -> None:
@@ -416,11 +464,53 @@ def profile(case: str, calls: int = PROFILE_CALLS) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(PROFILE_TOP)
 
 
+def breakdown(rounds: int, warmup: int) -> dict[str, Any]:
+    """Where a ``with_hooks`` capture-all call's time goes on deep-narrow, by subtraction of
+    cases timed in the same interleaved rounds (public API only)."""
+    torch.manual_seed(0)
+    model, x = _common.deep_narrow(), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
+    spec = fh.outputs("**")
+
+    def enter_exit() -> None:
+        with fh.with_hooks(model, spec):
+            pass
+
+    def no_record() -> None:
+        with fh.with_hooks(model, spec):
+            model(x)
+
+    def full() -> fh.Record:
+        with fh.with_hooks(model, spec) as run:
+            model(x)
+        return run.record
+
+    cases = {"bare": lambda: model(x), "enter + exit": enter_exit, "enter + call + exit": no_record,
+             "enter + call + exit + record": full}
+    with torch.no_grad():
+        res = _common.time_cases(cases, baseline="bare", rounds=rounds, warmup=warmup)
+    med = {name: r["seconds"]["median"] for name, r in res.items()}
+    parts = {
+        "the bare forward": med["bare"],
+        "wrapping and restoring 96 forwards (run set-up and tear-down)": med["enter + exit"],
+        "wrapped calls and entries during the forward": med["enter + call + exit"] - med["enter + exit"] - med["bare"],
+        "building the Record": med["enter + call + exit + record"] - med["enter + call + exit"],
+    }
+    print("deep-narrow, fh.with_hooks capture-all: where a call's time goes (medians, by subtraction)")
+    for what, sec in parts.items():
+        print(f"  {what:62s} {sec * 1e6:8.1f} us  {sec / med['bare']:5.2f}x bare")
+    return {"cases": res, "parts_seconds": parts}
+
+
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0], add_arguments=_add_arguments)
     conditions = _common.setup(args.clock)
     if args.profile:
         profile(args.profile)
+        return
+    if args.breakdown:
+        path = _common.write(f"{NAME}-breakdown", args.out, {"conditions": conditions, "rounds": args.rounds,
+                                                             **breakdown(args.rounds, args.warmup)})
+        print(f"wrote {path}")
         return
     torch.manual_seed(0)
     if args.quick:
@@ -443,6 +533,19 @@ def main() -> None:
                 "cases": _common.time_cases(timed, baseline="bare", rounds=args.rounds, warmup=args.warmup, inner=args.inner, clock=args.clock, sync=_common.synchronizer(args.device)),
             }
             print(_common.format_table(f"{label} ({results[label]['modules_hooked']} modules hooked)", results[label]["cases"]))
+            if label == "deep-narrow":
+                paths = QUICK_SPARSE_PATHS if args.quick else SPARSE_PATHS
+                sparse = sparse_cases(model, paths)
+                checks["deep-narrow, 3 modules"] = check_cases(sparse, x)
+                _common.check(all(checks["deep-narrow, 3 modules"].values()), f"sparse: {checks['deep-narrow, 3 modules']}")
+                results["deep-narrow, 3 modules"] = {
+                    "modules_hooked": len(paths),
+                    "batch": x.shape[0],
+                    "cases": _common.time_cases({n: _bind(c, x) for n, c in sparse.items()}, baseline="bare",
+                                                rounds=args.rounds, warmup=args.warmup, inner=args.inner,
+                                                clock=args.clock, sync=_common.synchronizer(args.device)),
+                }
+                print(_common.format_table("deep-narrow, 3 modules hooked", results["deep-narrow, 3 modules"]["cases"]))
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "rounds": args.rounds, "warmup": args.warmup,
         "correct": all(all(c.values()) for c in checks.values()), "checks": checks, "results": results,
