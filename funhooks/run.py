@@ -185,8 +185,11 @@ class _Plan:
         self.compiled = _torch.has_compiled(model)
         self.forward = {k: tuple(v) for k, v in forward.items()}
         self.forward_pre = {k: tuple(v) for k, v in forward_pre.items()}
-        # eager runs wrap the hooked modules' forwards (see _patch)
-        self.patchable = all(_patch.patchable(type(ref())) for ref in self.hooked.values())
+        # eager runs wrap the hooked modules' forwards (see _patch), except where DataParallel
+        # replicates modules by copying their __dict__ (a copied wrapper would run the original)
+        self.patchable = all(_patch.patchable(type(ref())) for ref in self.hooked.values()) and not any(
+            isinstance(m, nn.DataParallel) for m in model.modules()
+        )
         self.wrapped = [(ref, _patch.Forward(ref()), self.forward_pre.get(mid, ()), self.forward.get(mid, ()))
                         for mid, ref in self.hooked.items()]
         self.order = order
@@ -411,7 +414,8 @@ class Run:
                 hold_forever(("forward", "forward_pre") if plan.forward_pre else ("forward",))
         frame = self._frame
         # wrapped forwards on eager models; the dispatcher where compiled code must trace it
-        local = self._per_module is not False and plan.patchable and not self._copies
+        local = (self._per_module is not False and plan.patchable and not self._copies
+                 and not isinstance(self._model, nn.DataParallel))
         try:
             if local:
                 self._handles.append(_Wrapped(frame, plan.wrapped))

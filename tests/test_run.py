@@ -1074,3 +1074,17 @@ def test_a_module_whose_forward_cannot_be_wrapped_goes_through_the_dispatcher(de
     assert torch.equal(run.record["0"]["output"], model[0](x))
     assert y.shape == (2, 4)
     assert_clean(model)
+
+
+def test_a_data_parallel_model_goes_through_the_dispatcher(device: torch.device) -> None:
+    """DataParallel replicates modules by copying their ``__dict__``, which would copy a
+    wrapped forward bound to the original: runs on it use the global dispatcher instead."""
+    model = _deep(device)
+    x = torch.randn(2, 4, device=device)
+    for wrapped in (nn.DataParallel(model), nn.Sequential(nn.DataParallel(model))):
+        with fh.with_hooks(wrapped, fh.outputs(model[0])) as run:
+            assert _wrapped(model) == []
+            y = wrapped(x)
+        assert torch.equal(run.record.stored()[0], model[0](x))
+        assert torch.equal(y, model(x))
+        assert_clean(model)
