@@ -526,7 +526,7 @@ class Run:
 def with_hooks(model: nn.Module, specs: Spec | Iterable[Spec]) -> Run:
     """Run `specs` on `model` for the duration of a ``with`` block.
 
-    Everything is validated before anything is registered: selectors must match, module
+    Everything is validated before anything is attached: selectors must match, module
     instances must belong to the model, record names must not clash on one module.
 
     Args:
