@@ -1088,3 +1088,57 @@ def test_a_data_parallel_model_goes_through_the_dispatcher(device: torch.device)
         assert torch.equal(run.record.stored()[0], model[0](x))
         assert torch.equal(y, model(x))
         assert_clean(model)
+
+
+@given(st.data())
+def test_wrapped_forwards_and_the_dispatcher_agree_on_kit_models(data: st.DataObject) -> None:
+    """For random models and random specs, a run through wrapped forwards and the same run
+    through the global dispatcher give equal outputs, gradients and Records."""
+    model, x = data.draw(fh.testing.models_and_inputs())
+    specs = data.draw(fh.testing.specs(model, clone=True))
+    model.eval()  # BatchNorm: both passes see the same statistics
+    with fh.with_hooks(model, specs) as wrapped:
+        y_wrapped, gx_wrapped, gp_wrapped = forward_backward(model, x)
+    with fh.Run(model, specs, per_module=False) as dispatched:
+        y_dispatched, gx_dispatched, gp_dispatched = forward_backward(model, x)
+    assert torch.equal(y_wrapped, y_dispatched) and torch.equal(gx_wrapped, gx_dispatched)
+    assert all(torch.equal(a, b) for a, b in zip(gp_wrapped, gp_dispatched))
+    assert wrapped.record.equal(dispatched.record)
+    assert_clean(model)
+
+
+@given(fh.testing.models_and_inputs(), st.permutations(range(3)), st.permutations(range(3)))
+def test_runs_entered_and_exited_in_any_order_each_see_their_calls(
+    model_x: tuple[nn.Module, torch.Tensor], enter_order: list[int], exit_order: list[int]
+) -> None:
+    """Three runs over overlapping modules, entered and exited in random orders with a model
+    call after each step: each run records exactly the calls made while it was open, and
+    the model ends exactly as it began."""
+    model, x = model_x
+    model.eval()
+    before = {p: dict(m.__dict__) for p, m in model.named_modules()}
+    counts: Counter[str] = Counter()
+    handles = [m.register_forward_hook(lambda m, a, o, p=p: counts.update([p])) for p, m in model.named_modules()]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    selectors = [["", "**"], "", ["", "**"]]  # the first and last share one plan
+    runs = [fh.with_hooks(model, fh.outputs(sel, clone=True)) for sel in selectors]
+    open_calls = [0, 0, 0]
+    with torch.no_grad():
+        for i in enter_order:
+            runs[i].__enter__()
+            model(x)
+            for j, run in enumerate(runs):
+                open_calls[j] += run._state == "open"
+        for i in exit_order:
+            runs[i].__exit__(None, None, None)
+            model(x)
+            for j, run in enumerate(runs):
+                open_calls[j] += run._state == "open"
+    for run, calls in zip(runs, open_calls):
+        for path in run.record:
+            assert len(run.record.calls(path, "output")) == calls * counts[path]
+    assert {p: dict(m.__dict__) for p, m in model.named_modules()} == before
+    assert_clean(model)
