@@ -132,25 +132,29 @@ def install(frame: Any, items: list[tuple[weakref.ref, Forward, tuple, tuple]]) 
     """Make `frame` a user of the wrapped forward of each module in `items`
     (``(module_ref, forward, pre_entries, entries)``, from the plan), wrapping the forwards
     not wrapped yet; returns the ``Forward`` objects `frame` uses."""
-    installed = []
-    for ref, fwd, pre, post in items:
-        module = ref()
-        if module is None:
-            continue
-        d = module.__dict__
-        current = d.get("forward")
-        if type(current) is Forward and current.module is module:  # wrapped by a run already
-            current._set_users((*current.users, (frame, pre, post)))
-            installed.append(current)
-            continue
-        if fwd.inner is not None:  # still in use under someone else's forward: never reuse
-            fwd = Forward(module)
-        fwd.inner = module.forward if current is None else current
-        fwd.module, fwd.saved, fwd.users = module, current, ((frame, pre, post),)
-        fwd.before = ((frame, pre),) if pre else ()
-        fwd.after = ((frame, post),) if post else ()
-        d["forward"] = fwd
-        installed.append(fwd)
+    installed: list[Forward] = []
+    try:
+        for ref, fwd, pre, post in items:
+            module = ref()
+            if module is None:
+                continue
+            d = module.__dict__
+            current = d.get("forward")
+            if type(current) is Forward and current.module is module:  # wrapped by a run already
+                current._set_users((*current.users, (frame, pre, post)))
+                installed.append(current)
+                continue
+            if fwd.inner is not None:  # still in use under someone else's forward: never reuse
+                fwd = Forward(module)
+            fwd.inner = module.forward if current is None else current
+            fwd.module, fwd.saved, fwd.users = module, current, ((frame, pre, post),)
+            fwd.before = ((frame, pre),) if pre else ()
+            fwd.after = ((frame, post),) if post else ()
+            d["forward"] = fwd
+            installed.append(fwd)
+    except BaseException:  # interrupted half-way: leave no module wrapped
+        uninstall(frame, installed)
+        raise
     return installed
 
 

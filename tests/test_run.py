@@ -1142,3 +1142,27 @@ def test_runs_entered_and_exited_in_any_order_each_see_their_calls(
             assert len(run.record.calls(path, "output")) == calls * counts[path]
     assert {p: dict(m.__dict__) for p, m in model.named_modules()} == before
     assert_clean(model)
+
+
+class _Unreadable:
+    """A `forward` that raises when looked up (a broken module class)."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> object:
+        if obj is None:
+            return self
+        raise RuntimeError("forward is not readable")
+
+
+class _BrokenForward(nn.Module):
+    forward = _Unreadable()
+
+
+def test_a_run_that_fails_while_wrapping_leaves_no_module_wrapped() -> None:
+    """Wrapping stops at a module whose forward cannot be read: the error propagates and the
+    forwards already wrapped are restored."""
+    model = nn.Sequential(nn.Linear(2, 2), _BrokenForward())
+    with pytest.raises(RuntimeError, match="forward is not readable"):
+        with fh.with_hooks(model, fh.outputs("**")):
+            pass  # never reached
+    assert _wrapped(model) == []
+    assert_clean(model)
