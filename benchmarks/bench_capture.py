@@ -81,9 +81,10 @@ def _hand_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
     return call
 
 
-def _hand_per_call(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
-    """Hooks registered before and removed after every call."""
-    modules = _common.hooked_modules(model)
+def _hand_per_call(model: nn.Module, modules: list[nn.Module] | None = None) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """Hooks on `modules` (default: every module below the root) registered before and
+    removed after every call."""
+    modules = _common.hooked_modules(model) if modules is None else modules
 
     def call(x: torch.Tensor) -> tuple[Any, list]:
         store: dict[nn.Module, torch.Tensor] = {}
@@ -302,19 +303,28 @@ def _peers(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tenso
 # -- the benchmark --------------------------------------------------------------------------
 
 
-def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], tuple[Any, Any]]]:
-    """Every case for `model`: name -> ``f(x) -> (output, captured outputs)``."""
-    spec = fh.outputs("**")
-
+def _bare(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, None]]:
     def bare(x: torch.Tensor) -> tuple[Any, None]:
         return model(x), None
 
-    def with_hooks(x: torch.Tensor) -> tuple[Any, Any]:
-        with fh.with_hooks(model, spec) as run:
+    return bare
+
+
+def _in_run(model: nn.Module, spec: fh.Spec, **options: Any) -> Callable[[torch.Tensor], tuple[Any, Any]]:
+    """One ``with_hooks`` block (``fh.Run(model, spec, **options)``) per call, then ``run.record``."""
+
+    def call(x: torch.Tensor) -> tuple[Any, Any]:
+        with fh.Run(model, spec, **options) as run:
             y = model(x)
         return y, run.record
 
-    cases: dict[str, Callable[[torch.Tensor], tuple[Any, Any]]] = {"bare": bare, "fh.with_hooks": with_hooks}
+    return call
+
+
+def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], tuple[Any, Any]]]:
+    """Every case for `model`: name -> ``f(x) -> (output, captured outputs)``."""
+    spec = fh.outputs("**")
+    cases: dict[str, Callable[[torch.Tensor], tuple[Any, Any]]] = {"bare": _bare(model), "fh.with_hooks": _in_run(model, spec)}
     if hasattr(fh, "capture"):
         cases["fh.capture"] = _common.PerRound(lambda: fh.capture(model, spec))
         other = nn.Linear(1, 1)
@@ -346,36 +356,9 @@ def sparse_cases(model: nn.Module, paths: tuple[str, ...]) -> dict[str, Callable
     """Hooking `paths` only: name -> ``f(x) -> (output, captured outputs)``."""
     spec = fh.outputs(list(paths))
     modules = [model.get_submodule(p) for p in paths]
-
-    def bare(x: torch.Tensor) -> tuple[Any, None]:
-        return model(x), None
-
-    def with_hooks(x: torch.Tensor) -> tuple[Any, Any]:
-        with fh.with_hooks(model, spec) as run:
-            y = model(x)
-        return y, run.record
-
-    def dispatcher(x: torch.Tensor) -> tuple[Any, Any]:
-        with fh.Run(model, spec, per_module=False) as run:
-            y = model(x)
-        return y, run.record
-
-    def hand(x: torch.Tensor) -> tuple[Any, list]:
-        stored: dict[nn.Module, torch.Tensor] = {}
-
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            stored[module] = out.detach()
-
-        handles = [m.register_forward_hook(hook) for m in modules]
-        try:
-            y = model(x)
-        finally:
-            for h in handles:
-                h.remove()
-        return y, [stored[m] for m in modules]
-
-    return {"bare": bare, "fh.with_hooks": with_hooks, "fh.Run through the global dispatcher": dispatcher,
-            "hand hooks, per call": hand}
+    return {"bare": _bare(model), "fh.with_hooks": _in_run(model, spec),
+            "fh.Run through the global dispatcher": _in_run(model, spec, per_module=False),
+            "hand hooks, per call": _hand_per_call(model, modules)}
 
 
 def _as_list(captured: Any) -> list[torch.Tensor] | None:
@@ -464,11 +447,12 @@ def profile(case: str, calls: int = PROFILE_CALLS) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(PROFILE_TOP)
 
 
-def breakdown(rounds: int, warmup: int) -> dict[str, Any]:
+def breakdown(rounds: int, warmup: int, *, depth: int = _common.DEEP_NARROW_DEPTH) -> dict[str, Any]:
     """Where a ``with_hooks`` capture-all call's time goes on deep-narrow, by subtraction of
     cases timed in the same interleaved rounds (public API only)."""
     torch.manual_seed(0)
-    model, x = _common.deep_narrow(), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
+    model, x = _common.deep_narrow(depth=depth), torch.randn(_common.BATCH, _common.DEEP_NARROW_WIDTH)
+    n = len(_common.hooked_modules(model))
     spec = fh.outputs("**")
 
     def enter_exit() -> None:
@@ -491,7 +475,7 @@ def breakdown(rounds: int, warmup: int) -> dict[str, Any]:
     med = {name: r["seconds"]["median"] for name, r in res.items()}
     parts = {
         "the bare forward": med["bare"],
-        "wrapping and restoring 96 forwards (run set-up and tear-down)": med["enter + exit"],
+        f"wrapping and restoring {n} forwards (run set-up and tear-down)": med["enter + exit"],
         "wrapped calls and entries during the forward": med["enter + call + exit"] - med["enter + exit"] - med["bare"],
         "building the Record": med["enter + call + exit + record"] - med["enter + call + exit"],
     }
@@ -509,7 +493,8 @@ def main() -> None:
         return
     if args.breakdown:
         path = _common.write(f"{NAME}-breakdown", args.out, {"conditions": conditions, "rounds": args.rounds,
-                                                             **breakdown(args.rounds, args.warmup)})
+                                                             **breakdown(args.rounds, args.warmup,
+                                                                         depth=QUICK_DEPTH if args.quick else _common.DEEP_NARROW_DEPTH)})
         print(f"wrote {path}")
         return
     torch.manual_seed(0)

@@ -50,6 +50,23 @@ def test_capture_smoke(tmp_path: pathlib.Path) -> None:
         assert all(set(c) == {"seconds", "ratio", "calls_per_round"} for c in cases.values())
         assert all({"median", "p25", "p75"} == set(c["ratio"]) for c in cases.values())
         assert cases["bare"]["ratio"]["median"] == 1.0
+    sparse = result["results"]["deep-narrow, 3 modules"]["cases"]
+    assert set(sparse) == {"bare", "fh.with_hooks", "fh.Run through the global dispatcher", "hand hooks, per call"}
+
+
+def test_capture_breakdown_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_capture --breakdown splits a with_hooks call into its four parts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_capture.py"), "--quick", "--breakdown", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "capture-breakdown.json").read_text())
+    assert result["benchmark"] == "capture-breakdown"
+    parts = list(result["parts_seconds"])
+    assert parts[0] == "the bare forward" and parts[-1] == "building the Record" and len(parts) == 4
+    assert result["parts_seconds"]["the bare forward"] > 0
 
 
 def test_memory_smoke(tmp_path: pathlib.Path) -> None:
