@@ -15,7 +15,6 @@ from torch import nn
 
 __all__ = [
     "is_functorch_active",
-    "is_wrapper",
     "pytree",
     "register_pytree",
     "tree_leaves",
@@ -35,11 +34,6 @@ def _wrapper_attr(module: nn.Module) -> str | None:
         return "module"
     # OptimizedModule is matched by name: importing torch._dynamo costs about a second.
     return _WRAPPER_ATTRS.get(type(module).__name__)
-
-
-def is_wrapper(module: nn.Module) -> bool:
-    """True for a module that only wraps another (DDP, DataParallel, torch.compile)."""
-    return _wrapper_attr(module) is not None
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -70,24 +64,30 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         stack.extend(reversed(children))
 
 
-def has_compiled(model: nn.Module) -> bool:
-    """True when `model` or any submodule is a ``torch.compile`` wrapper."""
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        if type(module).__name__ in _WRAPPER_ATTRS:
-            return True
-        stack.extend(unwrap(c) if _wrapper_attr(c) == "module" else c for c in module._modules.values() if c is not None)
-    return False
+COMPILED, REPLICATED = "compiled", "replicated"
 
 
-def is_compiled_root(model: nn.Module) -> bool:
-    """True when a ``torch.compile`` wrapper sits in the chain of wrappers around `model`."""
+def _wrapper_kind(module: nn.Module) -> str | None:
+    """``COMPILED`` for a ``torch.compile`` wrapper, ``REPLICATED`` for ``nn.DataParallel``
+    (whose replicas copy each module's ``__dict__``), else None (DDP included)."""
+    if isinstance(module, nn.DataParallel):
+        return REPLICATED
+    return COMPILED if type(module).__name__ in _WRAPPER_ATTRS else None
+
+
+def wrappers_in(model: nn.Module) -> frozenset[str]:
+    """The kinds of wrapper anywhere in `model`'s tree (see ``_wrapper_kind``)."""
+    return frozenset(kind for m in model.modules() if (kind := _wrapper_kind(m)) is not None)
+
+
+def wrappers_around(model: nn.Module) -> frozenset[str]:
+    """The kinds of wrapper in the chain of wrappers around `model` (cheap: no tree walk)."""
+    kinds = set()
     while (attr := _wrapper_attr(model)) is not None:
-        if attr == "_orig_mod":
-            return True
+        if (kind := _wrapper_kind(model)) is not None:
+            kinds.add(kind)
         model = getattr(model, attr)
-    return False
+    return frozenset(kinds)
 
 
 def reset_compiled() -> None:

@@ -100,8 +100,7 @@ class _Recorder:
         self.inner = _torch.unwrap(model)
         _check_hookable(model, specs, caller)
         self.plan = _run._Plan.get(self.inner, specs, caller)
-        self.copy_specs = tuple(_run.as_copy(s) for s in specs)
-        self.copy_plan = _run._Plan.get(self.inner, self.copy_specs, caller)
+        self.copy_plan = _run._Plan.get(self.inner, self.plan.copy_specs(), caller)
         self.has_backward = _backward_error(specs, caller) is not None
         # the forward-pre hook only when a spec needs it: every hold slows every model
         kinds = _HOOK_KINDS if self.plan.forward_pre else _HOOK_KINDS[:1]
@@ -119,7 +118,7 @@ class _Recorder:
         plan = self.copy_plan if copies else self.plan
         if not compiling and plan.generation != _run._GENERATION[0]:
             self.plan = plan = _run._Plan.get(self.inner, self.specs, self.caller)
-            self.copy_plan = _run._Plan.get(self.inner, self.copy_specs, self.caller)
+            self.copy_plan = _run._Plan.get(self.inner, self.plan.copy_specs(), self.caller)
         frame = _run._Frame(plan)
         frame.open = True
         _run._STACK.append(frame)

@@ -134,6 +134,7 @@ _PLANS_PER_MODEL = 32
 
 _FASTAI_LISTS = ("Hooks", "hook_outputs")
 
+
 class _Plan:
     """Specs resolved against one model: per-module entry tables, built once and cached."""
 
@@ -182,14 +183,12 @@ class _Plan:
                         ppath = f"{path}.{pname}" if path else pname
                         order.setdefault(ppath, (module_order[id(module)], i + 1))
                         self.params.append((spec, (ppath, spec.name), weakref.ref(param)))
-        self.compiled = _torch.has_compiled(model)
+        self.wrappers = _torch.wrappers_in(model)
+        self.compiled = _torch.COMPILED in self.wrappers
         self.forward = {k: tuple(v) for k, v in forward.items()}
         self.forward_pre = {k: tuple(v) for k, v in forward_pre.items()}
-        # eager runs wrap the hooked modules' forwards (see _patch), except where DataParallel
-        # replicates modules by copying their __dict__ (a copied wrapper would run the original)
-        self.patchable = all(_patch.patchable(type(ref())) for ref in self.hooked.values()) and not any(
-            isinstance(m, nn.DataParallel) for m in model.modules()
-        )
+        # eager runs wrap the hooked modules' forwards (see _patch)
+        self.patchable = all(_patch.patchable(type(ref())) for ref in self.hooked.values())
         self.wrapped = [(ref, _patch.Forward(ref()), self.forward_pre.get(mid, ()), self.forward.get(mid, ()))
                         for mid, ref in self.hooked.items()]
         self.order = order
@@ -403,7 +402,8 @@ class Run:
             raise RuntimeError(f"{self._caller}: a run is entered once, got a second `with`. Call `with_hooks` again.")
         object.__setattr__(self, "_state", "open")
         plan = self._plan
-        compiled = plan.compiled or _torch.is_compiled_root(self._model)
+        wrappers = plan.wrappers | _torch.wrappers_around(self._model)
+        compiled = _torch.COMPILED in wrappers
         if compiled or _torch.is_compiling() or _torch.is_functorch_active():
             # no version counters there: store copies, and keep the dispatcher traced
             plan = _Plan.get(_torch.unwrap(self._model), plan.copy_specs(), self._caller)
@@ -413,9 +413,10 @@ class Run:
             if compiled:
                 hold_forever(("forward", "forward_pre") if plan.forward_pre else ("forward",))
         frame = self._frame
-        # wrapped forwards on eager models; the dispatcher where compiled code must trace it
+        # wrapped forwards on eager models; the dispatcher where compiled code must trace it,
+        # and under DataParallel, whose replicas would copy a wrapper bound to the original
         local = (self._per_module is not False and plan.patchable and not self._copies
-                 and not isinstance(self._model, nn.DataParallel))
+                 and _torch.REPLICATED not in wrappers)
         try:
             if local:
                 self._handles.append(_Wrapped(frame, plan.wrapped))
