@@ -65,7 +65,7 @@ class Selector:
         ['0']
     """
 
-    kind: str  # "pattern" | "type" | "instance" | "predicate" | "any" | "all" | "not"
+    kind: str  # "pattern" | "type" | "instance" | "instances" | "predicate" | "any" | "all" | "not"
     value: Any
 
     def matches(self, path: str, module: nn.Module) -> bool:
@@ -77,6 +77,8 @@ class Selector:
             return isinstance(module, value)
         if kind == "instance":
             return module is value
+        if kind == "instances":
+            return id(module) in value[1]
         if kind == "predicate":
             return bool(value(path, module))
         if kind == "any":
@@ -93,11 +95,20 @@ class Selector:
         """Module instances named anywhere in this selector (checked for membership)."""
         if self.kind == "instance":
             return (self.value,)
+        if self.kind == "instances":
+            return self.value[0]
         if self.kind in ("any", "all"):
             return tuple(m for s in self.value for m in s.instances())
         if self.kind == "not":
             return self.value.instances()
         return ()
+
+    def given(self) -> tuple[nn.Module, ...] | None:
+        """The modules of a selector that is a list of modules, in the list's order (fastai's
+        ``Hooks(ms)`` keeps ``stored`` in that order); None for other selectors."""
+        if self.kind == "instances":
+            return self.value[0]
+        return (self.value,) if self.kind == "instance" else None
 
     def __and__(self, other: Where) -> Selector:
         return Selector("all", (self, select(other)))
@@ -123,6 +134,11 @@ class Selector:
             return names[0] if len(names) == 1 else f"({', '.join(names)})"
         if kind == "instance":
             return f"<{type(value).__name__} instance>"
+        if kind == "instances":
+            shown = [f"<{type(m).__name__} instance>" for m in value[0][:_SHOWN]]
+            if len(value[0]) > _SHOWN:
+                shown.append(f"... {len(value[0]) - _SHOWN} more")
+            return "[" + ", ".join(shown) + "]"
         if kind == "predicate":
             return getattr(value, "__name__", repr(value))
         if kind == "not":
@@ -173,8 +189,18 @@ def select(where: Where) -> Selector:
                 "select: a list selector needs at least one entry, got []. "
                 'Use "**" for every module.'
             )
+        if all(isinstance(w, nn.Module) for w in where):  # a list of modules: one set lookup per module
+            modules = tuple(_torch.unwrap(w) for w in where)
+            return Selector("instances", (modules, frozenset(map(id, modules))))
         return Selector("any", tuple(select(w) for w in where))
     if callable(where):
+        try:
+            hash(where)
+        except TypeError:
+            raise SelectorError(
+                f"select: a predicate is hashable (selectors are values, compared and cached by it), got an "
+                f"unhashable {type(where).__name__}. Make it hashable (e.g. `@attrs.frozen`), or pass a function."
+            ) from None
         return Selector("predicate", where)
     raise SelectorError(
         "select: `where` is a path pattern, a module type, a module instance, a predicate "
@@ -234,7 +260,16 @@ def resolve(
 
 def _no_match_message(selector: Selector, model: nn.Module, modules: list, caller: str, where: str) -> str:
     name = type(_torch.unwrap(model)).__name__
-    children = [p for p, _ in modules if p and "." not in p]
+    every = list(_torch.named_modules(model, every_path=True))
+    first = {id(m): p for p, m in reversed(modules)}
+    for path, module in every:
+        if first.get(id(module), path) != path and selector.matches(path, module):
+            return (
+                f"{caller}: selector {selector!r}{where} matched module {path!r} of {name}, which is the same "
+                f"module as {first[id(module)]!r} (registered at both paths); funhooks names a shared module by its "
+                f"first path and records every call there. Select {first[id(module)]!r}."
+            )
+    children = [p for p, _ in every if p and "." not in p]
     msg = f"{caller}: selector {selector!r}{where} matched no module of {name}; "
     paths = [p for p, _ in modules if p]
     close: list[str] = []
@@ -247,6 +282,9 @@ def _no_match_message(selector: Selector, model: nn.Module, modules: list, calle
 
 _NEARBY = 5
 """How many nearby paths a no-match message lists."""
+
+_SHOWN = 6
+"""How many modules the repr of a list-of-modules selector shows."""
 
 
 def _patterns(selector: Selector) -> list[str]:
