@@ -6,14 +6,16 @@ detached loss and the Record the specs stored. Anything that watches training, s
 activation statistics, is a fold over those values (see :mod:`funhooks.fold`) instead of a
 callback mutating a trainer.
 
-The specs run in one ``with_hooks`` block around the whole generator: hooks are installed
-when the first step is asked for and removed when the generator is exhausted, raises, or
-is closed. Between steps, while the consumer's code runs, the block is paused, so a model
-call made there stores nothing in the next step's Record.
+Each step runs inside its own ``with_hooks`` block, in the model mode the loop asks for
+(train or eval), and both are undone before the step is yielded: while the consumer's code
+runs, and while a generator is suspended or abandoned (a notebook keeping a traceback),
+nothing of the loop is attached to the model and the model is in the modes the user left
+it in. Closing the generator never changes a mode the user set since.
 
-Cost: per step, the loop itself adds a Step object and a ``run.take()`` over a bare loop;
-it never calls ``.item()``, so nothing syncs a GPU. Steps whose record nobody reads (see
-``records`` in :func:`funhooks.fit`) run with the hooks paused and carry an empty Record.
+Cost: per step, a ``with_hooks`` block (wrapping and restoring the hooked modules, a few µs
+per module), a walk over the modules for their train/eval flags, and a Step object; it
+never calls ``.item()``, so nothing syncs a GPU. Steps whose record nobody reads (see
+``records`` in :func:`funhooks.fit`) run with no block at all and carry an empty Record.
 """
 
 from __future__ import annotations
@@ -144,19 +146,31 @@ def _total(batches: Any, epochs: int) -> int | None:
 # -- train / eval modes: nn.Module.__setattr__ is slow, so flags are only written when they change
 
 
-def _modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
-    return [(m, m.training) for m in model.modules()]
+@contextlib.contextmanager
+def _mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Inside the block `model` is in train (or eval) mode; after it, every module's flag is
+    what it was before (a module's own ``train()`` override runs on the way in)."""
+    modes = [(m, m.training) for m in model.modules()]
+    if all(flag == training for _, flag in modes):
+        yield
+        return
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, flag in modes:
+            if module.training != flag:
+                module.training = flag
 
 
-def _set_mode(model: nn.Module, training: bool) -> None:
-    if any(m.training != training for m in model.modules()):
-        model.train(training)
-
-
-def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
-    for module, training in modes:
-        if module.training != training:
-            module.training = training
+def _recorded(specs: tuple[Spec, ...] | None, model: nn.Module, caller: str,
+              work: Callable[[], Any]) -> tuple[Any, Record]:
+    """``work()`` inside a ``with_hooks`` block of `specs` (none: no block), and its Record."""
+    if specs is None:
+        return work(), EMPTY_RECORD
+    with Run._make(model, specs, caller) as run:
+        result = work()
+    return result, run.record
 
 
 # -- the generators ---------------------------------------------------------------------
@@ -175,13 +189,13 @@ def train_steps(
 ) -> Generator[Step, None, None]:
     """:func:`train` without the progress bar, with `records` saying which steps store.
 
-    Arguments are checked (and specs resolved against the model) now; hooks are installed
-    when the first step is asked for.
+    Arguments are checked (and specs resolved against the model) now; each step attaches
+    the specs for its own duration.
     """
     _check_loop(model, batches, epochs, caller)
     _check_opt(opt, caller)
-    run = Run(model, specs, caller=caller)
-    return _train(model, batches, loss_fn, opt, run if run.specs else None, epochs, records, caller)
+    run_specs = Run._make(model, specs, caller).specs
+    return _train(model, batches, loss_fn, opt, run_specs or None, epochs, records, caller)
 
 
 def _train(
@@ -189,34 +203,20 @@ def _train(
     batches: Iterable[Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     opt: Any,
-    run: Run | None,
+    run_specs: tuple[Spec, ...] | None,
     epochs: int,
     records: Records | None,
     caller: str,
 ) -> Generator[Step, None, None]:
-    modes = _modes(model)
     iteration = 0
-    with run if run is not None else contextlib.nullcontext():
-        try:
-            for epoch in range(epochs):
-                _set_mode(model, True)
-                for index, batch in enumerate(batches):
-                    x, y = _pair(batch, index, caller)
-                    if run is None:
-                        yield Step(epoch, iteration, _step(model, x, y, loss_fn, opt), EMPTY_RECORD, True)
-                    else:
-                        if records is None or records(iteration, True):
-                            loss = _step(model, x, y, loss_fn, opt)
-                            record = run.take()
-                        else:
-                            with run.paused():
-                                loss = _step(model, x, y, loss_fn, opt)
-                            record = EMPTY_RECORD
-                        with run.paused():
-                            yield Step(epoch, iteration, loss, record, True)
-                    iteration += 1
-        finally:
-            _restore_modes(modes)
+    for epoch in range(epochs):
+        for index, batch in enumerate(batches):
+            x, y = _pair(batch, index, caller)
+            wanted = run_specs if records is None or records(iteration, True) else None
+            with _mode(model, True):
+                loss, record = _recorded(wanted, model, caller, lambda: _step(model, x, y, loss_fn, opt))
+            yield Step(epoch, iteration, loss, record, True)
+            iteration += 1
 
 
 def _step(model: nn.Module, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opt: Any) -> torch.Tensor:
@@ -317,33 +317,26 @@ def evaluate(
         (torch.Size([2, 2]), True)
     """
     _check_loop(model, batches, 1, "evaluate")
-    run = Run(model, specs, caller="evaluate")
-    steps = _evaluate(model, batches, loss_fn, run if run.specs else None)
+    run_specs = Run._make(model, specs, "evaluate").specs
+    steps = _evaluate(model, batches, loss_fn, run_specs or None)
     return _progress.wrap(steps, total=_total(batches, 1), desc="evaluate", progress=progress)
 
 
 def _evaluate(
-    model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None, run: Run | None
+    model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    run_specs: tuple[Spec, ...] | None,
 ) -> Generator[Step, None, None]:
-    modes = _modes(model)
-    with run if run is not None else contextlib.nullcontext():
-        try:
-            _set_mode(model, False)
-            for index, batch in enumerate(batches):
-                if loss_fn is None:
-                    x = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
-                    with torch.no_grad():
-                        model(x)
-                    loss = None
-                else:
-                    x, y = _pair(batch, index, "evaluate")
-                    with torch.no_grad():
-                        loss = loss_fn(model(x), y).detach()
-                if run is None:
-                    yield Step(0, index, loss, EMPTY_RECORD, False)
-                else:
-                    record = run.take()
-                    with run.paused():
-                        yield Step(0, index, loss, record, False)
-        finally:
-            _restore_modes(modes)
+    for index, batch in enumerate(batches):
+        if loss_fn is None:
+            x = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+
+            def work() -> None:
+                model(x)
+        else:
+            x, y = _pair(batch, index, "evaluate")
+
+            def work() -> torch.Tensor:
+                return loss_fn(model(x), y).detach()
+        with _mode(model, False), torch.no_grad():
+            loss, record = _recorded(run_specs, model, "evaluate", work)
+        yield Step(0, index, loss, record, False)
