@@ -7,9 +7,8 @@ root, so all of them do the same work; checked equal before timing):
 - ``fh.with_hooks``: ``with fh.with_hooks(model, fh.outputs("**")) as run: model(x)``,
   then ``run.record`` (building the Record is timed).
 - ``fh.capture``: ``f(x)`` with ``f = fh.capture(model, fh.outputs("**"))`` built once
-  per round, untimed, and dropped after its turn (included when funhooks has ``capture``):
-  a live capture function keeps funhooks' global hooks installed, which would slow the
-  other cases, the bare forward included.
+  per round, untimed, and dropped after its turn (included when funhooks has ``capture``;
+  older funhooks versions kept global hooks installed while a capture function lived).
 - ``bare, beside a live fh.capture``: the bare forward while a capture function of an
   unrelated model exists: what holding one costs everything else in the process.
 - ``floor: a no-op global forward hook``: the bare forward with one global forward hook
@@ -28,9 +27,8 @@ root, so all of them do the same work; checked equal before timing):
   ops rather than modules, so only its output is compared).
 
 Apart, hooking a few modules (``SPARSE_PATHS``, 3 of the deep-narrow MLP's 97 modules):
-``bare``; ``fh.with_hooks`` (the hooked modules' forwards wrapped); the same run forced
-through funhooks' global dispatcher (``fh.Run(..., per_module=False)``, what compiled models
-use); hand-written hooks registered and removed per call.
+``bare``; ``fh.with_hooks`` (the hooked modules' forwards wrapped); ``fh.capture``;
+hand-written hooks registered and removed per call.
 
 Models: the deep-narrow MLP (48 x (Linear(64, 64), ReLU), batch 32) and a small
 ResNet-like CNN (3 x 32 x 32, batch 32), both in eval mode, under ``torch.no_grad()``.
@@ -310,11 +308,11 @@ def _bare(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, None]]:
     return bare
 
 
-def _in_run(model: nn.Module, spec: fh.Spec, **options: Any) -> Callable[[torch.Tensor], tuple[Any, Any]]:
-    """One ``with_hooks`` block (``fh.Run(model, spec, **options)``) per call, then ``run.record``."""
+def _in_run(model: nn.Module, spec: fh.Spec) -> Callable[[torch.Tensor], tuple[Any, Any]]:
+    """One ``with_hooks`` block per call, then ``run.record``."""
 
     def call(x: torch.Tensor) -> tuple[Any, Any]:
-        with fh.Run(model, spec, **options) as run:
+        with fh.with_hooks(model, spec) as run:
             y = model(x)
         return y, run.record
 
@@ -357,7 +355,7 @@ def sparse_cases(model: nn.Module, paths: tuple[str, ...]) -> dict[str, Callable
     spec = fh.outputs(list(paths))
     modules = [model.get_submodule(p) for p in paths]
     return {"bare": _bare(model), "fh.with_hooks": _in_run(model, spec),
-            "fh.Run through the global dispatcher": _in_run(model, spec, per_module=False),
+            "fh.capture": _common.PerRound(lambda: fh.capture(model, spec)),
             "hand hooks, per call": _hand_per_call(model, modules)}
 
 

@@ -7,7 +7,10 @@ in PyTorch is fixed here once.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -28,7 +31,7 @@ tree_leaves = pytree.tree_leaves
 _WRAPPER_ATTRS = {"OptimizedModule": "_orig_mod"}
 
 
-def _wrapper_attr(module: nn.Module) -> str | None:
+def wrapper_attr(module: nn.Module) -> str | None:
     """The attribute holding the wrapped model, for DDP / DataParallel / torch.compile."""
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         return "module"
@@ -38,18 +41,19 @@ def _wrapper_attr(module: nn.Module) -> str | None:
 
 def unwrap(module: nn.Module) -> nn.Module:
     """Strip DDP / DataParallel / ``torch.compile`` wrappers, however deeply nested."""
-    attr = _wrapper_attr(module)
+    attr = wrapper_attr(module)
     while attr is not None:
         module = getattr(module, attr)
-        attr = _wrapper_attr(module)
+        attr = wrapper_attr(module)
     return module
 
 
-def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def named_modules(model: nn.Module, *, every_path: bool = False) -> Iterator[tuple[str, nn.Module]]:
     """``model.named_modules()`` without wrapper modules or their prefixes.
 
-    A shared module is yielded once, at its first path; wrappers (``module.`` of DDP,
-    ``_orig_mod.`` of ``torch.compile``, also around submodules) never appear.
+    A shared module is yielded once, at its first path (at every path with `every_path`);
+    wrappers (``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``, also around
+    submodules) never appear.
     """
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
@@ -57,42 +61,13 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         path, module = stack.pop()
         module = unwrap(module)
         if id(module) in seen:
+            if every_path:
+                yield path, module
             continue
         seen.add(id(module))
         yield path, module
         children = [(f"{path}.{n}" if path else n, c) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))
-
-
-COMPILED, REPLICATED = "compiled", "replicated"
-
-
-def _wrapper_kind(module: nn.Module) -> str | None:
-    """``COMPILED`` for a ``torch.compile`` wrapper, ``REPLICATED`` for ``nn.DataParallel``
-    (whose replicas copy each module's ``__dict__``), else None (DDP included)."""
-    if isinstance(module, nn.DataParallel):
-        return REPLICATED
-    return COMPILED if type(module).__name__ in _WRAPPER_ATTRS else None
-
-
-def wrappers_in(model: nn.Module) -> frozenset[str]:
-    """The kinds of wrapper anywhere in `model`'s tree (see ``_wrapper_kind``)."""
-    return frozenset(kind for m in model.modules() if (kind := _wrapper_kind(m)) is not None)
-
-
-def wrappers_around(model: nn.Module) -> frozenset[str]:
-    """The kinds of wrapper in the chain of wrappers around `model` (cheap: no tree walk)."""
-    kinds = set()
-    while (attr := _wrapper_attr(model)) is not None:
-        if (kind := _wrapper_kind(model)) is not None:
-            kinds.add(kind)
-        model = getattr(model, attr)
-    return frozenset(kinds)
-
-
-def reset_compiled() -> None:
-    """Drop dynamo's compiled code so that the next call traces the hooks installed now."""
-    torch.compiler.reset()
 
 
 def register_pytree(cls: type, flatten: Callable, unflatten: Callable, name: str) -> None:
@@ -114,3 +89,104 @@ def is_distributed() -> bool:
 def is_compiling() -> bool:
     """True while dynamo traces the calling code."""
     return torch.compiler.is_compiling()
+
+
+_peek_interpreter = torch._C._functorch.peek_interpreter_stack
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def transform_level() -> int:
+    """The level of the innermost active ``torch.func`` transform; 0 outside transforms."""
+    interpreter = _peek_interpreter()
+    return 0 if interpreter is None else interpreter.level()
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass in this thread: a module called now is being
+    recomputed (activation checkpointing), not called by the user's forward."""
+    return _graph_task_id() != -1
+
+
+def backward_pass() -> int:
+    """An id of the backward pass running now (-1 outside one), to group gradients by pass."""
+    return _graph_task_id()
+
+
+def backward_hook(module: nn.Module, hooks: list, pre_hooks: list) -> Any:
+    """PyTorch's per-call full backward hook machinery (``setup_input_hook`` /
+    ``setup_output_hook``), what ``Module._call_impl`` builds for registered backward hooks."""
+    return torch.utils.hooks.BackwardHook(module, hooks, pre_hooks)
+
+
+def dynamo_context(wrapper: nn.Module) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The compile settings of a ``torch.compile`` wrapper, as a function decorator."""
+    return wrapper.dynamo_ctx  # type: ignore[return-value]
+
+
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """True for the ``OptimizedModule`` that ``torch.compile(module)`` returns."""
+    return type(module).__name__ in _WRAPPER_ATTRS
+
+
+# -- trees with dataclasses: pytree's nodes, plus dataclass instances by their fields ---------
+
+
+def _is_dataclass_value(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def flatten(value: Any) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten`` that also looks inside dataclass instances (which pytree treats
+    as opaque leaves unless registered), so their tensors are detached, checked and given
+    gradients like any other output's. Returns the leaves and what :func:`unflatten` needs."""
+    leaves, spec = pytree.tree_flatten(value)
+    if not any(_is_dataclass_value(leaf) for leaf in leaves):
+        return leaves, (spec, None)
+    out: list[Any] = []
+    parts: list[Any] = []
+    for leaf in leaves:
+        if not _is_dataclass_value(leaf):
+            parts.append(None)
+            out.append(leaf)
+            continue
+        names = [f.name for f in dataclasses.fields(leaf)]
+        inner, inner_spec = flatten([getattr(leaf, name) for name in names])
+        skeleton = copy.copy(leaf)  # the instance without its field values
+        for name in names:
+            object.__setattr__(skeleton, name, None)
+        parts.append((skeleton, names, len(inner), inner_spec))
+        out.extend(inner)
+    return out, (spec, parts)
+
+
+def unflatten(leaves: list[Any], structure: Any) -> Any:
+    """The inverse of :func:`flatten`: dataclass instances come back as copies."""
+    spec, parts = structure
+    if parts is None:
+        return pytree.tree_unflatten(leaves, spec)
+    it = iter(leaves)
+    top: list[Any] = []
+    for part in parts:
+        if part is None:
+            top.append(next(it))
+            continue
+        skeleton, names, n, inner_spec = part
+        values = unflatten([next(it) for _ in range(n)], inner_spec)
+        rebuilt = copy.copy(skeleton)
+        for name, v in zip(names, values):
+            object.__setattr__(rebuilt, name, v)
+        top.append(rebuilt)
+    return pytree.tree_unflatten(top, spec)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """`value` with `fn` applied to every tensor in it (dataclass fields included)."""
+    leaves, structure = flatten(value)
+    return unflatten([fn(t) if isinstance(t, torch.Tensor) else t for t in leaves], structure)
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Every tensor in `value` (dataclass fields included), in flattening order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for t in flatten(value)[0] if isinstance(t, torch.Tensor)]

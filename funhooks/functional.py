@@ -3,21 +3,23 @@
 ``capture(model, specs)`` returns ``f(*args, **kwargs) -> (output, Record)``: the Record is
 built from inside the call and *returned*, never stored by side effect, so the function
 composes with ``torch.func`` (``vmap`` returns batched Records, ``grad(..., has_aux=True)``
-returns gradients plus Records) and with ``torch.compile`` (the dispatcher is traced, no
-graph breaks for observers). ``functional`` is the same with the parameters passed in, via
+returns gradients plus Records) and with ``torch.compile`` (dynamo traces the recording: no
+graph break for observers). ``functional`` is the same with the parameters passed in, via
 ``torch.func.functional_call``.
 
-Cost: a capture function holds the global forward dispatcher hook for as long as it is
-alive (so that ``torch.compile`` never sees a hook being registered); while it is held,
-every module call in the process goes through PyTorch's hook path and one empty loop.
-Under ``torch.compile`` and ``torch.func`` transforms stored tensors are copies (the
-in-place check of eager runs reads version counters, which a compiled graph and ``vmap``'s
-batched tensors do not keep), so stored values stay right when an in-place op follows.
+A call is its own scope: it attaches the plan for the duration of the call, sees only the
+module calls it makes (calls of the model in other threads meanwhile, and runs open around
+it, see nothing of it), so a capture function can be called from many threads at once, each
+call's Record holding exactly its own calls. Between calls nothing is attached to anything.
+
+Cost: per call, what a ``with_hooks`` block costs (wrapping the hooked modules for the call).
+Under ``torch.compile`` and ``torch.func`` transforms stored tensors are copies (the in-place
+check of eager runs reads version counters, which a compiled graph and ``vmap``'s batched
+tensors do not keep), so stored values stay right when an in-place op follows.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -25,23 +27,21 @@ import torch
 from torch import nn
 
 from . import _torch
-from . import run as _run
+from ._core import Attached, Frame, Plan, scope, trace
 from .errors import SpecError, TransformError
 from .record import Record
-from .select import resolve
+from .run import _as_specs, _check_model
 from .spec import Spec
 
 __all__ = ["capture", "functional"]
 
 _BACKWARD_EVENTS = ("backward_pre", "backward", "param_grad")
-_BACKWARD_ROLES = ("grad", "grad_output")
-_HOOK_KINDS = ("forward", "forward_pre")
 
 
 def _backward_error(specs: tuple[Spec, ...], caller: str) -> TransformError | None:
     """The error for a backward-event spec, raised when the function is called."""
     for spec in specs:
-        if spec.event in _BACKWARD_EVENTS or spec.role in _BACKWARD_ROLES:
+        if spec.event in _BACKWARD_EVENTS:
             return TransformError(
                 f"{caller}: a pure function returns its Record when the forward pass ends, so "
                 f"backward events (`grads`, `backward`, `backward_pre`, `param_grad`) never reach it "
@@ -50,28 +50,6 @@ def _backward_error(specs: tuple[Spec, ...], caller: str) -> TransformError | No
                 "`fh.with_hooks` around an eager `backward()`."
             )
     return None
-
-
-def _check_hookable(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
-    """Refuse selections whose hooks would never fire: TorchScript and fx-inlined modules."""
-    called: set[str] | None = None
-    inner = _torch.unwrap(model)
-    if isinstance(inner, torch.fx.GraphModule):
-        called = {"", *(str(n.target) for n in inner.graph.nodes if n.op == "call_module")}
-    scripted = [p for p, m in _torch.named_modules(inner) if isinstance(m, torch.jit.ScriptModule)]
-    for spec in specs:
-        for path, _ in resolve(spec.where, inner, caller=caller, spec=spec):
-            if any(path.startswith(f"{s}.") for s in scripted):
-                raise TransformError(
-                    f"{caller}: hooks on modules inside a TorchScript module never fire, got module "
-                    f"{path!r} selected by {spec!r}. Hook the eager model before scripting it."
-                )
-            if called is not None and path not in called:
-                raise TransformError(
-                    f"{caller}: fx inlined module {path!r} into the GraphModule's code, so hooks on it "
-                    f"never fire, got it selected by {spec!r}; the called modules are {sorted(called)}. "
-                    "Hook the eager model, or keep the module a leaf when tracing."
-                )
 
 
 def _check_leaves(record: Record, caller: str) -> None:
@@ -91,54 +69,57 @@ def _check_leaves(record: Record, caller: str) -> None:
 class _Recorder:
     """Specs resolved on a model, able to record one call of any function of it.
 
-    Holds the global dispatcher hooks for its own lifetime (released by a finalizer), so
-    that a call, traced by dynamo or not, only pushes a frame on the active-run stack.
+    Each call attaches the plan for itself only (a frame of its own, in a scope of its own)
+    and detaches it before returning; traced by dynamo, the attaching is traced too and
+    nothing of it exists when the compiled graph runs.
     """
 
     def __init__(self, model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
         self.model, self.specs, self.caller = model, specs, caller
         self.inner = _torch.unwrap(model)
-        _check_hookable(model, specs, caller)
-        self.plan = _run._Plan.get(self.inner, specs, caller)
-        self.copy_plan = _run._Plan.get(self.inner, self.plan.copy_specs(), caller)
-        self.has_backward = _backward_error(specs, caller) is not None
-        # the forward-pre hook only when a spec needs it: every hold slows every model
-        kinds = _HOOK_KINDS if self.plan.forward_pre else _HOOK_KINDS[:1]
-        for kind in kinds:
-            _run.acquire(kind)
-            weakref.finalize(self, _run.release, kind)
-        if self.plan.compiled:  # submodules compiled on their own must retrace the dispatcher
-            _run.hold_forever(kinds)
+        self.plan = Plan.get(self.inner, specs, caller)
+        self.plan.traced()  # built now: building it while dynamo traces a call would be traced too
+        self.backward = _backward_error(specs, caller)
+
+    def current(self) -> Plan:
+        """The plan for the model as it is now (rebuilt after a structure change)."""
+        if not _torch.is_compiling():
+            self.plan = Plan.get(self.inner, self.specs, self.caller)
+        return self.plan
 
     def __call__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Record]:
-        if self.has_backward:
-            raise _backward_error(self.specs, self.caller)  # type: ignore[misc]
-        compiling = _torch.is_compiling()
-        copies = compiling or self.plan.compiled or _torch.is_functorch_active()
-        plan = self.copy_plan if copies else self.plan
-        if not compiling and plan.generation != _run._GENERATION[0]:
-            self.plan = plan = _run._Plan.get(self.inner, self.specs, self.caller)
-            self.copy_plan = _run._Plan.get(self.inner, self.plan.copy_specs(), self.caller)
-        frame = _run._Frame(plan)
-        frame.open = True
-        _run._STACK.append(frame)
+        if self.backward is not None:
+            raise self.backward
+        if _torch.is_compiling():
+            return self._traced(fn, args, kwargs)
+        plan = self.current()
+        frame = Frame(plan, self.caller)
+        attached = Attached(plan, frame, copies=bool(frame.level))
         try:
-            out = fn(*args, **kwargs)
+            with scope.only((frame,)):
+                out = fn(*args, **kwargs)
         finally:
-            frame.open = False
-            _run._STACK.remove(frame)
-        if copies:  # version counters are not kept by graphs and vmap; stored values are copies
-            record = _run._build(frame.buffer, [], plan, self.caller, copies=True)
-        else:
-            record = _run._build(frame.buffer, frame.extra_checks, plan, self.caller)
+            attached.detach()
+            frame.close()
+        record = frame.record()
+        if frame.level:
+            _check_leaves(record, self.caller)
+        return out, record
+
+    def _traced(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Record]:
+        frame = Frame(self.plan, self.caller, 0)
+        groups = [(ref(), attr, ((0, hooked),)) for ref, attr, hooked in self.plan.traced()]
+        out = trace.record(fn, groups, [frame], args, kwargs)
+        frame.buffer = [(key, value, None) for key, value, _ in frame.buffer]  # copies: nothing to check
+        record = frame.record()
         if _torch.is_functorch_active():
             _check_leaves(record, self.caller)
         return out, record
 
 
 def _prepare(model: Any, specs: Spec | Iterable[Spec], caller: str) -> _Recorder:
-    model = _run._check_model(model, caller)
-    return _Recorder(model, _run._as_specs(specs, caller), caller)
+    model = _check_model(model, caller)
+    return _Recorder(model, _as_specs(specs, caller), caller)
 
 
 def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tuple[Any, Record]]:
@@ -176,14 +157,13 @@ def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tup
     """
     recorder = _prepare(model, specs, "capture")
 
-    # a model compiled before this function existed never runs the dispatcher hook: run
-    # the eager model (compile the capture function itself for speed)
+    # a model compiled before this function existed: its wrapper is looked through and the
+    # model runs eagerly (compile the capture function itself for speed)
     target = recorder.inner
 
     def captured(*args: Any, **kwargs: Any) -> tuple[Any, Record]:
         return recorder(target, args, kwargs)
 
-    captured._recorder = recorder  # type: ignore[attr-defined]  # keeps the hooks alive with f
     return captured
 
 
@@ -263,15 +243,16 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
         tensor([[0., 0.]])
     """
     recorder = _prepare(model, specs, "functional")
-    names = [(_run._GENERATION[0], _slots(recorder.inner))]
+    names = [(recorder.plan, _slots(recorder.inner))]
 
     def call(params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
         return torch.func.functional_call(recorder.inner, params, args, kwargs, tie_weights=False, strict=False)
 
     def functionally(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Record]:
         merged = _merge_params(params, "functional")
-        if names[0][0] != _run._GENERATION[0]:
-            names[0] = (_run._GENERATION[0], _slots(recorder.inner))
+        plan = recorder.current()
+        if names[0][0] is not plan:  # the model's structure changed: its names may have too
+            names[0] = (plan, _slots(recorder.inner))
         required, canonical, tied = names[0][1]
         slotted = {canonical.get(k, k): v for k, v in merged.items()}
         for owner, others in tied.items():
@@ -287,5 +268,4 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
                 )
         return recorder(call, (slotted, args, kwargs), {})
 
-    functionally._recorder = recorder  # type: ignore[attr-defined]
     return functionally

@@ -185,5 +185,4 @@ def activation_grads(
             data[path] = {"output": tuple(outs), "grad": tuple(grad_calls)}
         return loss, Record(data)
 
-    differentiated._recorder = recorder  # type: ignore[attr-defined]  # keeps the hooks alive with f
     return differentiated

@@ -139,7 +139,7 @@ class Record(_Frozen):
         object.__setattr__(self, "_data", frozen)
 
     @classmethod
-    def _trusted(cls, data: dict[str, dict[str, tuple[Any, ...]]]) -> Record:
+    def _trusted(cls, data: dict[str, dict[str, tuple[Any, ...]]], notes: Any = None) -> Record:
         """Wrap `data` without copying: the caller hands over ownership."""
         rec = object.__new__(cls)
         object.__setattr__(rec, "_data", data)

@@ -22,13 +22,16 @@ copy of its gradients and buffers; strategies draw tiny models (a few hundred pa
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from . import _models, _patch, _torch
+from . import _models, _torch
+from ._core import forward as _forward
+from ._core.plan import never_called
 from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
@@ -73,16 +76,61 @@ def _hypothesis() -> Any:
 # -- hooks left behind -----------------------------------------------------------------------
 
 
-def assert_no_hooks(model: nn.Module) -> None:
-    """Assert that nothing is attached to `model`: no module, parameter or buffer hook of
-    any origin, no ``forward`` wrapped by funhooks, and no active funhooks run routing its
-    modules.
+def _function(hook: Any) -> Any:
+    """The plain function behind a hook (bound methods and partials looked through)."""
+    while True:
+        inner = getattr(hook, "__func__", None) or getattr(hook, "func", None)
+        if inner is None or inner is hook:
+            return hook
+        hook = inner
+
+
+def _owner(hook: Any) -> str:
+    fn = _function(hook)
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_funhooks(hook: Any) -> bool:
+    """Whether the hook's code lives in this package (not: whose module name it claims)."""
+    code = getattr(_function(hook), "__code__", None)
+    return code is not None and os.path.abspath(code.co_filename).startswith(_PACKAGE + os.sep)
+
+
+def _left(where: str, what: str, hooks: list[Any], funhooks_only: bool) -> None:
+    """Raise for the hooks in `what`: funhooks' own always, others' unless `funhooks_only`."""
+    ours = [h for h in hooks if _is_funhooks(h)]
+    if ours:
+        raise AssertionError(
+            f"assert_no_hooks: {where} has {len(ours)} funhooks hook(s) in `{what}`, got {ours!r}. Exit every "
+            "`with_hooks` block and close every `train`/`evaluate` generator."
+        )
+    if hooks and not funhooks_only:
+        owners = sorted({_owner(h) for h in hooks})
+        raise AssertionError(
+            f"assert_no_hooks: {where} has {len(hooks)} hook(s) in `{what}` installed by {owners}, not by funhooks, "
+            f"got {hooks!r}. Remove them, or pass `funhooks_only=True` to check only what funhooks attaches."
+        )
+
+
+def assert_no_hooks(model: nn.Module, *, funhooks_only: bool = False) -> None:
+    """Assert that nothing is attached to `model`: no module, parameter or buffer hook, and no
+    ``forward`` still wrapped by a funhooks run.
+
+    funhooks itself registers no module hook; a run wraps the hooked modules' ``forward`` and
+    sets hooks on watched tensors only while its block is open. Other libraries keep hooks on
+    purpose (HF ``transformers`` installs output-capturing hooks after an
+    ``output_hidden_states=True`` call, FSDP its own): the message names their owner, and
+    ``funhooks_only=True`` checks only what funhooks attaches.
 
     Args:
         model: the model to inspect (DDP / ``torch.compile`` wrappers included).
+        funhooks_only: ignore hooks whose function is not funhooks'.
 
     Raises:
-        AssertionError: naming the module path and the kind of hook left behind.
+        AssertionError: naming the module path, what is left and who left it.
 
     Example:
         >>> import torch, funhooks as fh
@@ -91,39 +139,35 @@ def assert_no_hooks(model: nn.Module) -> None:
         >>> with fh.with_hooks(model, fh.grads("0")) as run:
         ...     model(torch.ones(1, 2)).sum().backward()
         >>> fh.testing.assert_no_hooks(model)
+        >>> handle = model[0].register_forward_hook(lambda m, i, o: None)
+        >>> fh.testing.assert_no_hooks(model, funhooks_only=True)
+        >>> handle.remove()
     """
     if not isinstance(model, nn.Module):
         raise SpecError(f"assert_no_hooks: `model` is an nn.Module, got {type(model).__name__}. Pass the model.")
     for path, module in model.named_modules(remove_duplicate=False):
-        where = _where(path)
-        for attr in _HOOK_DICTS:
-            hooks = getattr(module, attr, None)
-            if hooks:
+        where = f"module {_where(path)}"
+        for attr in ("forward", "_call_impl"):
+            wrapped = module.__dict__.get(attr)
+            if isinstance(wrapped, _forward.Forward):
                 raise AssertionError(
-                    f"assert_no_hooks: module {where} has {len(hooks)} hook(s) in `{attr}`, got "
-                    f"{list(hooks.values())!r}. Remove them (exit every `with_hooks` block)."
+                    f"assert_no_hooks: {where} still has its `{attr}` wrapped by funhooks, got {wrapped!r} with "
+                    f"{len(wrapped.users)} active run(s). Exit every `with_hooks` block and close every "
+                    "`train`/`evaluate` generator."
                 )
+        reducer = module.__dict__.get("__reduce_ex__")
+        if isinstance(getattr(reducer, "__self__", None), _forward.Forward):
+            raise AssertionError(
+                f"assert_no_hooks: {where} still has a `__reduce_ex__` set by a funhooks run, got {reducer!r}. "
+                "Exit every `with_hooks` block."
+            )
+        for attr in _HOOK_DICTS:
+            _left(where, attr, list(getattr(module, attr, {}).values()), funhooks_only)
         tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
         for name, tensor in tensors:
             for attr in _TENSOR_HOOK_DICTS:
-                hooks = getattr(tensor, attr, None)
-                if hooks:
-                    raise AssertionError(
-                        f"assert_no_hooks: tensor {name!r} of module {where} has a gradient hook in "
-                        f"`{attr}`, got {list(hooks.values())!r}. Remove it."
-                    )
-        for frame in _run._STACK:
-            if id(module) in frame.forward or id(module) in frame.forward_pre:
-                raise AssertionError(
-                    f"assert_no_hooks: an active funhooks run still routes module {where}, got a run "
-                    "that was entered and not exited. Exit its `with` block."
-                )
-        wrapped = module.__dict__.get("forward")
-        if isinstance(wrapped, _patch.Forward):
-            raise AssertionError(
-                f"assert_no_hooks: module {where} still has its `forward` wrapped by funhooks, got "
-                f"{wrapped!r} with {len(wrapped.users)} active run(s). Exit every `with_hooks` block."
-            )
+                _left(f"tensor {name!r} of {where}", attr, list((getattr(tensor, attr, None) or {}).values()),
+                      funhooks_only)
 
 
 # -- transparency ----------------------------------------------------------------------------
@@ -390,11 +434,13 @@ def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) ->
         >>> test_transparent()
     """
     st = _hypothesis().strategies
-    modules = list(_torch.named_modules(model))
+    every = list(_torch.named_modules(model))
+    modules = [(p, m) for p, m in every if not never_called(m)]  # a ModuleList alone is refused
     paths = [p for p, _ in modules]
     types = sorted({type(m) for _, m in modules}, key=lambda t: t.__qualname__)
     patterns = sorted({".".join("*" if i == k else s for i, s in enumerate(p.split("."))) + tail
-                       for p in paths if p for k in range(p.count(".") + 1) for tail in ("", ".**")})
+                       for p, _ in every if p for k in range(p.count(".") + 1) for tail in ("", ".**")})
+    patterns = [p for p in patterns if any(not never_called(m) for _, m in _spec.select(p).resolve(model))]
     param_modules = [m for _, m in modules if any(True for _ in m.parameters(recurse=False))]
     where = st.one_of(
         st.sampled_from(paths),

@@ -51,7 +51,7 @@ def test_capture_smoke(tmp_path: pathlib.Path) -> None:
         assert all({"median", "p25", "p75"} == set(c["ratio"]) for c in cases.values())
         assert cases["bare"]["ratio"]["median"] == 1.0
     sparse = result["results"]["deep-narrow, 3 modules"]["cases"]
-    assert set(sparse) == {"bare", "fh.with_hooks", "fh.Run through the global dispatcher", "hand hooks, per call"}
+    assert set(sparse) == {"bare", "fh.with_hooks", "fh.capture", "hand hooks, per call"}
 
 
 def test_capture_breakdown_smoke(tmp_path: pathlib.Path) -> None:

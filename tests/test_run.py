@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import funhooks as fh
-from funhooks import run as fh_run
 
 FIXTURE_OK = hypothesis.settings(suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 
@@ -38,28 +37,43 @@ def output_mean(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.T
     return output.mean()
 
 
-_BASELINE: dict[str, int] = {}
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_module_registration_hooks")
+
+
+def assert_no_global_state() -> None:
+    """Nothing of funhooks anywhere outside the models: no global module hook of any kind,
+    no run entered in this context."""
+    import torch.nn.modules.module as module_hooks
+
+    for name in _GLOBAL_HOOKS:
+        assert not getattr(module_hooks, name), name
+    assert fh._core.scope.active() == ()
+
+
+def assert_no_global_hooks() -> None:
+    """No global module hook of any kind (what would put every module call in the process on
+    PyTorch's slower hooked path)."""
+    import torch.nn.modules.module as module_hooks
+
+    for name in _GLOBAL_HOOKS:
+        assert not getattr(module_hooks, name), name
 
 
 def assert_clean(model: nn.Module) -> None:
-    """No hook on the model, no active frame, no global dispatcher left by these tests."""
+    """No hook on the model, no mark on it, nothing global left by these tests."""
     fh.testing.assert_no_hooks(model)
-    assert fh_run._STACK == []
-    assert fh_run._USERS == _BASELINE  # capture functions and compiled models may hold it
+    assert_no_global_state()
     assert all(getattr(m, "_is_full_backward_hook", None) is None for m in model.modules())
 
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """Every test in this file starts and ends with no active run, and releases every
-    hold on the global dispatcher it took."""
+    """Every test in this file starts and ends with no active run and no global hook."""
     gc.collect()
-    assert fh_run._STACK == []
-    _BASELINE.clear()
-    _BASELINE.update(fh_run._USERS)
+    assert_no_global_state()
     yield
-    assert fh_run._STACK == []
-    assert fh_run._USERS == _BASELINE
+    assert_no_global_state()
 
 
 # -- lifetime ----------------------------------------------------------------------------
@@ -81,7 +95,8 @@ def test_hooks_removed_after_normal_exit(device: torch.device) -> None:
     model = make_model(device)
     with fh.with_hooks(model, ALL_SPECS) as run:
         model(torch.randn(2, 4, device=device)).sum().backward()
-        assert any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
+        assert _wrapped(model) == ["0", "1", "2"]  # forward-wrapped; backward events ride on the calls
+        assert not any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
     assert_clean(model)
     rec = run.record
     assert list(rec) == ["0", "0.weight", "0.bias", "1", "2", "2.weight", "2.bias"]
@@ -139,7 +154,7 @@ def test_nested_runs_each_remove_only_their_own() -> None:
     with fh.with_hooks(model, [fh.outputs("0"), fh.observe("2", raise_value_error, event="backward", name="b")]) as outer:
         with fh.with_hooks(model, [fh.outputs("**"), fh.observe("2", output_mean, event="backward", name="b2")]) as inner:
             model(x)
-        assert len(model[2]._backward_hooks) == 1
+        assert len(model[2].forward.users) == 1  # the inner run left; the outer one stays
         model(x)
     assert_clean(model)
     assert len(inner.record.calls("0", "output")) == 1 and list(inner.record) == ["0", "1", "2"]
@@ -362,19 +377,11 @@ def test_a_kwarg_changed_in_place_by_the_module_is_caught() -> None:
         run.record
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="through the global dispatcher (compiled models, runs under torch.func transforms) "
-    "keyword inputs are taken after the module ran: PyTorch's global forward-pre hook gets no "
-    "kwargs, so a kwarg the module changes in place is stored changed. Eager runs wrap the "
-    "forward and take kwargs before the call.",
-)
-def test_inputs_keep_kwargs_as_received_through_the_dispatcher() -> None:
-    """The same through the global dispatcher."""
+def test_inputs_keep_kwargs_as_received_in_a_capture_function() -> None:
+    """A capture function takes keyword inputs before the module runs too."""
     model = CallsBumpsKwarg()
-    with fh.Run(model, fh.inputs("inner", clone=True), per_module=False) as run:
-        model(torch.ones(2))
-    assert torch.equal(run.record["inner"]["input"][1]["bias"], torch.zeros(2))
+    _, rec = fh.capture(model, fh.inputs("inner", clone=True))(torch.ones(2))
+    assert torch.equal(rec["inner"]["input"][1]["bias"], torch.zeros(2))
 
 
 def test_module_called_several_times_keeps_every_call(device: torch.device) -> None:
@@ -907,12 +914,12 @@ def _wrapped(model: nn.Module) -> list[str]:
 
 def test_an_eager_run_wraps_only_its_modules_forwards_and_registers_no_hook(device: torch.device) -> None:
     """On an eager model a run wraps the forwards of exactly the modules it hooks: no module
-    hook, no global dispatcher, so every module keeps PyTorch's hook-free call path."""
+    hook, no global hook, so every module keeps PyTorch's hook-free call path."""
     model = _deep(device)
     with fh.with_hooks(model, [fh.outputs(["2", "8"]), fh.inputs("4")]) as run:
         assert _wrapped(model) == ["2", "4", "8"]
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-        assert fh_run._USERS == _BASELINE
+        assert_no_global_hooks()
         y = model(torch.randn(3, 4, device=device))
     assert list(run.record) == ["2", "4", "8"]
     assert _wrapped(model) == []
@@ -920,29 +927,39 @@ def test_an_eager_run_wraps_only_its_modules_forwards_and_registers_no_hook(devi
     assert y.shape == (3, 4)
 
 
-def test_wrapped_forwards_and_the_dispatcher_record_the_same(device: torch.device) -> None:
-    """Wrapped forwards and the global dispatcher give equal Records, editors included."""
+def test_records_equal_what_hand_written_hooks_see(device: torch.device) -> None:
+    """A run with outputs, inputs, forward and forward-pre editors and an observer on every
+    module gives the output and values that hand-registered PyTorch hooks give (editors
+    registered first, so the hand hooks also see edited values)."""
     model = _deep(device)
     x = torch.randn(3, 4, device=device)
     specs = [fh.outputs(["0", "6"]), fh.inputs("4"), fh.edit("2", lambda m, a, o: o * 0.5),
              fh.edit("8", lambda m, a: (a[0] + 1,), event="forward_pre"),
              fh.observe("**", lambda m, a, o: o.sum(), name="total")]
-    wrapped = fh.with_hooks(model, specs)
-    dispatched = fh.Run(model, specs, per_module=False)
-    with wrapped:
-        y_wrapped = model(x)
-    with dispatched:
-        y_dispatched = model(x)
-    assert torch.equal(y_wrapped, y_dispatched)
-    assert wrapped.record.equal(dispatched.record)
+    with fh.with_hooks(model, specs) as run:
+        y = model(x)
+    seen: dict[str, list] = {}
+    handles = [model[2].register_forward_hook(lambda m, a, o: o * 0.5),
+               model[8].register_forward_pre_hook(lambda m, a: (a[0] + 1,)),
+               model[4].register_forward_pre_hook(lambda m, a: seen.setdefault("4-in", []).append(a[0].clone()))]
+    for path, module in model.named_children():
+        handles.append(module.register_forward_hook(lambda m, a, o, p=path: seen.setdefault(p, []).append(o.detach().clone())))
+    y_hand = model(x)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(y, y_hand)
+    rec = run.record
+    assert torch.equal(rec["0"]["output"], seen["0"][0]) and torch.equal(rec["6"]["output"], seen["6"][0])
+    assert torch.equal(rec["4"]["input"][0][0], seen["4-in"][0])
+    assert all(torch.equal(rec[p]["total"], seen[p][0].sum()) for p in seen if p != "4-in")
     assert_clean(model)
 
 
-def test_nested_wrapped_and_dispatcher_runs_each_record(device: torch.device) -> None:
-    """An outer wrapped run and an inner dispatcher run both see the same call."""
+def test_nested_runs_with_different_plans_each_record_the_same_call(device: torch.device) -> None:
+    """An outer and an inner run on one module (one wrapper, two users) both see the call."""
     model = _deep(device)
     with fh.with_hooks(model, fh.outputs("0")) as outer:
-        with fh.Run(model, fh.outputs("**"), per_module=False) as inner:
+        with fh.with_hooks(model, fh.outputs("**")) as inner:
             model(torch.randn(2, 4, device=device))
     assert len(outer.record.calls("0", "output")) == 1
     assert len(inner.record) == 12
@@ -1031,7 +1048,8 @@ def test_a_model_copied_or_pickled_inside_the_block_is_plain(device: torch.devic
     with fh.with_hooks(model, fh.outputs(["", "0"])) as run:
         twin = copy.deepcopy(model)
         loaded = pickle.loads(pickle.dumps(model))
-        assert not isinstance(twin[0].forward, fh._patch.Forward)
+        assert "forward" not in twin[0].__dict__ and "__reduce_ex__" not in twin[0].__dict__
+        assert "forward" not in loaded[0].__dict__
         y = model(x)
         assert torch.equal(twin(x), y)
         assert torch.equal(loaded(x), y)
@@ -1064,46 +1082,40 @@ class _PropertyForward(nn.Module):
         return self.lin.forward
 
 
-def test_a_module_whose_forward_cannot_be_wrapped_goes_through_the_dispatcher(device: torch.device) -> None:
-    """Where ``forward`` is a property, the run falls back to the global dispatcher."""
+def test_a_module_whose_forward_is_a_property_is_wrapped_through_call_impl(device: torch.device) -> None:
+    """Where ``forward`` is a property (an instance attribute cannot replace it), the run
+    wraps the module's ``_call_impl`` instead, and records the same."""
     model = nn.Sequential(_PropertyForward(), nn.ReLU()).to(device)
     x = torch.randn(2, 4, device=device)
     with fh.with_hooks(model, fh.outputs("0")) as run:
-        assert _wrapped(model) == []
+        assert "_call_impl" in model[0].__dict__
         y = model(x)
     assert torch.equal(run.record["0"]["output"], model[0](x))
     assert y.shape == (2, 4)
+    assert "_call_impl" not in model[0].__dict__
     assert_clean(model)
 
 
-def test_a_data_parallel_model_goes_through_the_dispatcher(device: torch.device) -> None:
-    """DataParallel replicates modules by copying their ``__dict__``, which would copy a
-    wrapped forward bound to the original: runs on it use the global dispatcher instead."""
+def test_a_data_parallel_model_on_one_device_records(device: torch.device) -> None:
+    """DataParallel on one device (or the CPU) calls the module itself: runs record through it."""
     model = _deep(device)
     x = torch.randn(2, 4, device=device)
     for wrapped in (nn.DataParallel(model), nn.Sequential(nn.DataParallel(model))):
         with fh.with_hooks(wrapped, fh.outputs(model[0])) as run:
-            assert _wrapped(model) == []
             y = wrapped(x)
         assert torch.equal(run.record.stored()[0], model[0](x))
         assert torch.equal(y, model(x))
         assert_clean(model)
 
 
-@given(st.data())
-def test_wrapped_forwards_and_the_dispatcher_agree_on_kit_models(data: st.DataObject) -> None:
-    """For random models and random specs, a run through wrapped forwards and the same run
-    through the global dispatcher give equal outputs, gradients and Records."""
-    model, x = data.draw(fh.testing.models_and_inputs())
-    specs = data.draw(fh.testing.specs(model, clone=True))
-    model.eval()  # BatchNorm: both passes see the same statistics
-    with fh.with_hooks(model, specs) as wrapped:
-        y_wrapped, gx_wrapped, gp_wrapped = forward_backward(model, x)
-    with fh.Run(model, specs, per_module=False) as dispatched:
-        y_dispatched, gx_dispatched, gp_dispatched = forward_backward(model, x)
-    assert torch.equal(y_wrapped, y_dispatched) and torch.equal(gx_wrapped, gx_dispatched)
-    assert all(torch.equal(a, b) for a, b in zip(gp_wrapped, gp_dispatched))
-    assert wrapped.record.equal(dispatched.record)
+def test_data_parallel_over_several_devices_is_refused() -> None:
+    """DataParallel over several devices runs replicas (new module objects no run sees): the
+    run refuses it up front instead of recording nothing."""
+    model = _deep("cpu")
+    wrapped = nn.DataParallel(model)
+    wrapped.device_ids = [0, 1]  # what DataParallel holds on a machine with two GPUs
+    with pytest.raises(fh.TransformError, match=r"`nn.DataParallel` runs replicas.*devices \[0, 1\]"):
+        fh.with_hooks(wrapped, fh.outputs("0"))
     assert_clean(model)
 
 

@@ -1,0 +1,32 @@
+"""The run core: how specs reach the module calls they hook.
+
+A **plan** (``plan``) resolves specs against a model once: per hooked module, a ``Hooked``
+table of **entries** (``entries``), the small functions that store, observe or edit one
+spec's values. Plans are cached per model and spec tuple while the model's structure holds.
+
+A **frame** (``frame``) is one run's mutable state: the buffer its entries append to, the
+tensor hooks they registered, the ``torch.func`` level it was opened at. The Record is built
+from it, with the in-place check of every stored tensor.
+
+**Attaching** (``attach``) puts a plan on the model for one frame: a ``Forward``
+(``forward``) in the ``__dict__`` of each hooked module, a compiled recorder (``trace``) on
+each ``torch.compile`` wrapper, hooks on watched parameters. Nothing global is installed,
+ever, and detaching restores every ``__dict__`` exactly.
+
+The **scope** (``scope``) says which frames see a call: those entered in the calling
+thread's ``contextvars`` context. Every hooked call goes through one hot loop::
+
+    module(x) -> PyTorch's _call_impl (fast path) -> Forward.__call__
+        users in scope?  no -> the module's own forward
+        yes -> forward-pre editors, forward-pre observers, the module's forward,
+               editors, gradient watchers, observers (recordings see edited values)
+
+Public code uses three names: ``Plan.get``, ``Frame`` and ``Attached``, plus ``scope``.
+"""
+
+from . import scope
+from .attach import Attached
+from .frame import Frame
+from .plan import Plan, as_copy
+
+__all__ = ["Attached", "Frame", "Plan", "as_copy", "scope"]

@@ -1,0 +1,258 @@
+"""Wrapped forwards: how runs reach the modules they hook, and the one hot loop.
+
+While a run hooks a module, the module's ``forward`` is a :class:`Forward` set in the
+module's own ``__dict__`` (``_call_impl`` for the rare class whose ``forward`` an instance
+attribute cannot replace: a property, or a custom ``__getattribute__``). Nothing is
+registered with PyTorch: ``Module.__call__`` keeps its hook-free fast path for every
+module, hooked or not, where any forward hook (even a global no-op one) sends every module
+call down PyTorch's slower hooked path.
+
+A call goes through :func:`call` only for the runs (*users*) entered in the calling
+context (see ``scope``); calls from other threads or tasks run the module as if no run
+existed. Entries see what forward hooks would see: the arguments after the module's own
+forward-pre hooks, the output before its forward hooks. Nested runs share one ``Forward``
+per module and may exit in any order; when the last one leaves, the ``__dict__`` is
+restored exactly. A module copied (``copy.copy``, ``deepcopy``, pickle) inside a block gets
+a plain forward: the ``Forward`` also sets an instance ``__reduce_ex__`` that leaves itself
+out of the copy.
+
+Cost: per hooked module call, one Python call around the forward, a context-variable read,
+a ``torch.func`` level read and an autograd-state read; per run, a few dict writes per
+hooked module at entry and exit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _torch
+from ..errors import TransformError
+from . import scope
+from .entries import Hooked, where
+
+__all__ = ["Forward", "attribute", "call", "install", "uninstall"]
+
+_ATTRIBUTE: dict[type, str] = {}
+_LOCK = threading.RLock()
+"""Guards wrapping and unwrapping: runs entered in two threads at once share the wrappers."""
+
+Users = tuple[tuple[Any, Any], ...]
+Route = Callable[[nn.Module, Callable[..., Any], Users, tuple, dict], Any]
+
+
+def attribute(cls: type) -> str:
+    """The instance attribute through which a run wraps modules of `cls`: ``forward``, or
+    ``_call_impl`` where an instance ``forward`` would not be found (a property, a custom
+    ``__getattribute__``)."""
+    name = _ATTRIBUTE.get(cls)
+    if name is None:
+        found = inspect.getattr_static(cls, "forward", None)
+        plain = cls.__getattribute__ is nn.Module.__getattribute__ and not hasattr(type(found), "__set__")
+        name = _ATTRIBUTE[cls] = "forward" if plain else "_call_impl"
+    return name
+
+
+def _escape(frame: Any, hooked: Hooked) -> TransformError:
+    return TransformError(
+        f"{frame.caller}: values stored by side effect cannot leave a torch.func transform, got module "
+        f"{where(hooked.path)} called inside `vmap`/`grad` while the `{frame.caller}` block was entered outside it. "
+        "Call `fh.capture(model, specs)` inside the transform instead: its Record comes back batched."
+    )
+
+
+def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple, kwargs: dict,
+         checked: bool = True) -> Any:
+    """One call of a hooked module for the runs in `users` (``(frame, hooked)`` pairs).
+
+    Forward-pre editors, then forward-pre observers; the module; editors, then gradient
+    watchers, then observers: a recording sees the values after every editor of the call.
+    A call made while autograd runs a backward pass is a recomputation (activation
+    checkpointing): editors and gradient watchers run, nothing is stored again.
+    `checked` is False inside a dynamo trace, which runs neither check.
+    """
+    replay = False
+    if checked:
+        level = _torch.transform_level()
+        for frame, hooked in users:
+            if frame.level != level:
+                raise _escape(frame, hooked)
+        replay = _torch.in_backward()
+    if len(users) == 1 and users[0][1].plain:  # the common case: observers only
+        frame, hooked = users[0]
+        output = inner(*args, **kwargs)
+        if not replay:
+            for entry in hooked.obs:
+                entry(frame, module, args, kwargs, output)
+        return output
+    for frame, hooked in users:
+        for pre in hooked.pre_edits:
+            new = pre(frame, module, args, kwargs)
+            if new is not None:
+                args = new
+    if not replay:
+        for frame, hooked in users:
+            for pre in hooked.pre_obs:
+                pre(frame, module, args, kwargs)
+    backward = None
+    if checked and torch.is_grad_enabled():
+        full = [make(frame) for frame, hooked in users for make in hooked.backward]
+        pre_hooks = [make(frame) for frame, hooked in users for make in hooked.backward_pre]
+        if full or pre_hooks:
+            backward = _torch.backward_hook(module, full, pre_hooks)
+            args = backward.setup_input_hook(args)
+    output = inner(*args, **kwargs)
+    for frame, hooked in users:
+        for post in hooked.edits:
+            new = post(frame, module, args, kwargs, output)
+            if new is not None:
+                output = new
+    for frame, hooked in users:
+        for post in hooked.grads:
+            post(frame, module, args, kwargs, output)
+    if not replay:
+        for frame, hooked in users:
+            for post in hooked.obs:
+                post(frame, module, args, kwargs, output)
+    if backward is not None:
+        output = backward.setup_output_hook(output)
+    return output
+
+
+class Forward:
+    """A module's ``forward`` (or ``_call_impl``) while at least one run hooks it.
+
+    ``users`` is a tuple of ``(frame, hooked)``, outermost run first, replaced (never
+    mutated) so a call in progress keeps the users it started with. ``route`` runs a call for
+    the users in scope: :func:`call`, or for a ``torch.compile`` wrapper the compiled recorder
+    of ``trace``. A plan keeps one ``Forward`` per hooked module and reuses it run after run;
+    between runs it holds the module only weakly.
+    """
+
+    __slots__ = ("__weakref__", "attr", "inner", "module", "reducer", "ref", "route", "saved", "users")
+
+    def __init__(self, module: nn.Module, attr: str, route: Route = call) -> None:
+        self.ref = weakref.ref(module)
+        self.attr = attr
+        self.route = route
+        self.module: Any = None  # the module, while installed
+        self.inner: Any = None  # what `module.<attr>` was, while installed
+        self.saved: Any = None  # the instance attribute it replaced, if any
+        self.reducer: Any = None  # the instance `__reduce_ex__` it set, if any
+        self.users: Users = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, inner = self.module, self.inner
+        if inner is None:  # unwrapped since the caller looked it up: call what is there now
+            return getattr(self.ref(), self.attr)(*args, **kwargs)
+        active = scope.active()
+        if active:
+            users = self.users
+            if len(users) == 1:
+                if users[0][0] in active:
+                    return self.route(module, inner, users, args, kwargs)
+            else:
+                mine = tuple([u for u in users if u[0] in active])
+                if mine:
+                    return self.route(module, inner, mine, args, kwargs)
+        return inner(*args, **kwargs)
+
+    # -- looking like the forward it wraps ------------------------------------------------
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(module.forward) sees the real one
+        return self.inner
+
+    @property
+    def __self__(self) -> Any:
+        return getattr(self.inner, "__self__", None)
+
+    @property
+    def __func__(self) -> Any:
+        return getattr(self.inner, "__func__", self.inner)
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.inner, "__name__", self.attr)
+
+    def __repr__(self) -> str:
+        return f"<funhooks-wrapped {self.inner!r}>"
+
+    # -- copies made inside a block are plain ----------------------------------------------
+
+    def reduce_ex(self, protocol: int) -> Any:
+        """The module's own reduction, without the run's instance attributes (``copy.copy``,
+        ``copy.deepcopy`` and pickle all ask an object's ``__reduce_ex__``)."""
+        module = self.ref()
+        reduced = type(module).__reduce_ex__(module, protocol)
+        if len(reduced) < 3 or not isinstance(reduced[2], dict):
+            return reduced
+        state = {k: v for k, v in reduced[2].items() if v is not self and v is not self.reducer}
+        if self.saved is not None:
+            state[self.attr] = self.saved
+        return (reduced[0], reduced[1], state, *reduced[3:])
+
+
+def install(frame: Any, items: list[tuple[weakref.ref, Forward, Any]]) -> list[Forward]:
+    """Make `frame` a user of the wrapped forward of each module in `items`
+    (``(module_ref, forward, hooked)``, from the plan), wrapping the modules not wrapped
+    yet; returns the ``Forward`` objects `frame` uses."""
+    installed: list[Forward] = []
+    with _LOCK:
+        try:
+            for ref, fwd, hooked in items:
+                module = ref()
+                if module is None:
+                    continue
+                d = module.__dict__
+                current = d.get(fwd.attr)
+                if type(current) is Forward and current.module is module:  # wrapped by a run already
+                    current.users = (*current.users, (frame, hooked))
+                    installed.append(current)
+                    continue
+                if fwd.inner is not None:  # still in use under someone else's forward: never reuse
+                    fwd = Forward(module, fwd.attr, fwd.route)
+                fwd.saved, fwd.module, fwd.users = current, module, ((frame, hooked),)
+                fwd.inner = getattr(module, fwd.attr)
+                d[fwd.attr] = fwd
+                if "__reduce_ex__" not in d:
+                    fwd.reducer = d["__reduce_ex__"] = fwd.reduce_ex
+                installed.append(fwd)
+        except BaseException:  # interrupted half-way: leave no module wrapped
+            _uninstall(frame, installed)
+            raise
+    return installed
+
+
+def uninstall(frame: Any, installed: list[Forward]) -> None:
+    """Remove `frame` from each wrapped forward; restore the modules it was the last user of.
+
+    A forward someone else replaced since (wrapping ours) stays in place, with no users.
+    """
+    with _LOCK:
+        _uninstall(frame, installed)
+
+
+def _uninstall(frame: Any, installed: list[Forward]) -> None:
+    for fwd in reversed(installed):
+        fwd.users = users = tuple([u for u in fwd.users if u[0] is not frame])
+        if users:
+            continue
+        d = fwd.module.__dict__
+        if fwd.reducer is not None and d.get("__reduce_ex__") is fwd.reducer:
+            del d["__reduce_ex__"]
+        fwd.reducer = None
+        if d.get(fwd.attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
+            continue
+        if fwd.saved is None:
+            del d[fwd.attr]
+        else:
+            d[fwd.attr] = fwd.saved
+        fwd.inner = None  # before `module`: a racing call reads `module` first, then `inner`
+        fwd.module = fwd.saved = None

@@ -1,0 +1,298 @@
+"""Plans: specs resolved against one model, built once and reused run after run.
+
+A plan walks the model once (wrappers looked through: ``module.`` of DDP/DataParallel,
+``_orig_mod.`` of ``torch.compile``), resolves every spec's selector, and keeps per hooked
+module a ``Hooked`` table of entries and the ``Forward`` that will wrap it; modules inside a
+``torch.compile`` wrapper are recorded by the wrapper's compiled recorder instead. Everything
+is validated here, before anything is attached: selectors must match, record names must
+not clash, a spec may not select only containers that never run.
+
+Plans are cached per model (held weakly) and spec tuple. A cached plan is reused only while
+the model's structure is what it was (every ``_modules`` dict holds the same children, so
+``ModuleList.insert``/``del``/``pop`` and attribute assignment are seen), and only if no
+spec can reach the model itself (a function closing over the model would otherwise keep it
+alive forever): those plans are rebuilt per run.
+
+Cost: building walks the model once (a few µs per module); reusing compares each module's
+children (about 0.1 µs per module).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .. import _torch
+from ..errors import SelectorError, SpecError, TransformError
+from ..select import resolve
+from ..spec import Spec
+from . import forward, trace
+from .entries import Hooked, where
+
+__all__ = ["Plan", "as_copy", "never_called"]
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Spec, ...], Plan]] = weakref.WeakKeyDictionary()
+_PLANS_PER_MODEL = 32
+_LOCK = threading.Lock()
+_REACH_LIMIT = 100_000
+"""How many objects :func:`_reaches` visits before it gives up (and the plan is not cached)."""
+
+
+def never_called(module: nn.Module) -> bool:
+    """Containers without a forward of their own (``ModuleList``, ``ModuleDict``)."""
+    return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
+
+
+def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any]], list, list]:
+    """``(path, module, compile wrapper)`` in ``named_modules()`` order, wrappers looked
+    through and a shared module once; with the children of every module seen, to tell later
+    whether the structure changed."""
+    seen: set[int] = set()
+    found: list[tuple[str, nn.Module, Any]] = []
+    full: list[tuple[dict, tuple]] = []
+    empty: list[dict] = []
+    stack: list[tuple[str, nn.Module, Any]] = [("", model, None)]
+    while stack:
+        path, module, owner = stack.pop()
+        while (attr := _torch.wrapper_attr(module)) is not None:
+            if isinstance(module, nn.DataParallel) and len(module.device_ids or ()) > 1:
+                raise TransformError(
+                    f"{caller}: `nn.DataParallel` runs replicas, new module objects no run can see, got one over "
+                    f"devices {module.device_ids} at {where(path)}. Use DistributedDataParallel, or DataParallel "
+                    "on one device."
+                )
+            if owner is None and _torch.is_compile_wrapper(module):
+                owner = module
+            full.append((module._modules, tuple(module._modules.items())))
+            module = getattr(module, attr)
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append((path, module, owner))
+        children = module._modules
+        if children:
+            full.append((children, tuple(children.items())))
+            stack.extend(reversed([(f"{path}.{n}" if path else n, c, owner) for n, c in children.items() if c is not None]))
+        else:
+            empty.append(children)
+    return found, full, empty
+
+
+def _reaches(start: Any, target: Any) -> bool:
+    """Whether `target` can be reached from `start` through closures, defaults, bound
+    ``self``, partials, containers, object attributes and submodules (not globals, which
+    live as long as their module anyway). Unsure (too many objects) counts as yes."""
+    seen: set[int] = set()
+    stack = [start]
+    while stack:
+        obj = stack.pop()
+        if obj is target:
+            return True
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, complex, bool, type, types.ModuleType,
+                                                torch.Tensor, type(None))):
+            continue
+        seen.add(id(obj))
+        if len(seen) > _REACH_LIMIT:
+            return True
+        if isinstance(obj, nn.Module):
+            stack.extend(obj._modules.values())
+        elif isinstance(obj, types.FunctionType):
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None)
+            stack.extend((obj.__defaults__ or ()) + tuple((obj.__kwdefaults__ or {}).values()))
+            stack.append(getattr(obj, "__wrapped__", None))
+        elif isinstance(obj, types.MethodType):
+            stack += [obj.__self__, obj.__func__]
+        elif isinstance(obj, functools.partial):
+            stack += [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (tuple, list, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack += [*obj.keys(), *obj.values()]
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for cls in type(obj).__mro__:
+                stack.extend(getattr(obj, s, None) for s in cls.__dict__.get("__slots__", ()) if isinstance(s, str))
+    return False
+
+
+def as_copy(spec: Spec) -> Spec:
+    """The spec storing copies: where version counters are not kept (compiled graphs,
+    ``vmap``'s batched tensors) a copy is the only value an in-place op cannot change."""
+    return attrs.evolve(spec, clone=True) if not spec.is_edit and spec.role != "call" else spec
+
+
+def _parameters(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """A module's own parameters, and the originals behind its parametrized tensors
+    (``parametrize``, ``weight_norm``), each under its own path."""
+    prefix = f"{path}." if path else ""
+    for name, param in module.named_parameters(recurse=False):
+        yield prefix + name, param
+    if parametrize.is_parametrized(module):
+        for tensor, plist in module.parametrizations.items():
+            for name, param in plist.named_parameters(recurse=False):
+                yield f"{prefix}parametrizations.{tensor}.{name}", param
+
+
+_BACKWARD = ("backward", "backward_pre")
+
+
+def _check_called(found: Iterable[tuple[str, nn.Module]], modules: list[tuple[str, nn.Module]], spec: Spec,
+                  caller: str) -> None:
+    """Refuse selections no wrapper would ever see: modules inside TorchScript, and modules
+    fx inlined into a ``GraphModule``'s code."""
+    root = modules[0][1]
+    called = None
+    if isinstance(root, torch.fx.GraphModule):
+        called = {"", *(str(n.target) for n in root.graph.nodes if n.op == "call_module")}
+    scripted = [p for p, m in modules if isinstance(m, torch.jit.ScriptModule)]
+    for path, _ in found:
+        if any(path.startswith(f"{s}.") for s in scripted):
+            raise TransformError(
+                f"{caller}: hooks on modules inside a TorchScript module never fire, got module "
+                f"{path!r} selected by {spec!r}. Hook the eager model before scripting it."
+            )
+        if called is not None and path not in called:
+            raise TransformError(
+                f"{caller}: fx inlined module {path!r} into the GraphModule's code, so hooks on it "
+                f"never fire, got it selected by {spec!r}; the called modules are {sorted(called)}. "
+                "Hook the eager model, or keep the module a leaf when tracing."
+            )
+
+
+class Plan:
+    """Specs resolved against one model: per hooked module, its entries and its wrapper."""
+
+    def __init__(self, model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
+        walk, self._full, self._empty = _walk(model, caller)
+        modules = [(p, m) for p, m, _ in walk]
+        owner = {id(m): w for _, m, w in walk}
+        rank = {id(m): i for i, (_, m) in enumerate(modules)}
+        hooked: dict[int, tuple[str, weakref.ref, list[tuple[Spec, tuple[str, str]]]]] = {}
+        self.params: list[tuple[Spec, tuple[str, str], weakref.ref]] = []
+        self.slots: list[tuple[str, str]] = []  # `run.stored`'s order: spec, then module (or given) order
+        self.notes: dict[tuple[str, str | None], str] = {}
+        self.order: dict[str, tuple[int, int]] = {}
+        names: dict[tuple[str, str], Spec] = {}
+        for spec in specs:
+            found = self._select(spec, model, modules, caller)
+            for path, module in found:
+                key = (path, spec.name)
+                if not spec.is_edit:
+                    clash = names.get(key)  # type: ignore[arg-type]
+                    if clash is not None:
+                        raise SpecError(
+                            f"{caller}: two specs store {spec.name!r} on module {path!r}, got {clash!r} and "
+                            f"{spec!r}. Give one of them another `name=`."
+                        )
+                    names[key] = spec  # type: ignore[index]
+                    if spec.event != "param_grad":
+                        self.slots.append(key)  # type: ignore[arg-type]
+                self.order.setdefault(path, (rank[id(module)], 0))
+                if spec.event == "param_grad":
+                    self._parameters(spec, module, path, rank[id(module)], caller)
+                    continue
+                if owner[id(module)] is not None and spec.event in _BACKWARD:
+                    raise TransformError(
+                        f"{caller}: module {where(path)} runs inside a `torch.compile`d module, where backward "
+                        f"events never reach a run, got {spec!r}. Run on the model before compiling it, or "
+                        "compile `fh.capture(...)` for forward values."
+                    )
+                hooked.setdefault(id(module), (path, weakref.ref(module), []))[2].append((spec, key))  # type: ignore[arg-type]
+        self.params.sort(key=lambda p: not p[0].is_edit)  # editors first: observers see edited gradients
+        self.spec_of = names
+        self.specs = specs
+        self.paths = sorted(self.order, key=self.order.__getitem__)  # every path, in module order
+        self._hooked = hooked
+        self.items: list[tuple[weakref.ref, forward.Forward, Hooked]] = []
+        inside: dict[int, tuple[nn.Module, list[tuple[weakref.ref, str, Hooked]]]] = {}
+        for mid, (path, ref, entries) in hooked.items():
+            module = ref()
+            attr = forward.attribute(type(module))
+            wrapper = owner[mid]
+            if wrapper is None:
+                self.items.append((ref, forward.Forward(module, attr), Hooked(path, entries)))
+            else:  # recorded by the wrapper's compiled recorder, storing copies
+                inside.setdefault(id(wrapper), (wrapper, []))[1].append((ref, attr, Hooked(path, _copies(entries))))
+        self.wrappers = [(weakref.ref(w), forward.Forward(w, "forward", trace.compiled_call), trace.Compiled(group, caller))
+                         for w, group in inside.values()]
+        self._copy_items: list | None = None
+        self._traced: list | None = None
+
+    def _select(self, spec: Spec, model: nn.Module, modules: list, caller: str) -> list[tuple[str, nn.Module]]:
+        found = resolve(spec.where, model, caller=caller, spec=spec, modules=modules)
+        _check_called(found, modules, spec, caller)
+        given = spec.where.given()
+        if given is not None:  # an ordered list of modules: `run.stored` follows the list
+            position = {id(m): i for i, m in enumerate(given)}
+            found = tuple(sorted(found, key=lambda pm: position.get(id(pm[1]), len(position))))
+        if spec.event == "param_grad":
+            return list(found)
+        containers = [(p, m) for p, m in found if never_called(m)]
+        if len(containers) == len(found):
+            path, module = containers[0]
+            raise SelectorError(
+                f"{caller}: {spec!r} selects only containers that never run themselves, got module {where(path)} "
+                f"({type(module).__name__}). Select the modules inside it, e.g. {f'{path}.*' if path else '*'!r}."
+            )
+        for path, module in containers:
+            self.notes[(path, None)] = (
+                f"{where(path)} is a {type(module).__name__}, a container that is never called itself: "
+                f"select the modules inside it ({f'{path}.*' if path else '*'!r})"
+            )
+        return [(p, m) for p, m in found if not never_called(m)]
+
+    def _parameters(self, spec: Spec, module: nn.Module, path: str, rank: int, caller: str) -> None:
+        for i, (ppath, param) in enumerate(_parameters(module, path)):
+            self.order.setdefault(ppath, (rank, i + 1))
+            self.params.append((spec, (ppath, spec.name), weakref.ref(param)))  # type: ignore[arg-type]
+
+    def copy_items(self) -> list[tuple[weakref.ref, forward.Forward, Hooked]]:
+        """The eager items with entries that store copies (runs inside ``torch.func`` transforms)."""
+        if self._copy_items is None:
+            self._copy_items = [(ref, forward.Forward(module, fwd.attr), Hooked(h.path, _copies(self._hooked[id(module)][2])))
+                                for ref, fwd, h in self.items if (module := ref()) is not None]
+        return self._copy_items
+
+    def traced(self) -> list[tuple[weakref.ref, str, Hooked]]:
+        """Every hooked module with copy-storing entries, for recording inside a trace."""
+        if self._traced is None:
+            self._traced = [(ref, forward.attribute(type(ref())), Hooked(p, _copies(e)))
+                            for p, ref, e in self._hooked.values() if ref() is not None]
+        return self._traced
+
+    def current(self) -> bool:
+        """Whether the model still has the structure this plan was built for."""
+        if any(self._empty):
+            return False
+        return all(len(d) == len(items) and tuple(d.items()) == items for d, items in self._full)
+
+    @staticmethod
+    def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> Plan:
+        """The plan of `specs` on `model`: cached, unless a spec can reach the model."""
+        with _LOCK:
+            cache = _PLANS.get(model)
+            plan = None if cache is None else cache.get(specs)
+        if plan is not None and plan.current():
+            return plan
+        plan = Plan(model, specs, caller)
+        if any(_reaches(spec, model) for spec in specs):
+            return plan
+        with _LOCK:
+            cache = _PLANS.setdefault(model, {})
+            if len(cache) >= _PLANS_PER_MODEL and specs not in cache:
+                cache.pop(next(iter(cache)))
+            cache[specs] = plan
+        return plan
+
+
+def _copies(entries: list[tuple[Spec, tuple[str, str]]]) -> list[tuple[Spec, tuple[str, str]]]:
+    return [(as_copy(spec), key) for spec, key in entries]
