@@ -12,13 +12,13 @@ and dropping it are the ways to release device memory.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, KeysView, Mapping
 from typing import Any
 
 import torch
 
 from . import _torch
-from .errors import FrozenError, RecordError
+from .errors import FrozenError, RecordError, RecordKeyError
 
 __all__ = ["Record", "RecordNode"]
 
@@ -57,9 +57,17 @@ class _Frozen:
 
 
 class RecordNode(_Frozen, Mapping):
-    """What one module stored: record name -> value, for a module that ran once.
+    """What one module stored: a read-only ``Mapping`` from record name to value.
 
-    ``node[name]`` is the single value; ``node.calls(name)`` the tuple of every call's value.
+    ``node[name]`` is the single value of a module that ran once; ``node.calls(name)`` the
+    tuple of every call's value. ``name in node``, ``node.keys()``, ``len(node)`` and
+    iteration answer for every name the module stored, however many times it ran. A name it
+    did not store raises :class:`~funhooks.RecordKeyError` (a ``KeyError``), so
+    ``node.get(name)`` returns the default. A name stored by several calls has no single
+    value: ``node[name]``, ``node.get(name)``, ``dict(node)``, ``node.items()`` and
+    ``node.values()`` raise the "ran N times" :class:`~funhooks.RecordError`, which is not
+    a ``KeyError``, so ``get`` never hides it behind the default; read such a node with
+    ``{name: node.calls(name) for name in node}``.
 
     Example:
         >>> import torch, funhooks as fh
@@ -70,6 +78,8 @@ class RecordNode(_Frozen, Mapping):
         >>> node = run.record["0"]
         >>> sorted(node), node["output"].shape, len(node.calls("input"))
         (['input', 'output'], torch.Size([1, 2]), 1)
+        >>> "grad" in node, node.get("grad")
+        (False, None)
     """
 
     __slots__ = ("_path", "_values")
@@ -88,14 +98,21 @@ class RecordNode(_Frozen, Mapping):
         return calls[0]
 
     def calls(self, name: str) -> tuple[Any, ...]:
-        """Every call's value for `name`, in call order."""
+        """Every call's value for `name`, in call order.
+
+        Raises:
+            RecordKeyError: when the module stored no `name`.
+        """
         try:
             return self._values[name]
         except KeyError:
-            raise RecordError(
+            raise RecordKeyError(
                 f"Record: module {self._path!r} stored no {name!r}, got names {list(self._values)}. "
                 "Use one of those, or add a spec that stores it."
             ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
@@ -111,6 +128,11 @@ class RecordNode(_Frozen, Mapping):
 class Record(_Frozen):
     """An immutable tree of stored values keyed by module path, in module order.
 
+    Reads like a read-only mapping from path to :class:`RecordNode`: ``rec[path]``,
+    ``path in rec``, ``rec.get(path)``, ``rec.keys()``, ``rec.values()``, ``rec.items()``,
+    ``len(rec)`` and ``dict(rec)``. A path with no record raises
+    :class:`~funhooks.RecordKeyError` (a ``KeyError``).
+
     Example:
         >>> import torch, funhooks as fh
         >>> from torch import nn
@@ -123,6 +145,8 @@ class Record(_Frozen):
         (['0'], 2, False)
         >>> torch.equal(rec.calls("0", "output")[1], y)
         True
+        >>> rec.get("1") is None, list(rec.keys())
+        (True, ['0'])
     """
 
     __slots__ = ("_data",)
@@ -150,7 +174,7 @@ class Record(_Frozen):
         try:
             return RecordNode(path, self._data[path])
         except KeyError:
-            raise RecordError(
+            raise RecordKeyError(
                 f"Record: no module path {path!r} in this record, got paths {list(self._data)}. "
                 "Check the selector, or that the module ran."
             ) from None
@@ -171,6 +195,19 @@ class Record(_Frozen):
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def get(self, path: str, default: Any = None) -> RecordNode | Any:
+        """The node at `path`, or `default` when no module at `path` stored anything."""
+        values = self._data.get(path)
+        return default if values is None else RecordNode(path, values)
+
+    def keys(self) -> KeysView[str]:
+        """The module paths, in module order."""
+        return self._data.keys()
+
+    def values(self) -> Iterator[RecordNode]:
+        """The nodes, in module order."""
+        return (RecordNode(p, v) for p, v in self._data.items())
 
     def items(self) -> Iterator[tuple[str, RecordNode]]:
         """``(path, node)`` pairs in module order."""

@@ -325,3 +325,62 @@ def test_pytree_round_trip_property(rec: fh.Record) -> None:
     """Flatten then unflatten gives an equal Record."""
     leaves, spec = pytree.tree_flatten(rec)
     assert pytree.tree_unflatten(leaves, spec).equal(rec)
+
+
+# -- the Mapping protocol (issue 11, item 17) ----------------------------------------------
+
+
+def test_node_answers_in_get_keys_and_dict_for_absent_names(device: torch.device) -> None:
+    """`in`, `get`, `keys()` and `dict()` on a node answer instead of raising for a name it lacks."""
+    node = make_record(device)["0"]
+    assert "grad" not in node and "output" in node
+    assert node.get("grad") is None and node.get("grad", 7) == 7
+    assert torch.equal(node.get("output"), torch.ones(2, device=device))
+    assert list(node.keys()) == ["output", "input"]
+    assert list(dict(node)) == ["output", "input"]
+
+
+def test_missing_name_raises_a_key_error_that_is_a_record_error(device: torch.device) -> None:
+    """`node[name]` for an absent name raises a KeyError subclass whose str is the plain message."""
+    node = make_record(device)["0"]
+    with pytest.raises(KeyError) as err:
+        node["grad"]
+    assert isinstance(err.value, fh.RecordError) and isinstance(err.value, fh.RecordKeyError)
+    assert str(err.value) == (
+        "Record: module '0' stored no 'grad', got names ['output', 'input']. "
+        "Use one of those, or add a spec that stores it."
+    )
+    with pytest.raises(fh.RecordKeyError):
+        node.calls("grad")
+
+
+def test_name_with_several_calls_is_in_the_node_but_has_no_single_value(device: torch.device) -> None:
+    """A name stored by several calls: `in` is True and `keys()` lists it; `node[name]` and
+    `get` raise the "ran N times" RecordError, which is not a KeyError (so `get` cannot hide it)."""
+    node = make_record(device)["2"]
+    assert "output" in node and list(node.keys()) == ["output"] and len(node) == 1
+    for attempt in (lambda: node["output"], lambda: node.get("output"), lambda: dict(node)):
+        with pytest.raises(fh.RecordError) as err:
+            attempt()
+        assert not isinstance(err.value, KeyError)
+        assert str(err.value) == (
+            "Record: `rec['2']['output']` needs a module that ran exactly once, got 2 calls. "
+            "Use `rec.calls('2', 'output')` for all of them."
+        )
+    assert {n: len(node.calls(n)) for n in node} == {"output": 2}
+
+
+def test_record_answers_in_get_and_keys_and_raises_a_key_error_for_a_missing_path(device: torch.device) -> None:
+    """`Record` has `get`, `keys`, `values`, `in`; a missing path raises a RecordKeyError."""
+    rec = make_record(device)
+    assert rec.get("1") is None and rec.get("1", 0) == 0 and list(rec.get("0")) == ["output", "input"]
+    assert list(rec.keys()) == ["0", "2"] and [list(n) for n in rec.values()] == [["output", "input"], ["output"]]
+    assert 0 not in rec and list(dict(rec)) == ["0", "2"]
+    with pytest.raises(KeyError) as err:
+        rec["1"]
+    assert isinstance(err.value, fh.RecordError)
+    assert str(err.value) == (
+        "Record: no module path '1' in this record, got paths ['0', '2']. Check the selector, or that the module ran."
+    )
+    with pytest.raises(fh.RecordKeyError):
+        rec.calls("1", "output")
