@@ -152,14 +152,15 @@ class Record(_Frozen):
     __slots__ = ("_data",)
 
     def __init__(self, data: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None) -> None:
-        for path, names in (data or {}).items():
-            for name, vs in names.items():
-                if not isinstance(vs, (tuple, list)):
-                    raise TypeError(
-                        f"Record: each name maps to a tuple of per-call values, got {type(vs).__name__} "
-                        f"for {path!r}/{name!r}. Wrap a single call's value as `(value,)`."
-                    )
-        frozen = {str(p): {str(n): tuple(vs) for n, vs in names.items()} for p, names in (data or {}).items()}
+        """Build a Record from ``{path: {name: (value_of_call_0, value_of_call_1, ...)}}``.
+
+        The dicts are copied; the values are not.
+
+        Raises:
+            TypeError: when `data` is not of that shape, or a path or name is not a str.
+        """
+        frozen = {path: {name: tuple(calls) for name, calls in names.items()}
+                  for path, names in _checked(data or {})}
         object.__setattr__(self, "_data", frozen)
 
     @classmethod
@@ -302,6 +303,38 @@ class Record(_Frozen):
         return (Record, (self._data,))
 
 
+def _checked(data: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """The ``(path, names)`` pairs of `data`, once each is known to be ``{str: {str: tuple | list}}``."""
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"Record: `data` maps module paths to `{{name: calls}}` dicts, got {type(data).__name__}. "
+            "Pass e.g. `{'fc': {'output': (value,)}}`."
+        )
+    for path, names in data.items():
+        if not isinstance(path, str):
+            raise TypeError(
+                f"Record: module paths are str, got {path!r} ({type(path).__name__}). "
+                "Use the path `model.named_modules()` gives, e.g. 'features.0'."
+            )
+        if not isinstance(names, Mapping):
+            raise TypeError(
+                f"Record: each module path maps to a dict `{{name: calls}}`, got {type(names).__name__} for {path!r}. "
+                f"Write e.g. `{{{path!r}: {{'output': (value,)}}}}`."
+            )
+        for name, calls in names.items():
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"Record: record names are str, got {name!r} ({type(name).__name__}) at {path!r}. "
+                    "Name each stored value with a str, e.g. 'output'."
+                )
+            if not isinstance(calls, (tuple, list)):
+                raise TypeError(
+                    f"Record: each name maps to a tuple of per-call values, got {type(calls).__name__} "
+                    f"for {path!r}/{name!r}. Wrap a single call's value as `(value,)`."
+                )
+        yield path, names
+
+
 def _structure(rec: Record) -> tuple[Any, ...]:
     return tuple((p, tuple((n, len(vs)) for n, vs in names.items())) for p, names in rec._data.items())
 
@@ -313,7 +346,7 @@ def _flatten(rec: Record) -> tuple[list[Any], Any]:
 
 def _unflatten(values: Any, context: Any) -> Record:
     it = iter(values)
-    return Record({p: {n: tuple(next(it) for _ in range(k)) for n, k in names} for p, names in context})
+    return Record._trusted({p: {n: tuple(next(it) for _ in range(k)) for n, k in names} for p, names in context})
 
 
 _torch.register_pytree(Record, _flatten, _unflatten, "funhooks.Record")

@@ -7,6 +7,7 @@ import gc
 import pickle
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -384,3 +385,28 @@ def test_record_answers_in_get_and_keys_and_raises_a_key_error_for_a_missing_pat
     )
     with pytest.raises(fh.RecordKeyError):
         rec.calls("1", "output")
+
+
+# -- the public constructor validates (issue 11, item 27) -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([("fc", {})], "Record: `data` maps module paths to `{name: calls}` dicts, got list. "
+                       "Pass e.g. `{'fc': {'output': (value,)}}`."),
+        ({"a": 1}, "Record: each module path maps to a dict `{name: calls}`, got int for 'a'. "
+                   "Write e.g. `{'a': {'output': (value,)}}`."),
+        ({0: {"output": (1,)}}, "Record: module paths are str, got 0 (int). "
+                                "Use the path `model.named_modules()` gives, e.g. 'features.0'."),
+        ({"a": {1: (1,)}}, "Record: record names are str, got 1 (int) at 'a'. "
+                           "Name each stored value with a str, e.g. 'output'."),
+        ({"a": {"output": 1}}, "Record: each name maps to a tuple of per-call values, got int for 'a'/'output'. "
+                               "Wrap a single call's value as `(value,)`."),
+    ],
+)
+def test_constructor_validates_its_input_with_exact_messages(data: Any, message: str) -> None:
+    """`fh.Record(data)` checks `{path: {name: calls}}` with str keys and raises a TypeError that says so."""
+    with pytest.raises(TypeError) as err:
+        fh.Record(data)
+    assert str(err.value) == message
