@@ -12,6 +12,7 @@ and dropping it are the ways to release device memory.
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable, Iterator, KeysView, Mapping
 from typing import Any
 
@@ -24,8 +25,22 @@ __all__ = ["Record", "RecordNode"]
 
 _SAVEABLE = (torch.Tensor, int, float, complex, str, bool, type(None), torch.dtype, torch.device, torch.Size)
 """Leaves that ``torch.load(weights_only=True)`` reads back without running code."""
+_NO_NOTES: Mapping[str, tuple[tuple[str | None, str], ...]] = types.MappingProxyType({})
+"""A Record's notes on absences, by path: ``(name or None, sentence)`` pairs."""
 _FORMAT = "funhooks.Record"
 _FORMAT_VERSION = 1
+
+
+def _explained(message: str, fix: str, notes: tuple[tuple[str | None, str], ...], path: str,
+               name: str | None = None) -> str:
+    """`message` followed by the notes on `path` (and `name`), or by the generic `fix` if none applies."""
+    lines = [f"Note on `rec[{path!r}]" + ("" if n is None else f"[{n!r}]") + f"`: {_sentence(note)}"
+             for n, note in notes if name is None or n is None or n == name]
+    return f"{message} {' '.join(lines) if lines else fix}"
+
+
+def _sentence(note: str) -> str:
+    return note if note.endswith((".", "!", "?")) else note + "."
 
 
 def _summarise(value: Any) -> str:
@@ -82,11 +97,19 @@ class RecordNode(_Frozen, Mapping):
         (False, None)
     """
 
-    __slots__ = ("_path", "_values")
+    __slots__ = ("_path", "_values", "_notes")
 
     def __init__(self, path: str, values: Mapping[str, tuple[Any, ...]]) -> None:
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_notes", ())
+
+    @classmethod
+    def _noted(cls, path: str, values: Mapping[str, tuple[Any, ...]],
+               notes: tuple[tuple[str | None, str], ...]) -> RecordNode:
+        node = cls(path, values)
+        object.__setattr__(node, "_notes", notes)
+        return node
 
     def __getitem__(self, name: str) -> Any:
         calls = self.calls(name)
@@ -106,10 +129,10 @@ class RecordNode(_Frozen, Mapping):
         try:
             return self._values[name]
         except KeyError:
-            raise RecordKeyError(
-                f"Record: module {self._path!r} stored no {name!r}, got names {list(self._values)}. "
-                "Use one of those, or add a spec that stores it."
-            ) from None
+            raise RecordKeyError(_explained(
+                f"Record: module {self._path!r} stored no {name!r}, got names {list(self._values)}.",
+                "Use one of those, or add a spec that stores it.", self._notes, self._path, name,
+            )) from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._values
@@ -149,7 +172,7 @@ class Record(_Frozen):
         (True, ['0'])
     """
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_notes")
 
     def __init__(self, data: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None) -> None:
         """Build a Record from ``{path: {name: (value_of_call_0, value_of_call_1, ...)}}``.
@@ -162,23 +185,49 @@ class Record(_Frozen):
         frozen = {path: {name: tuple(calls) for name, calls in names.items()}
                   for path, names in _checked(data or {})}
         object.__setattr__(self, "_data", frozen)
+        object.__setattr__(self, "_notes", _NO_NOTES)
 
     @classmethod
-    def _trusted(cls, data: dict[str, dict[str, tuple[Any, ...]]]) -> Record:
-        """Wrap `data` without copying: the caller hands over ownership."""
+    def _trusted(cls, data: dict[str, dict[str, tuple[Any, ...]]],
+                 notes: Mapping[tuple[str, str | None], str] | None = None) -> Record:
+        """Wrap `data` without copying or checking it: the caller hands over ownership.
+
+        `notes` says why something is absent, one sentence per key: ``(path, name)`` for one
+        record name of one module, ``(path, None)`` for the whole module. A lookup that
+        misses shows the notes that apply in its error, in place of the generic advice:
+        ``rec[path]`` those on `path` (any name); ``rec[path][name]`` and
+        ``rec.calls(path, name)`` those on ``(path, name)`` and ``(path, None)``. Notes are
+        kept by :meth:`map`, and are not part of :meth:`equal`, pytree flattening, pickling
+        or :meth:`save`.
+
+        Raises:
+            TypeError: when a key of `notes` is not a ``(str, str | None)`` pair or a note is
+                not a str.
+        """
+        return cls._with_notes(data, _indexed(notes) if notes else _NO_NOTES)
+
+    @classmethod
+    def _with_notes(cls, data: dict[str, dict[str, tuple[Any, ...]]],
+                    notes: Mapping[str, tuple[tuple[str | None, str], ...]]) -> Record:
         rec = object.__new__(cls)
         object.__setattr__(rec, "_data", data)
+        object.__setattr__(rec, "_notes", notes)
         return rec
 
     # -- lookup -----------------------------------------------------------------------
     def __getitem__(self, path: str) -> RecordNode:
         try:
-            return RecordNode(path, self._data[path])
+            values = self._data[path]
         except KeyError:
-            raise RecordKeyError(
-                f"Record: no module path {path!r} in this record, got paths {list(self._data)}. "
-                "Check the selector, or that the module ran."
-            ) from None
+            raise RecordKeyError(_explained(
+                f"Record: no module path {path!r} in this record, got paths {list(self._data)}.",
+                "Check the selector, or that the module ran.", self._notes.get(path, ()), path,
+            )) from None
+        return self._node(path, values)
+
+    def _node(self, path: str, values: Mapping[str, tuple[Any, ...]]) -> RecordNode:
+        notes = self._notes.get(path) if self._notes else None
+        return RecordNode(path, values) if notes is None else RecordNode._noted(path, values, notes)
 
     def calls(self, path: str, name: str) -> tuple[Any, ...]:
         """Every call's value of `name` at `path`, in call order."""
@@ -200,7 +249,7 @@ class Record(_Frozen):
     def get(self, path: str, default: Any = None) -> RecordNode | Any:
         """The node at `path`, or `default` when no module at `path` stored anything."""
         values = self._data.get(path)
-        return default if values is None else RecordNode(path, values)
+        return default if values is None else self._node(path, values)
 
     def keys(self) -> KeysView[str]:
         """The module paths, in module order."""
@@ -208,11 +257,11 @@ class Record(_Frozen):
 
     def values(self) -> Iterator[RecordNode]:
         """The nodes, in module order."""
-        return (RecordNode(p, v) for p, v in self._data.items())
+        return (self._node(p, v) for p, v in self._data.items())
 
     def items(self) -> Iterator[tuple[str, RecordNode]]:
         """``(path, node)`` pairs in module order."""
-        return ((p, RecordNode(p, v)) for p, v in self._data.items())
+        return ((p, self._node(p, v)) for p, v in self._data.items())
 
     # -- transformation -----------------------------------------------------------------
     def map(self, fn: Callable[[torch.Tensor], Any]) -> Record:
@@ -227,8 +276,8 @@ class Record(_Frozen):
         def leaf(x: Any) -> Any:
             return fn(x) if isinstance(x, torch.Tensor) else x
 
-        return Record({p: {n: tuple(_torch.tree_map(leaf, v) for v in vs) for n, vs in names.items()}
-                       for p, names in self._data.items()})
+        return Record._with_notes({p: {n: tuple(_torch.tree_map(leaf, v) for v in vs) for n, vs in names.items()}
+                                   for p, names in self._data.items()}, self._notes)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every stored tensor, in module, name and call order."""
@@ -301,6 +350,20 @@ class Record(_Frozen):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Record, (self._data,))
+
+
+def _indexed(notes: Mapping[tuple[str, str | None], str]) -> Mapping[str, tuple[tuple[str | None, str], ...]]:
+    """`notes` by path, each path's notes in their order, the ones on the whole module first."""
+    index: dict[str, list[tuple[str | None, str]]] = {}
+    for key, note in notes.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
+                and isinstance(key[1], (str, type(None))) and isinstance(note, str)):
+            raise TypeError(
+                f"Record._trusted: `notes` maps `(path, name)` or `(path, None)` to a str, got {key!r}: {note!r}. "
+                "Key each note by a (str, str | None) pair."
+            )
+        index.setdefault(key[0], []).append((key[1], note))
+    return types.MappingProxyType({p: tuple(sorted(ns, key=lambda n: n[0] is not None)) for p, ns in index.items()})
 
 
 def _checked(data: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:

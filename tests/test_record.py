@@ -410,3 +410,73 @@ def test_constructor_validates_its_input_with_exact_messages(data: Any, message:
     with pytest.raises(TypeError) as err:
         fh.Record(data)
     assert str(err.value) == message
+
+
+# -- notes on absences (for the run core) -------------------------------------------------
+
+LATE = "its gradient arrived after the `with_hooks` block had exited; call `backward()` inside the block."
+
+
+def noted_record() -> fh.Record:
+    return fh.Record._trusted(
+        {"0": {"output": (torch.ones(1),)}},
+        notes={("1", "grad"): LATE, ("1", None): "it ran in another thread", ("0", "grad"): LATE,
+               ("2", "output"): "never shown for path '1'"},
+    )
+
+
+def test_missing_path_error_carries_the_notes_for_that_path() -> None:
+    """A note on `(path, name)` or `(path, None)` explains a missing path in its error, in place of the generic fix."""
+    with pytest.raises(fh.RecordKeyError) as err:
+        noted_record()["1"]
+    assert str(err.value) == (
+        "Record: no module path '1' in this record, got paths ['0']. "
+        "Note on `rec['1']`: it ran in another thread. "
+        f"Note on `rec['1']['grad']`: {LATE}"
+    )
+
+
+def test_missing_name_error_carries_the_notes_for_that_name_and_its_path() -> None:
+    """`rec[path][name]` and `rec.calls(path, name)` show the notes on `(path, name)` and `(path, None)`."""
+    rec = noted_record()
+    for attempt in (lambda: rec["0"]["grad"], lambda: rec.calls("0", "grad")):
+        with pytest.raises(fh.RecordKeyError) as err:
+            attempt()
+        assert str(err.value) == f"Record: module '0' stored no 'grad', got names ['output']. Note on `rec['0']['grad']`: {LATE}"
+    with pytest.raises(fh.RecordKeyError) as err:
+        rec["0"]["input"]  # no note on it: the generic fix
+    assert str(err.value) == (
+        "Record: module '0' stored no 'input', got names ['output']. Use one of those, or add a spec that stores it."
+    )
+
+
+def test_notes_are_kept_by_map_and_dropped_by_pytree_and_pickle_and_ignored_by_equal() -> None:
+    """Notes explain absences of one Record: `map` keeps them; they are no leaf, no context, not pickled, not compared."""
+    rec = noted_record()
+    plain = fh.Record({"0": {"output": (torch.ones(1),)}})
+    assert rec.equal(plain) and plain.equal(rec)
+    assert pytree.tree_flatten(rec)[1] == pytree.tree_flatten(plain)[1] and len(pytree.tree_leaves(rec)) == 1
+    with pytest.raises(fh.RecordKeyError, match="Note on"):
+        rec.map(lambda t: t * 2)["1"]
+    for copy in (pytree.tree_map(lambda t: t, rec), pickle.loads(pickle.dumps(rec))):
+        with pytest.raises(fh.RecordKeyError) as err:
+            copy["1"]
+        assert "Note" not in str(err.value)
+
+
+def test_notes_must_be_sentences_keyed_by_path_and_name() -> None:
+    """A malformed notes mapping is refused with the shape it needs."""
+    with pytest.raises(TypeError) as err:
+        fh.Record._trusted({}, notes={"1": "x"})
+    assert str(err.value) == (
+        "Record._trusted: `notes` maps `(path, name)` or `(path, None)` to a str, got '1': 'x'. "
+        "Key each note by a (str, str | None) pair."
+    )
+
+
+def test_nodes_reached_by_get_values_and_items_carry_their_notes() -> None:
+    """However a node is reached, a missing name in it shows its notes."""
+    rec = noted_record()
+    for node in (rec.get("0"), next(iter(rec.values())), next(v for _, v in rec.items())):
+        with pytest.raises(fh.RecordKeyError, match="Note on `rec\\['0'\\]\\['grad'\\]`"):
+            node["grad"]
