@@ -3,9 +3,14 @@ references a Record does (not) hold."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import gc
+import os
 import pickle
+import typing
 import weakref
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +208,11 @@ def test_save_refuses_values_that_need_code(tmp_path: Path) -> None:
     with pytest.raises(TypeError) as err:
         rec.save(tmp_path / "rec.pt")
     assert str(err.value) == (
-        "Record.save: stored values are tensors, numbers, str, bool or None in lists, tuples and dicts, "
-        "got ReLU. Store plain data, or `rec.map(...)` it first."
+        "Record.save: stored values are tensors, numbers, str, bool, None, dtypes, devices and sizes in tuples, "
+        f"lists, dicts and namedtuples, got ReLU at `rec['a']['obj']`, so nothing was written to {str(tmp_path / 'rec.pt')!r}. "
+        "Store plain data instead, such as the tensors it holds."
     )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_load_of_another_file_raises_with_exact_message(tmp_path: Path) -> None:
@@ -297,6 +304,7 @@ def test_repr_summarises_shapes() -> None:
 
 # -- properties ----------------------------------------------------------------------
 
+Pair = collections.namedtuple("Pair", "left right")
 names = st.sampled_from(["output", "input", "grad", "stat"])
 values = st.one_of(
     st.builds(lambda n: torch.arange(float(n)), st.integers(0, 4)),
@@ -304,6 +312,8 @@ values = st.one_of(
     st.floats(allow_nan=False, width=32),
     st.none(),
     st.tuples(st.builds(lambda n: torch.ones(n, 2), st.integers(1, 3)), st.dictionaries(st.just("k"), st.booleans())),
+    st.builds(lambda a, n: Pair(a, torch.ones(n)), st.integers(-5, 5), st.integers(0, 2)),
+    st.builds(lambda n: torch.arange(float(n + 1)).max(0), st.integers(0, 3)),
 )
 records = st.dictionaries(
     st.text("abc.", min_size=0, max_size=4),
@@ -393,16 +403,16 @@ def test_record_answers_in_get_and_keys_and_raises_a_key_error_for_a_missing_pat
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ([("fc", {})], "Record: `data` maps module paths to `{name: calls}` dicts, got list. "
-                       "Pass e.g. `{'fc': {'output': (value,)}}`."),
-        ({"a": 1}, "Record: each module path maps to a dict `{name: calls}`, got int for 'a'. "
-                   "Write e.g. `{'a': {'output': (value,)}}`."),
-        ({0: {"output": (1,)}}, "Record: module paths are str, got 0 (int). "
-                                "Use the path `model.named_modules()` gives, e.g. 'features.0'."),
-        ({"a": {1: (1,)}}, "Record: record names are str, got 1 (int) at 'a'. "
-                           "Name each stored value with a str, e.g. 'output'."),
-        ({"a": {"output": 1}}, "Record: each name maps to a tuple of per-call values, got int for 'a'/'output'. "
-                               "Wrap a single call's value as `(value,)`."),
+        ([("fc", {})], ("Record: `data` maps module paths to `{name: calls}` dicts, got list. "
+                        "Pass e.g. `{'fc': {'output': (value,)}}`.")),
+        ({"a": 1}, ("Record: each module path maps to a dict `{name: calls}`, got int for 'a'. "
+                    "Write e.g. `{'a': {'output': (value,)}}`.")),
+        ({0: {"output": (1,)}}, ("Record: module paths are str, got 0 (int). "
+                                 "Use the path `model.named_modules()` gives, e.g. 'features.0'.")),
+        ({"a": {1: (1,)}}, ("Record: record names are str, got 1 (int) at 'a'. "
+                            "Name each stored value with a str, e.g. 'output'.")),
+        ({"a": {"output": 1}}, ("Record: each name maps to a tuple of per-call values, got int for 'a'/'output'. "
+                                "Wrap a single call's value as `(value,)`.")),
     ],
 )
 def test_constructor_validates_its_input_with_exact_messages(data: Any, message: str) -> None:
@@ -616,3 +626,316 @@ def test_equal_on_meta_tensors_is_equality_of_shape_and_dtype(shape_a: tuple, sh
     """For meta tensors `equal` agrees with comparing shape and dtype."""
     a, b = torch.empty(shape_a, dtype=dtype_a, device="meta"), torch.empty(shape_b, dtype=dtype_b, device="meta")
     assert one(a).equal(one(b)) == (shape_a == shape_b and dtype_a == dtype_b)
+
+
+# -- save writes only what load reads (issue 11, item 15) ----------------------------------
+
+class Point(typing.NamedTuple):
+    x: torch.Tensor
+    y: int
+
+
+class ModelOutput(collections.OrderedDict):
+    """What a HuggingFace model returns: an OrderedDict subclass (pytree-registered there)."""
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: its class must be imported to load it."""
+
+
+def saved_and_loaded(rec: fh.Record, path: Path) -> fh.Record:
+    rec.save(path)
+    return fh.Record.load(path)
+
+
+def test_namedtuples_round_trip_as_namedtuples_with_the_same_name_and_fields(tmp_path: Path) -> None:
+    """A namedtuple comes back as a namedtuple of that name and those fields, nested ones too; no code runs."""
+    rec = fh.Record({"m": {"output": (Pair(torch.ones(2), {"p": Point(torch.zeros(1), 3)}), [Pair(1, 2)])}})
+    back = saved_and_loaded(rec, tmp_path / "rec.pt")
+    first, second = back.calls("m", "output")
+    assert type(first).__name__ == "Pair" and type(first)._fields == ("left", "right")
+    assert type(first.right["p"]).__name__ == "Point" and first.right["p"].y == 3
+    assert type(second[0]) is type(first) and second[0] == (1, 2)
+    assert back.equal(rec)
+    torch.load(tmp_path / "rec.pt", weights_only=True)
+
+
+def test_torch_return_types_round_trip_as_the_real_type(tmp_path: Path) -> None:
+    """`torch.max(x, 0)` and `topk` values come back as `torch.return_types.max` / `.topk`."""
+    x = torch.tensor([[1.0, 5.0], [3.0, 2.0]])
+    rec = fh.Record({"m": {"max": (x.max(0),), "topk": ({"k": x.topk(1)},)}})
+    back = saved_and_loaded(rec, tmp_path / "rec.pt")
+    assert type(back["m"]["max"]) is torch.return_types.max and type(back["m"]["topk"]["k"]) is torch.return_types.topk
+    assert torch.equal(back["m"]["max"].indices, torch.tensor([1, 0])) and back.equal(rec)
+
+
+@pytest.mark.parametrize(
+    ("value", "where", "type_name", "fix"),
+    [
+        (ModelOutput(logits=torch.ones(1)), "rec['m']['output']", "ModelOutput", "Store `dict(value)` instead."),
+        ((1, Output(torch.ones(1))), "rec['m']['output'][1]", "Output", "Store `dataclasses.asdict(value)` instead."),
+        ({"t": torch.ones(1).as_subclass(Tagged)}, "rec['m']['output']['t']", "Tagged",
+         "Store `value.as_subclass(torch.Tensor)` instead."),
+        (collections.namedtuple("Renamed", ["a", "def"], rename=True)(1, 2), "rec['m']['output']", "Renamed",
+         "Store `value._asdict()` instead."),
+    ],
+)
+def test_save_refuses_what_load_could_not_rebuild_with_exact_message(
+    tmp_path: Path, value: Any, where: str, type_name: str, fix: str
+) -> None:
+    """Mapping subclasses (HF ModelOutput), dataclasses, tensor subclasses: refused, naming where, what and the fix."""
+    path = tmp_path / "rec.pt"
+    with pytest.raises(TypeError) as err:
+        fh.Record({"m": {"output": (value,)}}).save(path)
+    assert str(err.value) == (
+        "Record.save: stored values are tensors, numbers, str, bool, None, dtypes, devices and sizes in tuples, "
+        f"lists, dicts and namedtuples, got {type_name} at `{where}`, so nothing was written to {str(path)!r}. {fix}"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_names_the_call_of_a_module_that_ran_several_times(tmp_path: Path) -> None:
+    """The location says which call holds the refused value."""
+    with pytest.raises(TypeError, match=r"got Output at `rec.calls\('m', 'output'\)\[1\]\['o'\]`"):
+        fh.Record({"m": {"output": ({"o": 1}, {"o": Output(torch.ones(1))})}}).save(tmp_path / "rec.pt")
+
+
+def test_save_refuses_dict_keys_load_could_not_read_with_exact_message(tmp_path: Path) -> None:
+    """Dict keys must be plain too."""
+    path = tmp_path / "rec.pt"
+    with pytest.raises(TypeError) as err:
+        fh.Record({"m": {"stats": ({frozenset({1}): 1},)}}).save(path)
+    assert str(err.value) == (
+        "Record.save: dict keys in stored values are str, numbers, bool, None, dtypes, devices or tuples of them, "
+        f"got a frozenset key at `rec['m']['stats']`, so nothing was written to {str(path)!r}. Use such keys, e.g. `str(key)`."
+    )
+
+
+class Owner:
+    """An object `torch.load(weights_only=True)` refuses."""
+
+
+def test_save_refuses_what_weights_only_load_would_refuse_with_exact_message(tmp_path: Path) -> None:
+    """An object hidden where the value walk cannot see (a tensor attribute) is caught by reading the file back."""
+    path = tmp_path / "rec.pt"
+    path.write_bytes(b"the previous file")
+    tensor = torch.ones(1)
+    tensor.owner = Owner()  # type: ignore[attr-defined]
+    with pytest.raises(TypeError) as err:
+        fh.Record({"m": {"output": (tensor,)}}).save(path)
+    assert str(err.value) == (
+        "Record.save: a saved Record must load with `torch.load(weights_only=True)`, got values that pickle to "
+        "something it refuses (such as an object set as an attribute of a stored tensor), so nothing was written to "
+        f"{str(path)!r}. Store plain data only; the error's cause names what was refused."
+    )
+    assert path.read_bytes() == b"the previous file" and list(tmp_path.iterdir()) == [path]
+
+
+def test_a_save_that_fails_half_way_leaves_no_file_and_the_old_file_as_it_was(tmp_path: Path) -> None:
+    """Writing goes to a temporary file in the same directory, renamed only once complete."""
+    tensor = torch.ones(1)
+    tensor.fn = lambda: None  # type: ignore[attr-defined]  # pickling fails after the file was opened
+    with pytest.raises(Exception, match="pickle"):
+        fh.Record({"m": {"output": (tensor,)}}).save(tmp_path / "new.pt")
+    assert list(tmp_path.iterdir()) == []
+    old = tmp_path / "old.pt"
+    fh.Record({"m": {"output": (torch.zeros(1),)}}).save(old)
+    with pytest.raises(Exception, match="pickle"):
+        fh.Record({"m": {"output": (tensor,)}}).save(old)
+    assert fh.Record.load(old).equal(fh.Record({"m": {"output": (torch.zeros(1),)}}))
+    assert list(tmp_path.iterdir()) == [old]
+
+
+# -- load refuses, with a RecordError, what save did not write (issue 11, item 16) ----------
+
+
+def saved_bytes(tmp_path: Path) -> bytes:
+    path = tmp_path / "good.pt"
+    fh.Record({"m": {"output": (torch.arange(64.0),)}}).save(path)
+    return path.read_bytes()
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(fh.RecordError) as err:
+        fh.Record.load(path)
+    return str(err.value)
+
+
+def truncated_message(path: Path, detail: str) -> str:
+    return (
+        "Record.load: a Record file is a complete archive as `Record.save` writes it, got a truncated or corrupt "
+        f"file {str(path)!r} ({detail}). Write it again with `Record.save`."
+    )
+
+
+def malformed_message(path: Path, problem: str) -> str:
+    return (
+        "Record.load: a Record file holds `{path: {name: [value, ...]}}` of plain data, got "
+        f"{problem} in {str(path)!r}. The file was altered or not written by `Record.save`; write it again."
+    )
+
+
+def test_load_of_a_truncated_or_empty_file_raises_with_exact_message(tmp_path: Path) -> None:
+    """A file cut short (a copy interrupted, a full disk) says so, instead of EOFError or a miniz error."""
+    good = saved_bytes(tmp_path)
+    for name, content, detail in [
+        ("half.pt", good[: len(good) // 2], "its zip directory is missing or damaged"),
+        ("two.pt", good[:2], "its zip directory is missing or damaged"),
+        ("empty.pt", b"", "it is empty"),
+    ]:
+        (tmp_path / name).write_bytes(content)
+        assert load_error(tmp_path / name) == truncated_message(tmp_path / name, detail)
+
+
+def test_load_of_a_file_with_damaged_tensor_bytes_raises_instead_of_returning_wrong_values(tmp_path: Path) -> None:
+    """Each part of the archive is checked against its CRC-32: a flipped byte in a tensor is not read silently."""
+    good = bytearray(saved_bytes(tmp_path))
+    marker = torch.arange(64.0).numpy().tobytes()[40:48]
+    at = good.index(marker)
+    good[at] ^= 0xFF
+    path = tmp_path / "flipped.pt"
+    path.write_bytes(good)
+    assert load_error(path) == truncated_message(path, "its part 'archive/data/0' fails its CRC-32 check")
+
+
+def test_load_of_a_foreign_file_raises_with_exact_message(tmp_path: Path) -> None:
+    """A text file or another zip archive is not a Record: a RecordError, not `KeyError('101')`."""
+    text, archive = tmp_path / "notes.txt", tmp_path / "other.zip"
+    text.write_text("hello")
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("readme.txt", "hi")
+    for path, what in [(text, "a file that is not a zip archive"), (archive, "a zip archive that `torch.save` did not write")]:
+        assert load_error(path) == (
+            f"Record.load: expected a file written by `Record.save`, got {what} from {str(path)!r}. "
+            "Pass the path of a saved Record."
+        )
+
+
+def test_load_of_a_newer_format_version_raises_with_exact_message(tmp_path: Path) -> None:
+    """A file from a newer funhooks is refused rather than misread."""
+    path = tmp_path / "new.pt"
+    torch.save({"format": "funhooks.Record", "version": 99, "data": {"a": {"b": [1]}}}, path)
+    assert load_error(path) == (
+        f"Record.load: this funhooks reads Record files of format version 1 to 2, got version 99 in {str(path)!r}. "
+        "Upgrade funhooks to read it."
+    )
+
+
+@pytest.mark.parametrize(
+    ("blob", "problem"),
+    [
+        ({"format": "funhooks.Record", "version": 1, "data": [1]}, "list for `data`"),
+        ({"format": "funhooks.Record", "version": "1", "data": {}}, "version '1'"),
+        ({"format": "funhooks.Record", "version": 2, "data": {}}, "the keys ['format', 'version', 'data']"),
+        ({"format": "funhooks.Record", "version": 1, "data": {1: {}}}, "the path 1"),
+        ({"format": "funhooks.Record", "version": 1, "data": {"a": [1]}}, "list for the path 'a'"),
+        ({"format": "funhooks.Record", "version": 1, "data": {"a": {2: [1]}}}, "the name 2 at 'a'"),
+        ({"format": "funhooks.Record", "version": 1, "data": {"a": {"b": 1}}}, "int for the calls of 'a'/'b'"),
+        ({"format": "funhooks.Record", "version": 1, "data": {"a": {"b": [(1, {2, 3})]}}}, "a set at `rec['a']['b'][1]`"),
+        ({"format": "funhooks.Record", "version": 2, "data": {"a": {"b": [1]}}, "types": [("a", "b", 0)]},
+         "the type entry ('a', 'b', 0)"),
+        ({"format": "funhooks.Record", "version": 2, "data": {"a": {"b": [1]}},
+          "types": [("a", "b", 0, (), "namedtuple", "P", ("x",))]}, "a type entry for `rec['a']['b']`, which holds no tuple of its length"),
+        ({"format": "funhooks.Record", "version": 2, "data": {"a": {"b": [(1,)]}},
+          "types": [("a", "b", 0, (), "namedtuple", "P", ("import os",))]},
+         "the type entry ('a', 'b', 0, (), 'namedtuple', 'P', ('import os',))"),
+        ({"format": "funhooks.Record", "version": 2, "data": {"a": {"b": [(1,)]}},
+          "types": [("a", "b", 0, (), "torch.return_types", "__class__", ())]},
+         "the type entry ('a', 'b', 0, (), 'torch.return_types', '__class__', ())"),
+    ],
+)
+def test_load_validates_the_whole_structure_with_exact_messages(tmp_path: Path, blob: dict, problem: str) -> None:
+    """Malformed content raises a RecordError saying what is wrong, not AttributeError or a half-built Record."""
+    path = tmp_path / "bad.pt"
+    torch.save(blob, path)
+    assert load_error(path) == malformed_message(path, problem)
+
+
+class Payload:
+    """A pickle that would run code: unpickling it creates a directory."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (str(self.target),))
+
+
+def test_load_refuses_a_pickle_that_would_run_code_with_exact_message(tmp_path: Path) -> None:
+    """Malicious pickles stay refused (`weights_only=True`): the code never runs."""
+    path, target = tmp_path / "evil.pt", tmp_path / "pwned"
+    torch.save({"format": "funhooks.Record", "version": 2, "data": {"a": {"b": [Payload(target)]}}, "types": []}, path)
+    assert load_error(path) == (
+        "Record.load: a Record file holds only plain data and is read with `torch.load(weights_only=True)`, got "
+        f"{str(path)!r}, whose pickle it refuses (it needs code to load, or is damaged). Load only files written by "
+        "`Record.save`; use `torch.load(..., weights_only=False)` only on a file from a source you trust."
+    )
+    assert not target.exists()
+
+
+def test_load_of_an_archive_missing_a_tensor_raises_with_exact_message(tmp_path: Path) -> None:
+    """An archive whose pickle refers to a tensor that is not there is corrupt."""
+    good, path = tmp_path / "good.pt", tmp_path / "cut.pt"
+    saved_bytes(tmp_path)
+    with zipfile.ZipFile(good) as z, zipfile.ZipFile(path, "w") as out:
+        for name in z.namelist():
+            if "/data/" not in name:
+                out.writestr(name, z.read(name))
+    assert load_error(path) == truncated_message(path, "a tensor its pickle refers to is missing")
+
+
+def test_load_reads_format_version_1_files(tmp_path: Path) -> None:
+    """Files written before namedtuples were kept (format version 1) still load."""
+    path = tmp_path / "v1.pt"
+    torch.save({"format": "funhooks.Record", "version": 1, "data": {"a": {"output": [torch.ones(1), (1, "x")]}}}, path)
+    assert fh.Record.load(path).equal(fh.Record({"a": {"output": (torch.ones(1), (1, "x"))}}))
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Sparse .* tensor support is in beta state:UserWarning",
+    "ignore:torch.quantize_per_tensor, torch.quantize_per_channel:UserWarning",
+    "ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning",
+    "ignore:TypedStorage is deprecated:UserWarning",  # torch's own, from loading a quantized tensor
+)
+def test_every_kind_of_tensor_round_trips(tmp_path: Path) -> None:
+    """Sparse, quantized, meta, nested, float8, complex, views and Parameters save and load equal."""
+    dense = torch.tensor([[0.0, 1.5], [2.0, 0.0]])
+    kinds = {
+        "coo": dense.to_sparse(), "csr": dense.to_sparse_csr(), "quantized": quantized(dense),
+        "meta": torch.empty(2, 3, device="meta"), "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "jagged": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+        "float8": dense.to(torch.float8_e4m3fn), "complex": torch.tensor([1 + 2j]), "view": torch.arange(10.0)[::3],
+        "parameter": nn.Parameter(torch.ones(2)),
+    }
+    rec = fh.Record({"m": {name: (t,) for name, t in kinds.items()}})
+    back = saved_and_loaded(rec, tmp_path / "rec.pt")
+    assert back.equal(rec)
+    assert {name: back["m"][name].layout for name in ("coo", "csr")} == {"coo": torch.sparse_coo, "csr": torch.sparse_csr}
+    assert back["m"]["meta"].is_meta and back["m"]["quantized"].is_quantized and back["m"]["jagged"].is_nested
+    assert type(back["m"]["parameter"]) is nn.Parameter
+
+
+def test_save_to_a_missing_directory_names_the_file_asked_for(tmp_path: Path) -> None:
+    """The error names the path given, not the temporary file beside it."""
+    with pytest.raises(FileNotFoundError) as err:
+        fh.Record({"m": {"output": (1,)}}).save(tmp_path / "missing" / "rec.pt")
+    assert err.value.filename == str(tmp_path / "missing" / "rec.pt")
+
+
+def test_load_of_an_archive_with_a_damaged_pickle_raises_with_exact_message(tmp_path: Path) -> None:
+    """A pickle cut short inside an archive whose checksums agree (so written that way) is refused too."""
+    path = tmp_path / "cut.pt"
+    saved_bytes(tmp_path)
+    with zipfile.ZipFile(tmp_path / "good.pt") as z, zipfile.ZipFile(path, "w") as out:
+        for name in z.namelist():
+            out.writestr(name, z.read(name)[:10] if name.endswith("data.pkl") else z.read(name))
+    assert load_error(path) == (
+        "Record.load: a Record file holds only plain data and is read with `torch.load(weights_only=True)`, got "
+        f"{str(path)!r}, whose pickle it refuses (it needs code to load, or is damaged). Load only files written by "
+        "`Record.save`; use `torch.load(..., weights_only=False)` only on a file from a source you trust."
+    )
