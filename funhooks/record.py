@@ -32,7 +32,7 @@ import torch
 from . import _torch
 from .errors import FrozenError, RecordError, RecordKeyError
 
-__all__ = ["Record", "RecordNode"]
+__all__ = ["CallKey", "Record", "RecordNode"]
 
 _PLAIN = frozenset({int, float, complex, str, bool, type(None), torch.dtype, torch.device, torch.Size})
 """Leaf types, besides tensors, that ``torch.load(weights_only=True)`` reads back without running code."""
@@ -593,7 +593,38 @@ def _unflatten(values: Any, context: Any) -> Record:
     return Record._trusted({p: {n: tuple(next(it) for _ in range(k)) for n, k in names} for p, names in context})
 
 
-_torch.register_pytree(Record, _flatten, _unflatten, "funhooks.Record")
+@attrs.frozen
+class CallKey:
+    """The key-path entry of one call's value in a Record: ``.calls(path, name)[call]``.
+
+    ``torch.utils._pytree.keystr`` of a leaf's key path is then a Python expression that
+    reads the leaf from the record: ``rec.calls('fc', 'output')[0][1]``.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> import torch.utils._pytree as pytree
+        >>> rec = fh.Record({"fc": {"output": ((torch.ones(1), torch.zeros(1)),)}})
+        >>> [pytree.keystr(kp) for kp, _ in pytree.tree_flatten_with_path(rec)[0]]
+        [".calls('fc', 'output')[0][0]", ".calls('fc', 'output')[0][1]"]
+    """
+
+    path: str
+    name: str
+    call: int
+
+    def __str__(self) -> str:
+        return f".calls({self.path!r}, {self.name!r})[{self.call}]"
+
+    def get(self, rec: Record) -> Any:
+        return rec.calls(self.path, self.name)[self.call]
+
+
+def _flatten_with_keys(rec: Record) -> tuple[list[tuple[CallKey, Any]], Any]:
+    keyed = [(CallKey(p, n, i), v) for p, names in rec._data.items() for n, vs in names.items() for i, v in enumerate(vs)]
+    return keyed, _structure(rec)
+
+
+_torch.register_pytree(Record, _flatten, _unflatten, "funhooks.Record", flatten_with_keys=_flatten_with_keys)
 
 
 # -- the file format -------------------------------------------------------------------------

@@ -939,3 +939,30 @@ def test_load_of_an_archive_with_a_damaged_pickle_raises_with_exact_message(tmp_
         f"{str(path)!r}, whose pickle it refuses (it needs code to load, or is damaged). Load only files written by "
         "`Record.save`; use `torch.load(..., weights_only=False)` only on a file from a source you trust."
     )
+
+
+# -- key paths (issue 13) -----------------------------------------------------------------
+
+
+def test_key_paths_name_the_path_the_name_and_the_call(device: torch.device) -> None:
+    """`tree_flatten_with_path` / `keystr` give `.calls(path, name)[call]`, then the place inside the value."""
+    rec = make_record(device)
+    paths = [pytree.keystr(kp) for kp, _ in pytree.tree_flatten_with_path(rec)[0]]
+    assert paths == [
+        ".calls('0', 'output')[0]", ".calls('0', 'input')[0][0][0]",
+        ".calls('2', 'output')[0]", ".calls('2', 'output')[1]",
+    ]
+    named = pytree.tree_map_with_path(lambda kp, t: (pytree.keystr(kp), tuple(t.shape)), rec)
+    assert isinstance(named, fh.Record) and named.calls("2", "output")[1] == (".calls('2', 'output')[1]", (3,))
+
+
+@given(records)
+def test_key_paths_lead_to_their_leaves_property(rec: fh.Record) -> None:
+    """Every key path gets its leaf back, with `key_get` and as the Python expression `rec<keystr>`."""
+    pairs, spec = pytree.tree_flatten_with_path(rec)
+    leaves = pytree.tree_leaves(rec)
+    assert len(pairs) == len(leaves) and all(a is b for (_, a), b in zip(pairs, leaves))
+    for kp, leaf in pairs:
+        assert pytree.key_get(rec, kp) is leaf
+        assert eval(f"rec{pytree.keystr(kp)}", {"rec": rec}) is leaf
+    assert spec == pytree.tree_structure(rec)
