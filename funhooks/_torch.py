@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,9 +71,22 @@ def named_modules(model: nn.Module, *, every_path: bool = False) -> Iterator[tup
         stack.extend(reversed(children))
 
 
-def register_pytree(cls: type, flatten: Callable, unflatten: Callable, name: str) -> None:
-    """Register ``cls`` as a pytree node so ``torch.func`` transforms see its tensors."""
-    pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=name)
+HAS_KEY_PATHS = "flatten_with_keys_fn" in inspect.signature(pytree.register_pytree_node).parameters
+"""Whether this torch has pytree key paths (``tree_flatten_with_path``, ``keystr``; torch >= 2.3)."""
+
+
+def register_pytree(cls: type, flatten: Callable, unflatten: Callable, name: str, *,
+                    flatten_with_keys: Callable | None = None) -> None:
+    """Register ``cls`` as a pytree node so ``torch.func`` transforms see its tensors.
+
+    `flatten_with_keys` (``obj -> ([(key_entry, child), ...], context)``, the children and
+    context of `flatten`) names each child for ``tree_flatten_with_path``,
+    ``tree_map_with_path`` and ``keystr``; a torch without key paths registers without it.
+    """
+    keys = {"flatten_with_keys_fn": flatten_with_keys} if flatten_with_keys is not None and HAS_KEY_PATHS else {}
+    pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=name, **keys)
+
+
 
 
 def is_functorch_active() -> bool:

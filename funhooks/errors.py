@@ -12,6 +12,7 @@ __all__ = [
     "HookError",
     "LoopError",
     "RecordError",
+    "RecordKeyError",
     "ReducerError",
     "SelectorError",
     "SpecError",
@@ -32,8 +33,21 @@ class SelectorError(ValueError):
 
 
 class RecordError(LookupError):
-    """Raised when a Record lookup cannot give one clear answer: an unknown path or name,
-    or single-value access (``rec[path][name]``) to a module that ran several times."""
+    """Raised when a Record cannot give one clear answer: an unknown path or name (as the
+    subclass :class:`RecordKeyError`), single-value access (``rec[path][name]``) to a module
+    that ran several times, or a file ``Record.load`` cannot read as a Record."""
+
+
+class RecordKeyError(RecordError, KeyError):
+    """Raised when a Record has no such module path, or a module stored no such name.
+
+    It is a ``KeyError`` so that the ``Mapping`` protocol works (``node.get(name)``,
+    ``name in node``), and a ``RecordError`` so that one ``except`` catches every lookup
+    failure. ``str()`` is the message itself, without the quotes ``KeyError`` adds.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 class StaleTensorError(RuntimeError):
