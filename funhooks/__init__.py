@@ -14,7 +14,6 @@ Example:
     [(3, 8), (3, 2)]
 """
 
-import warnings as _warnings
 from importlib import metadata as _metadata
 
 from . import distributed, plot, progress, testing
@@ -53,10 +52,6 @@ from .summary import (
     num_features_model,
     total_params,
 )
-
-# funhooks' dispatcher is a global hook that skips the OptimizedModule wrapper itself, so
-# PyTorch's warning that global hooks fire "an extra time" for the wrapper does not apply.
-_warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
 
 try:
     __version__ = _metadata.version("funhooks")

@@ -111,12 +111,20 @@ def _check_event(label: str, event: str) -> str:
     return event
 
 
-def _check_fn(label: str, fn: Any) -> Callable[..., Any]:
+def _check_fn(label: str, fn: Any, arg: str = "fn") -> Callable[..., Any]:
     if not callable(fn):
         raise SpecError(
-            f"{label}: `fn` is a callable taking PyTorch's hook arguments, got {fn!r}. "
+            f"{label}: `{arg}` is a callable taking PyTorch's hook arguments, got {fn!r}. "
             "Pass a function such as `lambda module, args, output: output.mean()`."
         )
+    try:
+        hash(fn)
+    except TypeError:
+        raise SpecError(
+            f"{label}: `{arg}` is hashable (a spec is a value, compared and cached by its function), got an "
+            f"unhashable {type(fn).__name__}. Make it hashable (e.g. `@attrs.frozen` or "
+            "`@dataclasses.dataclass(frozen=True)`), or pass a function."
+        ) from None
     return fn
 
 
@@ -331,7 +339,7 @@ def Hook(  # noqa: N802 - fastai's spelling
     """
     if not isinstance(m, nn.Module):
         raise SpecError(f"Hook: `m` is an nn.Module, got {type(m).__name__}. Pass the module to hook.")
-    _check_fn("Hook", hook_func)
+    _check_fn("Hook", hook_func, "hook_func")
     flags = _flags("Hook", is_forward=is_forward, detach=detach, cpu=cpu, gather=gather)
     event = "forward" if flags.pop("is_forward") else "backward"
     name = _record_name("Hook", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))
@@ -358,7 +366,7 @@ def Hooks(  # noqa: N802 - fastai's spelling
         (3, True)
     """
     mods = _modules_of("Hooks", ms)
-    _check_fn("Hooks", hook_func)
+    _check_fn("Hooks", hook_func, "hook_func")
     flags = _flags("Hooks", is_forward=is_forward, detach=detach, cpu=cpu)
     event = "forward" if flags.pop("is_forward") else "backward"
     name = _record_name("Hooks", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))

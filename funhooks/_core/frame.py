@@ -121,6 +121,10 @@ def _build(frame: Frame) -> Record:
             for name, calls in node.items():
                 if type(calls) is list:
                     node[name] = tuple(calls)
+    rank = plan.name_rank
+    for path, node in data.items():  # names in spec order, whatever order the entries ran in
+        if len(node) > 1 and any(rank[a] > rank[b] for a, b in zip(node, list(node)[1:])):
+            data[path] = {name: node[name] for name in sorted(node, key=rank.__getitem__)}
     paths = list(data)
     if paths != plan.paths:  # not every module, or not in module order: sort if needed
         order = plan.order

@@ -209,6 +209,7 @@ class Plan:
                 hooked.setdefault(id(module), (path, weakref.ref(module), []))[2].append((spec, key))  # type: ignore[arg-type]
         self.params.sort(key=lambda p: not p[0].is_edit)  # editors first: observers see edited gradients
         self.spec_of = names
+        self.name_rank = {spec.name: i for i, spec in reversed(list(enumerate(specs))) if spec.name is not None}
         self.specs = specs
         self.paths = sorted(self.order, key=self.order.__getitem__)  # every path, in module order
         self._hooked = hooked
