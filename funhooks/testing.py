@@ -10,7 +10,9 @@ The same kit proves funhooks' own invariants in its test suite.
 - :func:`assert_transparent` checks that observers change no output, gradient or buffer;
 - :func:`assert_no_hooks` checks that nothing is left attached to a model;
 - :func:`check_invariant` runs a model on drawn inputs and a predicate over every stored
-  tensor, and reports the shrunk input with the module path that broke it.
+  tensor, and reports the shrunk input with the module path that broke it;
+- ready-made invariants, each blaming the innermost module where it first breaks:
+  :func:`check_batch_independence`, :func:`check_causality` (``independence.py``).
 
 Hypothesis is an optional dependency (the ``test`` extra): it is imported when a strategy
 or :func:`check_invariant` is called, never by ``import funhooks``.
@@ -32,6 +34,7 @@ from . import _models, _patch, _torch
 from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
+from .independence import check_batch_independence, check_causality
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
@@ -40,6 +43,8 @@ if TYPE_CHECKING:  # pragma: no cover - types only
 __all__ = [
     "assert_no_hooks",
     "assert_transparent",
+    "check_batch_independence",
+    "check_causality",
     "check_invariant",
     "models_and_inputs",
     "specs",

@@ -343,8 +343,8 @@ def test_record_save_load_round_trip(tmp_path_factory, data):
 
 
 def test_import_funhooks_does_not_import_hypothesis():
-    """Hypothesis is an optional extra: `import funhooks` works without it, and the kit says
-    how to install it when a strategy is asked for."""
+    """Hypothesis is an optional extra: `import funhooks` works without it (nor does it import
+    transformers), and the kit says how to install it when a strategy or a check is asked for."""
     code = (
         "import sys\n"
         "class Block:\n"
@@ -356,16 +356,19 @@ def test_import_funhooks_does_not_import_hypothesis():
         "model = torch.nn.Linear(1, 1)\n"
         "fh.testing.assert_no_hooks(model)\n"
         "fh.testing.assert_transparent(model, fh.outputs(''), torch.ones(1, 1))\n"
-        "assert 'hypothesis' not in sys.modules\n"
-        "try:\n"
-        "    fh.testing.models_and_inputs()\n"
-        "except ImportError as err:\n"
-        "    print(err)\n"
+        "assert 'hypothesis' not in sys.modules and 'transformers' not in sys.modules\n"
+        "for ask in (fh.testing.models_and_inputs, lambda: fh.testing.check_causality(model, torch.ones(2, 2))):\n"
+        "    try:\n"
+        "        ask()\n"
+        "    except ImportError as err:\n"
+        "        print(err)\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == (
+    assert done.stdout.splitlines() == [
         "funhooks.testing: the strategies and `check_invariant` need Hypothesis, got no module named "
-        "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
-    )
+        "'hypothesis'. Install the test extra: `pip install funhooks[test]`.",
+        "funhooks.testing: the invariant checks need Hypothesis, got no module named "
+        "'hypothesis'. Install the test extra: `pip install funhooks[test]`.",
+    ]
