@@ -12,7 +12,9 @@ The same kit proves funhooks' own invariants in its test suite.
 - :func:`check_invariant` runs a model on drawn inputs and a predicate over every stored
   tensor, and reports the shrunk input with the module path that broke it;
 - ready-made invariants, each blaming the innermost module where it first breaks:
-  :func:`check_batch_independence`, :func:`check_causality` (``independence.py``).
+  :func:`check_batch_independence`, :func:`check_causality` (``independence.py``),
+  :func:`check_equivariance`, :func:`check_determinism`,
+  :func:`check_train_eval_consistency` (``symmetry.py``).
 
 Hypothesis is an optional dependency (the ``test`` extra): it is imported when a strategy
 or :func:`check_invariant` is called, never by ``import funhooks``.
@@ -35,6 +37,7 @@ from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
 from .independence import check_batch_independence, check_causality
+from .symmetry import check_determinism, check_equivariance, check_train_eval_consistency
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
@@ -45,7 +48,10 @@ __all__ = [
     "assert_transparent",
     "check_batch_independence",
     "check_causality",
+    "check_determinism",
+    "check_equivariance",
     "check_invariant",
+    "check_train_eval_consistency",
     "models_and_inputs",
     "specs",
     "tensors",
