@@ -14,7 +14,8 @@ The same kit proves funhooks' own invariants in its test suite.
 - ready-made invariants, each blaming the innermost module where it first breaks:
   :func:`check_batch_independence`, :func:`check_causality` (``independence.py``),
   :func:`check_equivariance`, :func:`check_determinism`,
-  :func:`check_train_eval_consistency` (``symmetry.py``).
+  :func:`check_train_eval_consistency` (``symmetry.py``),
+  :func:`check_finite`, :func:`check_gradients_reach` (``flow.py``).
 
 Hypothesis is an optional dependency (the ``test`` extra): it is imported when a strategy
 or :func:`check_invariant` is called, never by ``import funhooks``.
@@ -36,6 +37,7 @@ from . import _models, _patch, _torch
 from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
+from .flow import check_finite, check_gradients_reach
 from .independence import check_batch_independence, check_causality
 from .symmetry import check_determinism, check_equivariance, check_train_eval_consistency
 
@@ -50,6 +52,8 @@ __all__ = [
     "check_causality",
     "check_determinism",
     "check_equivariance",
+    "check_finite",
+    "check_gradients_reach",
     "check_invariant",
     "check_train_eval_consistency",
     "models_and_inputs",
