@@ -15,7 +15,8 @@ The same kit proves funhooks' own invariants in its test suite.
   :func:`check_batch_independence`, :func:`check_causality` (``independence.py``),
   :func:`check_equivariance`, :func:`check_determinism`,
   :func:`check_train_eval_consistency` (``symmetry.py``),
-  :func:`check_finite`, :func:`check_gradients_reach` (``flow.py``).
+  :func:`check_finite`, :func:`check_gradients_reach` (``flow.py``),
+  :func:`check_init_scale`, :func:`check_dead_units` (``health.py``).
 
 Hypothesis is an optional dependency (the ``test`` extra): it is imported when a strategy
 or :func:`check_invariant` is called, never by ``import funhooks``.
@@ -38,6 +39,7 @@ from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
 from .flow import check_finite, check_gradients_reach
+from .health import check_dead_units, check_init_scale
 from .independence import check_batch_independence, check_causality
 from .symmetry import check_determinism, check_equivariance, check_train_eval_consistency
 
@@ -50,10 +52,12 @@ __all__ = [
     "assert_transparent",
     "check_batch_independence",
     "check_causality",
+    "check_dead_units",
     "check_determinism",
     "check_equivariance",
     "check_finite",
     "check_gradients_reach",
+    "check_init_scale",
     "check_invariant",
     "check_train_eval_consistency",
     "models_and_inputs",
