@@ -112,12 +112,46 @@ def test_check_invariant_runs_backward_for_grad_specs():
     assert set(seen) == {"grad", "output"}
 
 
+def test_check_invariant_takes_a_predicate_over_the_whole_record(device):
+    """A one-argument predicate sees the Record: a relation across modules holds; a failing
+    one names the innermost module whose record alone makes it false."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Identity(), Exp())).to(device)
+    inputs = st.integers(0, 200).map(lambda n: torch.full((1, 2), float(n), device=device))
+    same_shapes = lambda rec: rec["1"]["output"].shape == rec["0"]["output"].shape  # noqa: E731
+    check_invariant(model, same_shapes, inputs)
+    all_finite = lambda rec: all(bool(t.isfinite().all()) for t in rec.tensors())  # noqa: E731
+    unbounded = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), Exp())).to(device)
+    with pytest.raises(AssertionError) as info:
+        check_invariant(unbounded, all_finite, inputs, settings=hypothesis.settings(deadline=None, database=None))
+    assert str(info.value).splitlines() == [
+        "check_invariant: `predicate` must hold for the Record, got False for the record of module '1.1' alone. "
+        "Fix the model or the invariant.",
+        f"input: {torch.full((1, 2), float(OVERFLOW_AT), device=device)!r}",
+    ]
+    assert_no_hooks(unbounded)
+
+
+def test_check_invariant_blames_the_whole_record_for_a_relation_across_modules():
+    """A relation that no single module's record breaks is reported for the whole Record."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.tensor([1.0, -1.0]))
+    grows = lambda rec: bool(rec["1"]["output"].sum() >= rec["0"]["output"].abs().sum())  # noqa: E731
+    with pytest.raises(AssertionError) as info:
+        check_invariant(model, grows, st.just(torch.zeros(1, 2)))
+    assert str(info.value).splitlines()[0] == (
+        "check_invariant: `predicate` must hold for the Record, got False for the whole Record (no module's "
+        "record alone makes it false). Fix the model or the invariant."
+    )
+
+
 def test_check_invariant_rejects_a_non_callable_predicate():
     """A predicate that is not callable is a SpecError with the rule and a fix."""
     with pytest.raises(fh.SpecError) as info:
         check_invariant(nn.Linear(1, 1), "finite", st.just(torch.ones(1, 1)))
     assert str(info.value) == (
-        "check_invariant: `predicate` is a callable `(path, name, tensor) -> bool`, got 'finite'. "
+        "check_invariant: `predicate` is a callable `(path, name, tensor) -> bool` or `(record) -> bool`, got 'finite'. "
         "Pass a function such as `lambda path, name, out: bool(out.isfinite().all())`."
     )
 
