@@ -26,9 +26,10 @@ from .errors import SpecError
 
 EXAMPLES = 25
 """Examples a check draws unless its `settings` say otherwise: a few seconds on a small model."""
-DRAWN_ELEMENTS = 256
+DRAWN_ELEMENTS = 64
 """Example inputs up to this many elements are drawn element by element, so Hypothesis
-shrinks every value; larger ones are drawn from a seed."""
+shrinks every value; larger ones are drawn from a seed (shrinking a few hundred values
+element by element takes seconds)."""
 FLOAT_BOUND = 3.0
 """Element-wise drawn floats lie in ``[-FLOAT_BOUND, FLOAT_BOUND]`` (three standard deviations)."""
 EVERY = ["", "**"]
