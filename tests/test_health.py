@@ -67,9 +67,11 @@ def test_dead_units_finds_a_relu_whose_bias_killed_it(device):
     with pytest.raises(AssertionError) as info:
         check_dead_units(model, torch.randn(8, 3, device=device))
     assert str(info.value).splitlines() == [
-        "check_dead_units: no layer has more than 50% of its units near zero (|a| <= 1e-06) on every drawn input, "
-        "got 1 layer(s), first '1' (ReLU) with 16 of 16 units dead. Check its initialisation (a bias that keeps a "
-        "ReLU negative) and what feeds it.",
+        (
+            "check_dead_units: no layer has more than 50% of its units near zero (|a| <= 1e-06) on every drawn "
+            "input, got 1 layer(s), first '1' (ReLU) with 16 of 16 units dead. Check its initialisation (a bias "
+            "that keeps a ReLU negative) and what feeds it."
+        ),
         "layer       dead units  share",
         "'1' (ReLU)  16/16       100%",
         "over 25 drawn inputs; no single input is a counterexample",

@@ -4,7 +4,6 @@ correct ones (a small Hugging Face GPT-2 included) pass; no hook or state change
 import hypothesis
 import pytest
 import torch
-from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 

@@ -124,8 +124,10 @@ def test_check_invariant_takes_a_predicate_over_the_whole_record(device):
     with pytest.raises(AssertionError) as info:
         check_invariant(unbounded, all_finite, inputs, settings=hypothesis.settings(deadline=None, database=None))
     assert str(info.value).splitlines() == [
-        "check_invariant: `predicate` must hold for the Record, got False for the record of module '1.1' alone. "
-        "Fix the model or the invariant.",
+        (
+            "check_invariant: `predicate` must hold for the Record, got False for the record of module '1.1' "
+            "alone. Fix the model or the invariant."
+        ),
         f"input: {torch.full((1, 2), float(OVERFLOW_AT), device=device)!r}",
     ]
     assert_no_hooks(unbounded)
@@ -401,8 +403,12 @@ def test_import_funhooks_does_not_import_hypothesis():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "funhooks.testing: the strategies and `check_invariant` need Hypothesis, got no module named "
-        "'hypothesis'. Install the test extra: `pip install funhooks[test]`.",
-        "funhooks.testing: the invariant checks need Hypothesis, got no module named "
-        "'hypothesis'. Install the test extra: `pip install funhooks[test]`.",
+        (
+            "funhooks.testing: the strategies and `check_invariant` need Hypothesis, got no module named "
+            "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
+        ),
+        (
+            "funhooks.testing: the invariant checks need Hypothesis, got no module named "
+            "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
+        ),
     ]
