@@ -112,12 +112,48 @@ def test_check_invariant_runs_backward_for_grad_specs():
     assert set(seen) == {"grad", "output"}
 
 
+def test_check_invariant_takes_a_predicate_over_the_whole_record(device):
+    """A one-argument predicate sees the Record: a relation across modules holds; a failing
+    one names the innermost module whose record alone makes it false."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Identity(), Exp())).to(device)
+    inputs = st.integers(0, 200).map(lambda n: torch.full((1, 2), float(n), device=device))
+    same_shapes = lambda rec: rec["1"]["output"].shape == rec["0"]["output"].shape  # noqa: E731
+    check_invariant(model, same_shapes, inputs)
+    all_finite = lambda rec: all(bool(t.isfinite().all()) for t in rec.tensors())  # noqa: E731
+    unbounded = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), Exp())).to(device)
+    with pytest.raises(AssertionError) as info:
+        check_invariant(unbounded, all_finite, inputs, settings=hypothesis.settings(deadline=None, database=None))
+    assert str(info.value).splitlines() == [
+        (
+            "check_invariant: `predicate` must hold for the Record, got False for the record of module '1.1' "
+            "alone. Fix the model or the invariant."
+        ),
+        f"input: {torch.full((1, 2), float(OVERFLOW_AT), device=device)!r}",
+    ]
+    assert_no_hooks(unbounded)
+
+
+def test_check_invariant_blames_the_whole_record_for_a_relation_across_modules():
+    """A relation that no single module's record breaks is reported for the whole Record."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.tensor([1.0, -1.0]))
+    grows = lambda rec: bool(rec["1"]["output"].sum() >= rec["0"]["output"].abs().sum())  # noqa: E731
+    with pytest.raises(AssertionError) as info:
+        check_invariant(model, grows, st.just(torch.zeros(1, 2)))
+    assert str(info.value).splitlines()[0] == (
+        "check_invariant: `predicate` must hold for the Record, got False for the whole Record (no module's "
+        "record alone makes it false). Fix the model or the invariant."
+    )
+
+
 def test_check_invariant_rejects_a_non_callable_predicate():
     """A predicate that is not callable is a SpecError with the rule and a fix."""
     with pytest.raises(fh.SpecError) as info:
         check_invariant(nn.Linear(1, 1), "finite", st.just(torch.ones(1, 1)))
     assert str(info.value) == (
-        "check_invariant: `predicate` is a callable `(path, name, tensor) -> bool`, got 'finite'. "
+        "check_invariant: `predicate` is a callable `(path, name, tensor) -> bool` or `(record) -> bool`, got 'finite'. "
         "Pass a function such as `lambda path, name, out: bool(out.isfinite().all())`."
     )
 
@@ -358,8 +394,8 @@ def test_record_save_load_round_trip(tmp_path_factory, data):
 
 
 def test_import_funhooks_does_not_import_hypothesis():
-    """Hypothesis is an optional extra: `import funhooks` works without it, and the kit says
-    how to install it when a strategy is asked for."""
+    """Hypothesis is an optional extra: `import funhooks` works without it (nor does it import
+    transformers), and the kit says how to install it when a strategy or a check is asked for."""
     code = (
         "import sys\n"
         "class Block:\n"
@@ -371,16 +407,23 @@ def test_import_funhooks_does_not_import_hypothesis():
         "model = torch.nn.Linear(1, 1)\n"
         "fh.testing.assert_no_hooks(model)\n"
         "fh.testing.assert_transparent(model, fh.outputs(''), torch.ones(1, 1))\n"
-        "assert 'hypothesis' not in sys.modules\n"
-        "try:\n"
-        "    fh.testing.models_and_inputs()\n"
-        "except ImportError as err:\n"
-        "    print(err)\n"
+        "assert 'hypothesis' not in sys.modules and 'transformers' not in sys.modules\n"
+        "for ask in (fh.testing.models_and_inputs, lambda: fh.testing.check_causality(model, torch.ones(2, 2))):\n"
+        "    try:\n"
+        "        ask()\n"
+        "    except ImportError as err:\n"
+        "        print(err)\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == (
-        "funhooks.testing: the strategies and `check_invariant` need Hypothesis, got no module named "
-        "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
-    )
+    assert done.stdout.splitlines() == [
+        (
+            "funhooks.testing: the strategies and `check_invariant` need Hypothesis, got no module named "
+            "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
+        ),
+        (
+            "funhooks.testing: the invariant checks need Hypothesis, got no module named "
+            "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
+        ),
+    ]
