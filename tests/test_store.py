@@ -1,0 +1,385 @@
+"""Activation stores, written: `fh.ActivationWriter` as a reducer and a sink, `fh.collect`.
+
+What the tests pin: the rows read back are exactly the rows recorded (cast, flattened,
+masked), whatever the shard size; an interruption anywhere (exception, KeyboardInterrupt,
+SIGKILL, a failing disk) followed by a restart gives the same store as one uninterrupted
+run; bad input gives one-line errors and leaves committed shards intact.
+
+Subprocess scenarios (a killed writer, a full disk simulated with RLIMIT_FSIZE, two gloo
+ranks) run this file as a script, each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+from torch import nn
+
+import funhooks as fh
+
+pytest.importorskip("safetensors")
+from safetensors.torch import load_file  # noqa: E402
+
+CHILD_TIMEOUT_S = 120
+COLLECTIVE_TIMEOUT_S = 60
+FEATURES, VOCAB = 3, 20
+
+
+class Two(nn.Module):
+    """Modules `a` (features) and `b`, whose hand-built records give the columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(FEATURES, FEATURES), nn.Identity()
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> dict:
+    """A stream of batches: float column `a/output`, int column `b/output`, optional mask."""
+    flatten, masked = draw(st.booleans()), draw(st.booleans())
+    positions = draw(st.integers(1, 4)) if flatten else None
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    batches = []
+    for _ in range(draw(st.integers(1, 6))):
+        lead = (draw(st.integers(0, 4)),) + ((positions,) if flatten else ())
+        a = torch.randn(*lead, FEATURES, generator=gen)
+        b = torch.randint(0, VOCAB, lead, generator=gen)
+        mask = torch.rand(lead, generator=gen) < 0.7 if masked else None
+        batches.append((a, b, mask))
+    return {"batches": batches, "flatten": flatten, "rows_per_shard": draw(st.integers(1, 7)),
+            "dtype": draw(st.sampled_from([None, torch.bfloat16, torch.float16]))}
+
+
+def _record(a: torch.Tensor, b: torch.Tensor) -> fh.Record:
+    return fh.Record({"a": {"output": (a,)}, "b": {"output": (b,)}})
+
+
+def _expected(stream: dict) -> dict[str, torch.Tensor]:
+    """The rows the store must hold: flattened, masked, floats cast."""
+    cols: dict[str, list[torch.Tensor]] = {"a/output": [], "b/output": []}
+    for a, b, mask in stream["batches"]:
+        if stream["flatten"]:
+            a, b, mask = a.flatten(0, 1), b.flatten(0, 1), None if mask is None else mask.flatten(0, 1)
+        if mask is not None:
+            a, b = a[mask], b[mask]
+        cols["a/output"].append(a if stream["dtype"] is None else a.to(stream["dtype"]))
+        cols["b/output"].append(b)
+    return {k: torch.cat(v) for k, v in cols.items()}
+
+
+def _writer(directory, stream: dict, **kw) -> fh.ActivationWriter:
+    return fh.ActivationWriter(Two(), fh.outputs(["a", "b"]), directory, flatten=stream["flatten"],
+                               dtype=stream["dtype"], rows_per_shard=stream["rows_per_shard"], fsync=False, **kw)
+
+
+def _feed(writer: fh.ActivationWriter, stream: dict, stop: int | None = None) -> fh.ActivationDataset | None:
+    """Write the stream's batches; stop with an exception before batch `stop`."""
+    state = writer.init()
+    for i, (a, b, mask) in enumerate(stream["batches"]):
+        if i == stop:
+            raise RuntimeError("interrupted")
+        state = writer.write(state, i, _record(a, b), mask=mask)
+    return writer.result(state)
+
+
+def _contents(directory) -> dict[str, torch.Tensor]:
+    ds = fh.ActivationDataset(directory)
+    return ds[:] if len(ds) else {}
+
+
+def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(want) and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+# -- the rows read back are the rows recorded --------------------------------------------------
+
+
+@hypothesis.given(stream=streams())
+def test_rows_read_back_are_the_rows_recorded(stream):
+    """Any stream, shard size, mask and cast: the dataset and the raw safetensors files hold
+    exactly the recorded rows, in order."""
+    with tempfile.TemporaryDirectory() as d:
+        want = _expected(stream)
+        ds = _feed(_writer(d, stream), stream)
+        assert len(ds) == len(want["a/output"])
+        assert _equal(ds[:], want)
+        files = sorted(pathlib.Path(d).glob("shard.rank0.*.safetensors"))
+        assert len(files) == ds.shards
+        if files:
+            raw = [load_file(f) for f in files]
+            assert _equal({k: torch.cat([r[k] for r in raw]) for k in want}, want)
+            assert all(len(r["a/output"]) == stream["rows_per_shard"] for r in raw[:-1])
+
+
+@hypothesis.given(stream=streams(), stops=st.lists(st.integers(0, 6), max_size=3))
+def test_interrupted_writes_resume_to_the_same_store(stream, stops):
+    """Exceptions before any batches, then a restart: the same rows as one run, none twice,
+    none lost; after each interruption the store holds a prefix of them."""
+    want = _expected(stream)
+    with tempfile.TemporaryDirectory() as d:
+        for stop in stops:
+            if stop < len(stream["batches"]):
+                with pytest.raises(RuntimeError, match="interrupted"):
+                    _feed(_writer(d, stream), stream, stop=stop)
+                got = _contents(d) if (pathlib.Path(d) / "manifest.rank0.jsonl").exists() else {}
+                if got:
+                    n = len(got["a/output"])
+                    assert _equal(got, {k: v[:n] for k, v in want.items()})
+        assert _equal(_feed(_writer(d, stream), stream)[:], want)
+        assert not [p for p in pathlib.Path(d).iterdir() if p.name.endswith(".tmp")]
+
+
+# -- steps: evaluate, train, fit ----------------------------------------------------------------
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def _inputs(n: int = 7, batch: int = 5) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(batch, 4, generator=gen) for _ in range(n)]
+
+
+def _interrupting(batches, at: int, exc: BaseException):
+    for i, b in enumerate(batches):
+        if i == at:
+            raise exc
+        yield b
+
+
+def test_fold_over_evaluate_resumes_after_keyboard_interrupt(tmp_path):
+    """A KeyboardInterrupt mid-evaluation, then the same fold again: the rows of one run."""
+    model, xs = _model(), _inputs()
+    writer = fh.ActivationWriter(model, fh.outputs("1"), tmp_path, rows_per_shard=8)
+    with pytest.raises(KeyboardInterrupt):
+        fh.fold(writer, fh.evaluate(model, _interrupting(xs, 4, KeyboardInterrupt()), specs=writer.specs))
+    fh.testing.assert_no_hooks(model)
+    assert len(fh.ActivationDataset(tmp_path)) == 16  # two full shards were committed before batch 4
+    ds = fh.fold(writer, fh.evaluate(model, xs, specs=writer.specs))
+    with torch.no_grad():
+        want = torch.cat([model[:2](x) for x in xs])
+    assert torch.equal(ds[:]["1/output"], want)
+    assert ds.metadata["model"] == "torch.nn.modules.container.Sequential"
+    assert ds.metadata["modules"] == ["1"] and ds.metadata["specs"] == ["outputs('1')"]
+
+
+def test_train_steps_and_fit_write_every_step(tmp_path):
+    """Steps of `fh.train` over two epochs are batches 0..2n-1; under `fh.fit` the writer is
+    one reducer among others."""
+    model, xs = _model(), _inputs(3)
+    batches = [(x, torch.zeros(len(x), 2)) for x in xs]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = fh.ActivationWriter(model, fh.outputs("0"), tmp_path / "train")
+    steps = list(fh.train(model, batches, nn.functional.mse_loss, opt, specs=writer.specs, epochs=2))
+    ds = fh.fold(writer, steps)
+    assert torch.equal(ds[:]["0/output"], torch.cat([s.record["0"]["output"] for s in steps]))
+    fitted = fh.ActivationWriter(model, fh.outputs("2"), tmp_path / "fit")
+    res = fh.fit(model, batches, nn.functional.mse_loss, opt, {"acts": fitted, "stats": fh.ActivationStats()})
+    assert len(res["acts"]) == 15 and len(res["stats"].stats) == 3
+
+
+def test_collect_skips_written_batches_without_running_the_model(tmp_path):
+    """After an interruption, `collect` resumes at the first unwritten batch: the model runs
+    on it and the later ones only."""
+    calls = []
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 3)
+
+        def forward(self, x):
+            calls.append(len(x))
+            return self.body(x)
+
+    model, xs = Counting(), _inputs()
+    writer = fh.ActivationWriter(model, fh.outputs("body"), tmp_path, rows_per_shard=10)
+
+    def stop_at_5(batch):
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return None
+
+    with pytest.raises(KeyboardInterrupt):
+        fh.collect(writer, xs, mask=stop_at_5)
+    assert model.training
+    calls.clear()
+    ds = fh.collect(writer, xs)
+    assert len(calls) == 3  # rows of batches 0..3 were committed (20 of them) before the interruption
+    with torch.no_grad():
+        assert torch.equal(ds[:]["body/output"], torch.cat([model.body(x) for x in xs]))
+
+
+# -- subprocess scenarios ----------------------------------------------------------------------
+
+
+def _child(*args: str, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+
+
+def _child_batches() -> list[torch.Tensor]:
+    return [x * (i + 1) for i, x in enumerate(_inputs(40, 3))]
+
+
+def _child_writer(directory: str, rows_per_shard: int, **kw) -> fh.ActivationWriter:
+    return fh.ActivationWriter(_model(), [fh.outputs("0"), fh.outputs("2")], directory, rows_per_shard=rows_per_shard,
+                               dtype=torch.bfloat16, **kw)
+
+
+def _child_want() -> dict[str, torch.Tensor]:
+    model = _model()
+    with torch.no_grad():
+        xs = _child_batches()
+        return {"0/output": torch.cat([model[0](x) for x in xs]).bfloat16(),
+                "2/output": torch.cat([model(x) for x in xs]).bfloat16()}
+
+
+def _slow(batches, delay: float):
+    for i, b in enumerate(batches):
+        print(f"batch {i}", flush=True)
+        time.sleep(delay)
+        yield b
+
+
+def test_a_killed_writer_resumes_without_duplicates_or_losses(tmp_path):
+    """SIGKILL while writing (fsync on, a commit every 4 rows): the rank's lock is released,
+    the store holds a prefix, and `collect` again completes it exactly."""
+    want = _child_want()
+    for kill_after in (5, 17):
+        directory = tmp_path / str(kill_after)
+        proc = _child("kill", str(directory))
+        try:
+            for line in proc.stdout:
+                if line.strip() == f"batch {kill_after}":
+                    break
+            else:
+                pytest.fail(f"the writer ended before batch {kill_after}: {proc.wait()}")
+            with pytest.raises(fh.StoreError) as info:
+                _child_writer(directory, 4).init()
+            assert str(info.value) == (
+                f"ActivationWriter: one writer at a time writes a rank of a store, got rank 0 of {str(directory)!r} "
+                "locked by another process. Stop that process, or write with another `rank=` or directory."
+            )
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=CHILD_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        got = _contents(directory)
+        n = len(got["0/output"])
+        assert 0 < n < len(want["0/output"]) and _equal(got, {k: v[:n] for k, v in want.items()})
+        ds = fh.collect(_child_writer(directory, 4), _child_batches())
+        assert _equal(ds[:], want)
+        assert sorted(p.name for p in directory.iterdir() if not p.name.startswith("shard.")) == [
+            ".lock.rank0", "manifest.rank0.jsonl"]
+
+
+def _run_limited(directory: pathlib.Path, limit: int, rows_per_shard: int) -> str:
+    proc = _child("limited", str(directory), str(limit), str(rows_per_shard))
+    out, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 0, out
+    return out.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE")
+def test_a_full_disk_keeps_what_was_committed(tmp_path):
+    """Writes that fail for real (a file-size limit, EFBIG) while appending to the manifest
+    or while writing a shard: a one-line StoreError, the committed shards intact, no file
+    left over, and a later run completes the store."""
+    want = _child_want()
+    reference = tmp_path / "reference"
+    fh.collect(_child_writer(reference, 4, fsync=False), _child_batches())
+    lines = (reference / "manifest.rank0.jsonl").read_bytes().splitlines(keepends=True)
+    shard_bytes = json.loads(lines[1])["bytes"]
+    assert shard_bytes < len(b"".join(lines[:4]))
+    for directory, limit, rows, kept in ((tmp_path / "manifest", len(b"".join(lines[:4])) + 20, 4, 3),
+                                         (tmp_path / "shard", len(lines[0]) + 8, 64, 0)):
+        message = _run_limited(directory, limit, rows)
+        failing = f"shard.rank0.{kept:06d}.safetensors"
+        assert message == (
+            f"ActivationWriter: a shard is written whole or not at all, got OSError 27 (File too large) "
+            f"{'committing' if kept else 'writing'} {failing} in {str(directory)!r}. Free space (or pick another "
+            f"directory) and run again: the {kept} committed shards of rank 0 are kept and writing resumes at "
+            f"batch {kept * 4 // 3}."
+        )
+        names = sorted(p.name for p in directory.iterdir())
+        assert names == [".lock.rank0", "manifest.rank0.jsonl"] + [f"shard.rank0.{k:06d}.safetensors" for k in range(kept)]
+        if kept:
+            assert _equal(_contents(directory), {k: v[:4 * kept] for k, v in want.items()})
+        ds = fh.collect(_child_writer(directory, rows), _child_batches())
+        assert _equal(ds[:], want)
+
+
+def test_ranks_write_their_own_shards_and_read_as_one_dataset(tmp_path):
+    """Two gloo ranks `collect` their own batches into one directory (rank from
+    torch.distributed); the dataset reads rank 0's rows, then rank 1's."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    procs = [_child("rank", str(tmp_path / "store"), str(tmp_path / "rendezvous"), str(rank)) for rank in range(2)]
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ds = fh.ActivationDataset(tmp_path / "store", columns="2/output")
+    model = _model()
+    with torch.no_grad():
+        want = torch.cat([model(x).bfloat16() for rank in range(2) for x in _rank_batches(rank)])
+    assert ds.metadata["ranks"] == [0, 1] and ds.shards == -(-30 // 4) + -(-24 // 4)
+    assert torch.equal(ds[:], want)
+
+
+def _rank_batches(rank: int) -> list[torch.Tensor]:
+    return _child_batches()[rank * 10:(rank + 1) * 10 - 2 * rank]
+
+
+def _main(mode: str, *args: str) -> None:
+    torch.set_num_threads(1)
+    if mode == "kill":
+        fh.collect(_child_writer(args[0], 4), _slow(_child_batches(), 0.05))
+    elif mode == "limited":
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(args[1]), resource.RLIM_INFINITY))
+        try:
+            fh.collect(_child_writer(args[0], int(args[2])), _child_batches())
+        except fh.StoreError as e:
+            print(e)
+    elif mode == "rank":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{args[1]}", rank=int(args[2]), world_size=2,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            fh.collect(_child_writer(args[0], 4), _rank_batches(int(args[2])))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])
