@@ -107,8 +107,9 @@ def collect(writer: ActivationWriter, inputs: Iterable[Any], *, mask: str | Mask
         model.eval()
         with torch.no_grad():
             for index, batch in batches:
+                keep = _mask_of(mask, batch, index)
                 _, record = _call(fn, batch)
-                state = writer.write(state, index, record, mask=_mask_of(mask, batch, index))
+                state = writer.write(state, index, record, mask=keep)
     finally:
         close = getattr(batches, "close", None)
         if close is not None:

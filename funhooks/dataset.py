@@ -199,7 +199,8 @@ class ActivationDataset(torch.utils.data.Dataset):
         return row[self._columns[0].name] if self._single else row
 
     def _batch(self, indices: Any) -> dict[str, torch.Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        shape, idx = idx.shape, idx.reshape(-1)
         n = len(self)
         if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
             bad = int(idx.min()) if int(idx.min()) < -n else int(idx.max())
@@ -213,7 +214,7 @@ class ActivationDataset(torch.utils.data.Dataset):
             tensors = self._open(s)
             for name, t in out.items():
                 t.index_copy_(0, where, tensors[name].index_select(0, local))
-        return out
+        return {name: t.reshape(*shape, *t.shape[1:]) for name, t in out.items()}
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
