@@ -91,6 +91,20 @@ class WriterState:
     rows of that batch already written (after a restart), and its open rank of the store.
 
     A state is used once: pass the one ``step`` / ``write`` returned to the next call.
+
+    Example:
+        >>> import tempfile, torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> writer = fh.ActivationWriter(model, fh.outputs("0"), tempfile.mkdtemp(), rows_per_shard=4)
+        >>> state = writer.init()
+        >>> state.next_batch, state.rows
+        (0, 0)
+        >>> with fh.with_hooks(model, writer.specs) as run:
+        ...     _ = model(torch.ones(3, 2))
+        >>> state = writer.write(state, 0, run.record)
+        >>> state.next_batch, state.rows
+        (1, 3)
     """
 
     sink: _sink.Sink = attrs.field(repr=False)
