@@ -227,6 +227,20 @@ def test_collect_skips_written_batches_without_running_the_model(tmp_path):
         assert torch.equal(ds[:]["body/output"], torch.cat([model.body(x) for x in xs]))
 
 
+def test_collect_moves_rows_from_any_device_to_the_store(device, tmp_path):
+    """A model on the CPU or a GPU: masked, flattened, cast rows land on disk as recorded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 4)).to(device)
+    ids = torch.randint(1, VOCAB, (3, 5, 6), device=device)
+    ids[:, :, 4:] = 0
+    writer = fh.ActivationWriter(model, fh.outputs("*"), tmp_path, flatten=True, dtype=torch.float16, rows_per_shard=7)
+    ds = fh.collect(writer, list(ids), mask=lambda x: x != 0)
+    with torch.no_grad():  # batch by batch, as collected: a batched matmul may round differently
+        want = {"0/output": torch.cat([model[0](x)[x != 0] for x in ids]).half().cpu(),
+                "1/output": torch.cat([model(x)[x != 0] for x in ids]).half().cpu()}
+    assert _equal(ds[:], want)
+
+
 # -- bad input: one-line errors, committed shards intact ---------------------------------------
 
 
