@@ -85,6 +85,22 @@ def _check_rows(writer: Any, attribute: Any, rows: Any) -> None:
         )
 
 
+def _check_rank(writer: Any, attribute: Any, rank: Any) -> None:
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ReducerError(
+            f"{CALLER}: `rank` is a non-negative int or None, got {rank!r}. "
+            "Pass None to take torch.distributed's rank (0 without a process group)."
+        )
+
+
+def _check_mask(writer: Any, attribute: Any, mask: Any) -> None:
+    if mask is not None and not callable(mask):
+        raise ReducerError(
+            f"{CALLER}: `mask` is a function of a Step or None, got {type(mask).__name__}. Pass e.g. "
+            "`mask=lambda step: step.record['embed']['ids'] != PAD`, or give `fh.collect(..., mask=)` a batch key."
+        )
+
+
 @attrs.frozen(eq=False)
 class WriterState:
     """Where an :class:`ActivationWriter` stands: the next batch index it expects, the
@@ -180,10 +196,10 @@ class ActivationWriter:
     directory: pathlib.Path = attrs.field(converter=lambda d: pathlib.Path(os.fspath(d)))
     dtype: torch.dtype | None = attrs.field(default=None, kw_only=True, validator=_check_dtype)
     flatten: bool = attrs.field(default=False, kw_only=True, validator=attrs.validators.instance_of(bool))
-    mask: Mask | None = attrs.field(default=None, kw_only=True)
+    mask: Mask | None = attrs.field(default=None, kw_only=True, validator=_check_mask)
     rows_per_shard: int | None = attrs.field(default=None, kw_only=True, validator=_check_rows)
-    rank: int | None = attrs.field(default=None, kw_only=True)
-    fsync: bool = attrs.field(default=True, kw_only=True)
+    rank: int | None = attrs.field(default=None, kw_only=True, validator=_check_rank)
+    fsync: bool = attrs.field(default=True, kw_only=True, validator=attrs.validators.instance_of(bool))
     columns: tuple[tuple[str, str, str], ...] = attrs.field(init=False, repr=False)
     """``(column, module path, record name)`` of every column, in module order."""
 

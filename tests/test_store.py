@@ -195,6 +195,22 @@ def test_train_steps_and_fit_write_every_step(tmp_path):
     assert len(res["acts"]) == 15 and len(res["stats"].stats) == 3
 
 
+def test_a_step_mask_keeps_the_rows_it_selects(tmp_path):
+    """`mask(step)` reads what the step recorded (here: which inputs are not padding)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 4))
+    ids = [torch.tensor([[3, 4, 0], [5, 0, 0]]), torch.tensor([[6, 7, 8], [0, 0, 0]])]
+
+    def real(module, args, output):
+        return args[0] != 0
+
+    writer = fh.ActivationWriter(model, [fh.outputs("0"), fh.observe("0", real)], tmp_path, flatten=True,
+                                 mask=lambda step: step.record["0"]["real"])
+    ds = fh.fold(writer, fh.evaluate(model, ids, specs=writer.specs))
+    assert torch.equal(ds[:]["0/output"], model[0].weight[[3, 4, 5, 6, 7, 8]].detach())
+    assert ds.metadata["masked"] is True and bool(ds[:]["0/real"].all())
+
+
 def test_collect_skips_written_batches_without_running_the_model(tmp_path):
     """After an interruption, `collect` resumes at the first unwritten batch: the model runs
     on it and the later ones only."""
@@ -399,6 +415,10 @@ def test_bad_arguments_are_reducer_errors():
          "Pass torch.bfloat16, torch.float16, torch.float32, or None to keep the recorded dtypes."),
         (dict(rows_per_shard=0), "`rows_per_shard` is a positive int or None, got 0. Pass e.g. 65536, or None for "
          "shards of about 128 MiB."),
+        (dict(rank=-1), "`rank` is a non-negative int or None, got -1. Pass None to take torch.distributed's rank (0 "
+         "without a process group)."),
+        (dict(mask="attention_mask"), "`mask` is a function of a Step or None, got str. Pass e.g. `mask=lambda step: "
+         "step.record['embed']['ids'] != PAD`, or give `fh.collect(..., mask=)` a batch key."),
     ]
     for kw, message in cases:
         kw = {"specs": fh.outputs("a"), **kw}
