@@ -274,7 +274,8 @@ def main() -> None:
             print(f"  read {name:<28} {r['rows/s']['median']:10.0f} rows/s  {r['MB/s']:8.0f} MB/s")
         rss = measure_rss(q.get("rss_sizes", RSS_SIZES), RSS_BATCH, q.get("width", RSS_WIDTH), root)
         for size, r in rss["sizes"].items():
-            print(f"  rss {size:>6} batches: peak {r['peak_rss_mib']:.1f} MiB, growth over set-up {r['growth_mib']:.1f} MiB")
+            print(f"  rss {size:>6} batches: peak {r['peak_rss_mib']:.1f} MiB, "
+                  f"growth over set-up {r['growth_mib']:.1f} MiB")
         print(f"  peak max/min {rss['peak_max_over_min']:.3f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

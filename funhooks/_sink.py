@@ -116,10 +116,10 @@ class Sink:
         while done < n:
             shard = self._held.shard
             if shard is None:
-                shard = self._io(lambda: self._open_shard(), "opening")
+                shard = self._io("opening", self._open_shard)
             take = min(n - done, shard.capacity - shard.rows)
             piece = {k: v[done:done + take] for k, v in rows.items()}
-            self._io(lambda: shard.write(piece), "writing")
+            self._io("writing", shard.write, piece)
             done += take
             if shard.rows == shard.capacity:
                 self._commit((batch, first_row + done) if done < n else (batch + 1, 0))
@@ -132,7 +132,8 @@ class Sink:
             self._commit((next_batch, 0))
 
     def _open_shard(self) -> _shards.ShardFile:
-        about = {"format": _manifest.FORMAT, "version": _manifest.FORMAT_VERSION, "rank": self.rank, "shard": self.shards}
+        about = {"format": _manifest.FORMAT, "version": _manifest.FORMAT_VERSION, "rank": self.rank,
+                 "shard": self.shards}
         meta = {"format": "pt", "funhooks": json.dumps(about)}
         assert self.columns is not None
         self._held.shard = _shards.ShardFile(self.directory, self.rank, self.shards, self.columns, self.capacity, meta)
@@ -156,16 +157,16 @@ class Sink:
                     shard.final.unlink()  # renamed but not listed: not part of the store
                 raise
 
-        self._io(commit, "committing")
+        self._io("committing", commit)
         self._held.shard = None
         self.shards += 1
         self.rows += shard.rows
         self.end = end
 
-    def _io(self, fn: Any, doing: str) -> Any:
-        """Run `fn`; an OSError discards the unfinished shard and becomes a StoreError."""
+    def _io(self, doing: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; an OSError discards the unfinished shard and becomes a StoreError."""
         try:
-            return fn()
+            return fn(*args)
         except OSError as e:
             shard, self._held.shard = self._held.shard, None
             name = shard.final.name if shard is not None else f"shard {self.shards}"

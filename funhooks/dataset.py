@@ -105,7 +105,8 @@ class ActivationDataset(torch.utils.data.Dataset):
                     raise StoreError(
                         f"{CALLER}: the ranks of a store agree on their {what}, got {m.path.name} with "
                         f"{m.header.get(key)!r} and {first.path.name} with {first.header.get(key)!r} "  # type: ignore[union-attr]
-                        f"in {str(self.directory)!r}. Write every rank with one writer, or keep them in separate directories."
+                        f"in {str(self.directory)!r}. Write every rank with one writer, or keep them in separate "
+                        "directories."
                     )
         self._files: list[tuple[pathlib.Path, int]] = []
         for m in manifests:
@@ -125,7 +126,8 @@ class ActivationDataset(torch.utils.data.Dataset):
         self._cache: collections.OrderedDict[int, dict[str, torch.Tensor]] = collections.OrderedDict()
         self._pid = os.getpid()
 
-    def _select(self, every: list[_shards.Column], columns: str | Sequence[str] | None) -> tuple[list[_shards.Column], bool]:
+    def _select(self, every: list[_shards.Column],
+                columns: str | Sequence[str] | None) -> tuple[list[_shards.Column], bool]:
         if columns is None:
             return every, False
         by_name = {c.name: c for c in every}
@@ -229,7 +231,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         batch = self._batch(indices)
         if self._single:
             return list(batch[self._columns[0].name].unbind(0))
-        return [dict(zip(batch, row)) for row in zip(*(t.unbind(0) for t in batch.values()))]
+        return [dict(zip(batch, row, strict=True)) for row in zip(*(t.unbind(0) for t in batch.values()), strict=True)]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -70,7 +70,8 @@ def _as_specs(specs: Spec | Iterable[Spec]) -> tuple[Spec, ...]:
 
 
 def _check_dtype(writer: Any, attribute: Any, dtype: Any) -> None:
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and _shards.is_storable(dtype)):
+    floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point and _shards.is_storable(dtype)
+    if dtype is not None and not floating:
         raise ReducerError(
             f"{CALLER}: `dtype` is a floating-point dtype to cast floating-point columns to, got {dtype!r}. "
             "Pass torch.bfloat16, torch.float16, torch.float32, or None to keep the recorded dtypes."
@@ -287,7 +288,7 @@ class ActivationWriter:
         columns = _rows.describe(rows)
         if sink.header is None:
             header = self._header(require_safetensors(CALLER).__version__, sink.rank, columns, mask is not None)
-            sink._io(lambda: sink.start(header, columns), "creating the manifest for")
+            sink._io("creating the manifest for", sink.start, header, columns)
         else:
             self._check_columns(sink, columns, batch)
         sink.append(rows, batch, state.skip_rows)
@@ -334,7 +335,7 @@ class ActivationWriter:
         return max(1, SHARD_BYTES // max(1, sum(c.row_bytes for c in columns)))
 
     def _check_columns(self, sink: _sink.Sink, columns: Sequence[_shards.Column], batch: int) -> None:
-        for ours, got in zip(sink.columns or (), columns):
+        for ours, got in zip(sink.columns or (), columns, strict=False):
             if ours != got:
                 raise StoreError(
                     f"{CALLER}: every batch gives column {ours.name!r} {ours.describe()}, got {got.describe()} in "

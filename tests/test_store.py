@@ -283,7 +283,8 @@ def test_a_store_continued_with_other_specs_or_options_is_refused(tmp_path):
         with pytest.raises(fh.StoreError) as info:
             writer.init()
         end = "" if middle.endswith("None.") else ". Pass those, or write to a new directory."
-        assert str(info.value) == f"ActivationWriter: a store is continued with {middle.format(d=repr(str(tmp_path)))}{end}"
+        where = middle.format(d=repr(str(tmp_path)))
+        assert str(info.value) == f"ActivationWriter: a store is continued with {where}{end}"
     assert _equal(_contents(tmp_path), _expected(stream))
 
 
@@ -376,8 +377,8 @@ def test_bad_batches_name_the_column_and_the_rule(tmp_path):
         (fh.Record({"a": {"output": ((a,),)}, "b": {"output": (b,)}}), None, "got a tuple for 'a/output'"),
         (_record(a, torch.arange(3)), None, "the columns of a batch share their leading batch dimensions, got "
          "{'a/output': (2,), 'b/output': (3,)} in batch 0. Write modules with other shapes to another store."),
-        (_record(a, b), torch.ones(3, dtype=torch.bool), "a mask has the columns' leading shape (2,), got (3,) in batch "
-         "0. Pass a (batch,) mask of the same batch."),
+        (_record(a, b), torch.ones(3, dtype=torch.bool),
+         "a mask has the columns' leading shape (2,), got (3,) in batch 0. Pass a (batch,) mask of the same batch."),
     ]
     for record, mask, message in cases:
         with pytest.raises(fh.StoreError) as info:
@@ -554,7 +555,8 @@ def test_a_full_disk_keeps_what_was_committed(tmp_path):
             f"batch {kept * 4 // 3}."
         )
         names = sorted(p.name for p in directory.iterdir())
-        assert names == [".lock.rank0", "manifest.rank0.jsonl"] + [f"shard.rank0.{k:06d}.safetensors" for k in range(kept)]
+        shards = [f"shard.rank0.{k:06d}.safetensors" for k in range(kept)]
+        assert names == [".lock.rank0", "manifest.rank0.jsonl", *shards]
         if kept:
             assert _equal(_contents(directory), {k: v[:4 * kept] for k, v in want.items()})
         ds = fh.collect(_child_writer(directory, rows), _child_batches())
