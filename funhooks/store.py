@@ -14,7 +14,9 @@ cast (``dtype=torch.bfloat16``); other columns keep their dtype.
 Resuming: a batch is identified by its index (``step.iteration``). After an exception,
 ``KeyboardInterrupt`` or a killed process, run the same code again: the writer finds where
 its committed shards end and skips the batches before that point (``collect`` skips them
-without running the model), so no row is written twice or lost.
+without running the model), so no row is written twice or lost. Do not drop the written
+batches from the steps yourself: ``fh.evaluate`` would number the rest from 0 again, and
+the writer would take them for the batches it already has.
 
 Ranks: each rank writes its own shards (rank from ``torch.distributed``, or ``rank=``); the
 dataset reads every rank's shards as one.

@@ -363,6 +363,68 @@ def test_a_torn_manifest_line_and_stray_files_are_not_part_of_the_store(tmp_path
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_manifest_that_is_not_a_store_is_named(tmp_path):
+    """A manifest whose header is another format, or with an unreadable line, is refused."""
+    manifest = tmp_path / "manifest.rank0.jsonl"
+    manifest.write_text('{"format": "something.else"}\n')
+    with pytest.raises(fh.StoreError) as info:
+        fh.ActivationDataset(tmp_path)
+    assert str(info.value) == (
+        "ActivationDataset: a manifest starts with a header of format 'funhooks.activations', got 'something.else' in "
+        f"{str(manifest)!r}. Point to a directory written by fh.ActivationWriter, or move that file away."
+    )
+    manifest.write_text('{"format": "funhooks.activations", "version": 1}\n[1, 2]\n')
+    with pytest.raises(fh.StoreError) as info:
+        _writer(tmp_path, _stream()).init()
+    assert str(info.value) == (
+        f"ActivationWriter: each line of a manifest is one JSON object, got line 2 of {str(manifest)!r} unreadable "
+        "(a JSON list). Restore the file, or write the store again in a new directory."
+    )
+
+
+def test_a_corrupted_shard_is_refused_when_read(tmp_path):
+    """A shard of the right size whose bytes were overwritten fails at its first read, named."""
+    stream = _stream()
+    _feed(_writer(tmp_path, stream), stream)
+    shard = tmp_path / "shard.rank0.000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[:8] = b"\xff" * 8
+    shard.write_bytes(bytes(data))
+    ds = fh.ActivationDataset(tmp_path)
+    assert torch.equal(ds[0]["b/output"], _expected(stream)["b/output"][0])  # shard 0 is fine
+    with pytest.raises(fh.StoreError) as info:
+        ds[3]
+    assert str(info.value).startswith("ActivationDataset: a shard holds the rows its manifest line says, got "
+                                      "shard.rank0.000001.safetensors unreadable (")
+    assert str(info.value).endswith("where the manifest says 3 rows of ['float32 rows of shape (3,)', 'int64 rows of "
+                                    "shape ()']. Restore the file, or write the store again.")
+
+
+def test_a_restarted_batch_with_fewer_rows_is_refused(tmp_path):
+    """After a restart, the batch a shard ended in must give at least the rows written of it."""
+    stream = _stream(rows_per_shard=3)
+    with pytest.raises(RuntimeError):
+        _feed(_writer(tmp_path, stream), stream, stop=2)  # shard 0 ends one row into batch 1
+    shorter = {**stream, "batches": [stream["batches"][0], (torch.randn(0, FEATURES), torch.arange(0), None)]}
+    with pytest.raises(fh.StoreError) as info:
+        _feed(_writer(tmp_path, stream), shorter)
+    assert str(info.value) == (
+        "ActivationWriter: a restarted batch gives the rows it gave before, got 0 rows in batch 1 of which 1 were "
+        "written before the restart. Feed the same inputs, or write to a new directory."
+    )
+
+
+def test_complex_columns_are_refused(tmp_path):
+    """safetensors has no complex dtype: the error says what to store instead."""
+    writer = fh.ActivationWriter(Two(), fh.outputs("a"), tmp_path)
+    with pytest.raises(fh.StoreError) as info:
+        writer.write(writer.init(), 0, fh.Record({"a": {"output": (torch.zeros(2, 3, dtype=torch.complex64),)}}))
+    assert str(info.value) == (
+        "ActivationWriter: columns hold bool, integer or floating-point tensors, got torch.complex64 for 'a/output' in "
+        "batch 0. Store a real tensor (e.g. `.real` or `.abs()` in an fh.observe spec)."
+    )
+
+
 def test_bad_batches_name_the_column_and_the_rule(tmp_path):
     """A column not recorded, recorded twice or not a tensor; columns of different lengths;
     a mask of another shape; a skipped batch; a stale state: one-line StoreErrors."""
