@@ -17,6 +17,8 @@ Example:
 from importlib import metadata as _metadata
 
 from . import distributed, plot, progress, testing
+from .dataset import ActivationDataset
+from .collect import collect
 from .distributed import merge_across_ranks
 from .errors import (
     ExtraError,
@@ -29,6 +31,7 @@ from .errors import (
     SelectorError,
     SpecError,
     StaleTensorError,
+    StoreError,
     TransformError,
 )
 from .fold import Reducer, fit, fold, fold_all, running
@@ -40,6 +43,7 @@ from .run import Run, with_hooks
 from .select import Selector, select
 from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
 from .stats import ActivationStats, ActivationStatsResult, HookCallback
+from .store import ActivationWriter, WriterState
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -60,9 +64,12 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
 
 __all__ = [
     "activation_grads",
+    "ActivationDataset",
     "ActivationStats",
     "ActivationStatsResult",
+    "ActivationWriter",
     "capture",
+    "collect",
     "distributed",
     "dummy_batch",
     "dummy_eval",
@@ -111,10 +118,12 @@ __all__ = [
     "SpecError",
     "StaleTensorError",
     "Step",
+    "StoreError",
     "testing",
     "total_params",
     "train",
     "TransformError",
     "with_hooks",
+    "WriterState",
     "__version__",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "SelectorError",
     "SpecError",
     "StaleTensorError",
+    "StoreError",
     "TransformError",
 ]
 
@@ -87,3 +88,11 @@ class ReducerError(ValueError):
 class ExtraError(ImportError):
     """Raised when a feature needs an optional dependency that is not installed; the
     message names the ``funhooks[...]`` extra to install."""
+
+
+class StoreError(OSError):
+    """Raised when an activation store on disk cannot be written or read as asked: a
+    directory written by other specs, options or format version, a batch whose column
+    shapes or dtypes differ from the store's, a shard missing or replaced, a write that
+    failed (a full disk), or a rank locked by another process. Committed shards are never
+    changed by the failure; the message says what to fix."""

@@ -102,3 +102,16 @@ def test_compile_smoke(tmp_path: pathlib.Path) -> None:
     assert {"compiled bare", "eager bare"} <= set(result["results"]["deep-narrow"]["cases"])
     assert not result["failures"]
     assert result["correct"] is True
+
+
+def test_store_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_store's cases all read back what they wrote; it reports write, read and memory results."""
+    proc, result = run_quick("bench_store.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "store")
+    assert result["correct"] is True
+    write = result["results"]["write"]
+    assert {"torch.save per batch", "save_file per batch", "fh.ActivationWriter", "fh.ActivationWriter, fsync=True"} <= set(write)
+    assert all(set(c) == {"MB/s", "ratio_to_faster_plain_loop"} for c in write.values())
+    assert set(result["results"]["read"]) == {"ds[indices]", "DataLoader(shuffle=True)"}
+    assert len(result["results"]["rss"]["sizes"]) == 2 and result["results"]["rss"]["peak_max_over_min"] >= 1.0
