@@ -20,7 +20,6 @@ import os
 import pickle
 import secrets
 import struct
-import types
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, KeysView, Mapping
@@ -39,7 +38,7 @@ _PLAIN = frozenset({int, float, complex, str, bool, type(None), torch.dtype, tor
 _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 """Tensor types it reads back; other subclasses need their class imported (nested tensors excepted)."""
 _DICTS = frozenset({dict, collections.OrderedDict})
-_NO_NOTES: Mapping[str, tuple[tuple[str | None, str], ...]] = types.MappingProxyType({})
+_NO_NOTES: Mapping[str, tuple[tuple[str | None, str], ...]] = {}  # never mutated (a plain dict: dynamo traces it)
 """A Record's notes on absences, by path: ``(name or None, sentence)`` pairs."""
 _FORMAT = "funhooks.Record"
 _FORMAT_VERSION = 2
@@ -441,7 +440,7 @@ def _indexed(notes: Mapping[tuple[str, str | None], str]) -> Mapping[str, tuple[
                 "Key each note by a (str, str | None) pair."
             )
         index.setdefault(key[0], []).append((key[1], note))
-    return types.MappingProxyType({p: tuple(sorted(ns, key=lambda n: n[0] is not None)) for p, ns in index.items()})
+    return {p: tuple(sorted(ns, key=lambda n: n[0] is not None)) for p, ns in index.items()}
 
 
 def _checked(data: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:

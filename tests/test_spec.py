@@ -131,7 +131,7 @@ BAD_SPECS = [
     (lambda: fh.Hook("0", mean), "Hook: `m` is an nn.Module, got str. Pass the module to hook."),
     (
         lambda: fh.Hook(nn.Linear(1, 1), None),
-        "Hook: `fn` is a callable taking PyTorch's hook arguments, got None. "
+        "Hook: `hook_func` is a callable taking PyTorch's hook arguments, got None. "
         "Pass a function such as `lambda module, args, output: output.mean()`.",
     ),
     (lambda: fh.Hook(nn.Linear(1, 1), mean, is_forward=0), "Hook: `is_forward` is a bool, got 0. Pass True or False."),
