@@ -170,9 +170,9 @@ class PerRound:
     """A case built afresh (untimed) before its turn in every round and dropped after it
     (its ``close()`` called first, when it has one).
 
-    For a case whose mere existence changes the others' cost: ``fh.capture`` holds
-    funhooks' global dispatcher hooks while the function it returns is alive, and those
-    slow every module call in the process, the bare forward's included.
+    For a case whose mere existence could change the others' cost (older funhooks versions
+    kept global hooks installed while a capture function was alive, which slowed every
+    module call in the process): building it per turn keeps the other cases clean.
     """
 
     def __init__(self, factory: Callable[[], Callable[[], Any]]) -> None:

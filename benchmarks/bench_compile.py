@@ -7,8 +7,11 @@ The model is compiled once (``compiled = torch.compile(model)``), before any run
   compiled(x)`` and ``run.record`` (dynamo recompiles once for the active run and reuses it);
 - ``eager bare``, for scale;
 - then, apart: ``compiled fh.capture`` (``torch.compile(fh.capture(model, fh.outputs("**")))``,
-  when funhooks has ``capture``) against ``compiled bare (capture alive)``: a live capture
-  function keeps funhooks' global hooks installed, so its baseline is measured beside it.
+  when funhooks has ``capture``) against ``compiled bare (capture alive)``, measured beside it
+  (older funhooks versions kept global hooks installed while a capture function lived);
+- residue: an unrelated eager model's bare forward, timed before anything else and again
+  after the runs on the compiled model (``unrelated bare, after / before``): what the runs
+  left in the process (older funhooks versions left a global hook for good).
 
 Checked before timing, after the compiled model already ran bare (as a user would): outputs
 and stored tensors equal the eager ones (to float tolerance). A case that fails its check
@@ -80,6 +83,8 @@ def main() -> None:
         with fh.with_hooks(model, spec) as run:
             model(x)
         ref = run.record.stored()
+        other = _common.deep_narrow(depth=QUICK_DEPTH if args.quick else DEPTH).to(args.device)
+        residue = {"before": _common.time_cases({"unrelated bare": lambda: other(x)}, baseline="unrelated bare", **timing)}
         # Phase 1, nothing else alive: the compiled model runs bare first, as a user's would.
         checks: dict[str, bool] = {"compiled bare": torch.allclose(compiled(x), y_ref, atol=ATOL)}
         checks["fh.with_hooks on compiled"] = _check("fh.with_hooks on compiled", hooked, y_ref, ref, failures)
@@ -91,8 +96,11 @@ def main() -> None:
             cases["fh.with_hooks on compiled"] = hooked
         results["with_hooks"] = _common.time_cases(cases, baseline="compiled bare", **timing)
         print(_common.format_table(f"deep-narrow {len(ref)} modules, backend {backend}", results["with_hooks"]))
-        # Phase 2: a live capture function holds funhooks' global hooks, so it gets its own
-        # baseline, measured while it is alive.
+        residue["after"] = _common.time_cases({"unrelated bare": lambda: other(x)}, baseline="unrelated bare", **timing)
+        before, after = (residue[k]["unrelated bare"]["seconds"]["median"] for k in ("before", "after"))
+        results["residue"] = {"unrelated bare, after / before": after / before}
+        print(f"unrelated eager bare after the runs on the compiled model: {after / before:.3f}x its time before them")
+        # Phase 2: a live capture function gets its own baseline, measured while it is alive.
         if hasattr(fh, "capture"):
             compiled_capture = torch.compile(fh.capture(model, spec), backend=backend)
             checks["compiled fh.capture"] = _check("compiled fh.capture", lambda: compiled_capture(x), y_ref, ref, failures)
@@ -106,7 +114,9 @@ def main() -> None:
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "backend": backend, "rounds": args.rounds,
         "warmup": args.warmup, "correct": not failures, "checks": checks, "failures": failures,
-        "results": {"deep-narrow": {"modules_hooked": len(ref), "cases": {k: v for r in results.values() for k, v in r.items()}}},
+        "results": {"deep-narrow": {"modules_hooked": len(ref), "cases": {k: v for r in results.values() if isinstance(r, dict)
+                                                                          for k, v in r.items() if isinstance(v, dict)}},
+                    "residue": results["residue"]},
     })
     print(f"wrote {path}")
 

@@ -7,7 +7,7 @@ For data that is not a training loop: each batch goes through :func:`funhooks.ca
 already committed are skipped without running the model (an indexable `inputs` is not
 even read for them).
 
-Costs: those of ``capture`` (the global dispatcher hook while the loop runs) and of the
+Costs: those of ``capture`` (the hooked modules wrapped for each call) and of the
 writer; nothing is kept between batches.
 """
 

@@ -51,6 +51,18 @@ def test_an_inference_tensor_passed_through_outside_inference_mode_is_stored(dev
     assert torch.equal(run.record["0"]["output"], x) and torch.equal(run.record["1"]["output"], x)
 
 
+def test_runs_under_autocast_store_the_dtype_the_module_computed(device: torch.device) -> None:
+    """Under `torch.autocast` the stored values are the bf16 the modules produced, and the
+    gradients of a mixed-precision backward are recorded."""
+    model = _mlp(device)
+    x = torch.randn(4, 4, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16), fh.with_hooks(model, [fh.outputs("2"), fh.grads("2")]) as run:
+        y = model(x)
+        y.float().sum().backward()
+    assert run.record["2"]["output"].dtype == torch.bfloat16 and torch.equal(run.record["2"]["output"], y.detach())
+    assert run.record["2"]["grad"].dtype == torch.bfloat16
+
+
 class _Checkpointed(nn.Module):
     """A block whose body runs under activation checkpointing."""
 
