@@ -105,25 +105,27 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-_peek_interpreter = torch._C._functorch.peek_interpreter_stack
-_graph_task_id = torch._C._current_graph_task_id
+peek_transform = torch._C._functorch.peek_interpreter_stack
+"""The innermost active ``torch.func`` interpreter, or None outside transforms (a C call)."""
+graph_task_id = torch._C._current_graph_task_id
+"""The id of the backward pass running in this thread, -1 outside one (a C call)."""
 
 
 def transform_level() -> int:
     """The level of the innermost active ``torch.func`` transform; 0 outside transforms."""
-    interpreter = _peek_interpreter()
+    interpreter = peek_transform()
     return 0 if interpreter is None else interpreter.level()
 
 
 def in_backward() -> bool:
     """True while autograd runs a backward pass in this thread: a module called now is being
     recomputed (activation checkpointing), not called by the user's forward."""
-    return _graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 def backward_pass() -> int:
     """An id of the backward pass running now (-1 outside one), to group gradients by pass."""
-    return _graph_task_id()
+    return graph_task_id()
 
 
 def backward_hook(module: nn.Module, hooks: list, pre_hooks: list) -> Any:

@@ -34,7 +34,8 @@ class Attached:
         self.params: list[Any] = []
         try:
             self.forwards = forward.install(frame, plan.copy_items() if copies else plan.items)
-            self.forwards += forward.install(frame, plan.wrappers)
+            if plan.wrappers:
+                self.forwards += forward.install(frame, plan.wrappers)
             for spec, key, ref in plan.params:
                 param = ref()
                 if param is not None and param.requires_grad:

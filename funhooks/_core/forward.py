@@ -40,6 +40,9 @@ from .entries import Hooked, where
 __all__ = ["Forward", "attribute", "call", "install", "uninstall"]
 
 _ATTRIBUTE: dict[type, str] = {}
+_active = scope.active
+_peek = _torch.peek_transform
+_graph_task = _torch.graph_task_id
 _LOCK = threading.RLock()
 """Guards wrapping and unwrapping: runs entered in two threads at once share the wrappers."""
 
@@ -83,7 +86,7 @@ def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple
         for frame, hooked in users:
             if frame.level != level:
                 raise _escape(frame, hooked)
-        replay = _torch.in_backward()
+        replay = _graph_task() != -1
     if len(users) == 1 and users[0][1].plain:  # the common case: observers only
         frame, hooked = users[0]
         output = inner(*args, **kwargs)
@@ -135,7 +138,8 @@ class Forward:
     between runs it holds the module only weakly.
     """
 
-    __slots__ = ("__weakref__", "attr", "inner", "module", "reducer", "ref", "route", "saved", "users")
+    __slots__ = ("__weakref__", "attr", "inner", "module", "reducer", "reducing", "ref", "route", "saved", "solo",
+                 "users")
 
     def __init__(self, module: nn.Module, attr: str, route: Route = call) -> None:
         self.ref = weakref.ref(module)
@@ -144,24 +148,31 @@ class Forward:
         self.module: Any = None  # the module, while installed
         self.inner: Any = None  # what `module.<attr>` was, while installed
         self.saved: Any = None  # the instance attribute it replaced, if any
-        self.reducer: Any = None  # the instance `__reduce_ex__` it set, if any
+        self.reducer = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
+        self.reducing = False  # whether it is set now
         self.users: Users = ()
+        # the common case, read by one load: `(frame, observers)` of the one user, when it only
+        # observes and was entered outside transforms; else None
+        self.solo: tuple[Any, tuple] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, inner = self.module, self.inner
         if inner is None:  # unwrapped since the caller looked it up: call what is there now
             return getattr(self.ref(), self.attr)(*args, **kwargs)
-        active = scope.active()
-        if active:
-            users = self.users
-            if len(users) == 1:
-                if users[0][0] in active:
-                    return self.route(module, inner, users, args, kwargs)
-            else:
-                mine = tuple([u for u in users if u[0] in active])
-                if mine:
-                    return self.route(module, inner, mine, args, kwargs)
-        return inner(*args, **kwargs)
+        active = _active()
+        if not active:
+            return inner(*args, **kwargs)
+        solo = self.solo
+        if solo is not None and solo[0] in active and _peek() is None:
+            # the common case, inlined from `call`: one run, observers only, no transform
+            output = inner(*args, **kwargs)
+            if _graph_task() == -1:  # not a recomputation during backward
+                frame = solo[0]
+                for entry in solo[1]:
+                    entry(frame, module, args, kwargs, output)
+            return output
+        mine = tuple([u for u in self.users if u[0] in active])
+        return self.route(module, inner, mine, args, kwargs) if mine else inner(*args, **kwargs)
 
     # -- looking like the forward it wraps ------------------------------------------------
 
@@ -193,10 +204,18 @@ class Forward:
         reduced = type(module).__reduce_ex__(module, protocol)
         if len(reduced) < 3 or not isinstance(reduced[2], dict):
             return reduced
-        state = {k: v for k, v in reduced[2].items() if v is not self and v is not self.reducer}
+        state = {k: v for k, v in reduced[2].items() if v is not self and not (k == "__reduce_ex__" and self.reducing)}
         if self.saved is not None:
             state[self.attr] = self.saved
         return (reduced[0], reduced[1], state, *reduced[3:])
+
+
+def _solo(users: Users) -> tuple[Any, tuple] | None:
+    """``Forward.solo`` for `users`."""
+    if len(users) != 1:
+        return None
+    frame, hooked = users[0]
+    return (frame, hooked.obs) if hooked.plain and not frame.level else None
 
 
 def install(frame: Any, items: list[tuple[weakref.ref, Forward, Any]]) -> list[Forward]:
@@ -213,16 +232,19 @@ def install(frame: Any, items: list[tuple[weakref.ref, Forward, Any]]) -> list[F
                 d = module.__dict__
                 current = d.get(fwd.attr)
                 if type(current) is Forward and current.module is module:  # wrapped by a run already
+                    current.solo = None
                     current.users = (*current.users, (frame, hooked))
                     installed.append(current)
                     continue
                 if fwd.inner is not None:  # still in use under someone else's forward: never reuse
                     fwd = Forward(module, fwd.attr, fwd.route)
                 fwd.saved, fwd.module, fwd.users = current, module, ((frame, hooked),)
+                fwd.solo = (frame, hooked.obs) if hooked.plain and not frame.level else None
                 fwd.inner = getattr(module, fwd.attr)
                 d[fwd.attr] = fwd
                 if "__reduce_ex__" not in d:
-                    fwd.reducer = d["__reduce_ex__"] = fwd.reduce_ex
+                    d["__reduce_ex__"] = fwd.reducer
+                    fwd.reducing = True
                 installed.append(fwd)
         except BaseException:  # interrupted half-way: leave no module wrapped
             _uninstall(frame, installed)
@@ -241,13 +263,20 @@ def uninstall(frame: Any, installed: list[Forward]) -> None:
 
 def _uninstall(frame: Any, installed: list[Forward]) -> None:
     for fwd in reversed(installed):
-        fwd.users = users = tuple([u for u in fwd.users if u[0] is not frame])
-        if users:
-            continue
+        users = fwd.users
+        fwd.solo = None
+        if len(users) == 1 and users[0][0] is frame:
+            fwd.users = ()
+        else:
+            fwd.users = users = tuple([u for u in users if u[0] is not frame])
+            if users:
+                fwd.solo = _solo(users)
+                continue
         d = fwd.module.__dict__
-        if fwd.reducer is not None and d.get("__reduce_ex__") is fwd.reducer:
-            del d["__reduce_ex__"]
-        fwd.reducer = None
+        if fwd.reducing:
+            if d.get("__reduce_ex__") is fwd.reducer:
+                del d["__reduce_ex__"]
+            fwd.reducing = False
         if d.get(fwd.attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
             continue
         if fwd.saved is None:

@@ -39,7 +39,10 @@ class Frame:
         self.buffer: list[tuple[Any, Any, Any]] = []
         self.grad_hooks: list[Any] = []
         self.late: set[tuple[str, str]] = set()
-        self.level = _torch.transform_level() if level is None else level
+        if level is None:
+            interpreter = _torch.peek_transform()
+            level = 0 if interpreter is None else interpreter.level()
+        self.level = level
         self.open = True
 
     def close(self) -> None:
@@ -85,6 +88,20 @@ def _notes(frame: Frame, data: dict[str, dict[str, Any]], waiting: set[tuple[str
     return notes
 
 
+def _add(data: dict[str, dict[str, Any]], key: tuple[str, str], value: Any) -> bool:
+    """Add one call's value; True when the (path, name) now holds a list of several."""
+    node = data.setdefault(key[0], {})
+    calls = node.get(key[1])
+    if calls is None:
+        node[key[1]] = (value,)
+        return False
+    if type(calls) is tuple:
+        node[key[1]] = [*calls, value]
+    else:
+        calls.append(value)
+    return True
+
+
 def _build(frame: Frame) -> Record:
     """Group the buffer into a Record, checking that no stored tensor changed since."""
     plan, caller = frame.plan, frame.caller
@@ -98,33 +115,35 @@ def _build(frame: Frame) -> Record:
                     raise _stale(caller, key, plan.spec_of.get(key))
             elif any(t._version != v for t, v in check):
                 raise _stale(caller, key, plan.spec_of.get(key))
-        if type(value) is GradSlot:
+        if type(value) is GradSlot:  # one value per backward pass, maybe none
             values = value.values()
             if not values:
                 waiting.add(key)
-                continue
-        else:
-            values = (value,)
+            for value in values:
+                several |= _add(data, key, value)
+            continue
         path, name = key
         node = data.get(path)
         if node is None:
-            node = data[path] = {}
+            data[path] = {name: (value,)}
+            continue
         calls = node.get(name)
         if calls is None:
-            node[name] = values if type(values) is tuple else tuple(values)
+            node[name] = (value,)
         elif type(calls) is tuple:
-            node[name], several = [*calls, *values], True
+            node[name], several = [*calls, value], True
         else:
-            calls.extend(values)
+            calls.append(value)
     if several:
         for node in data.values():
             for name, calls in node.items():
                 if type(calls) is list:
                     node[name] = tuple(calls)
     rank = plan.name_rank
-    for path, node in data.items():  # names in spec order, whatever order the entries ran in
-        if len(node) > 1 and any(rank[a] > rank[b] for a, b in zip(node, list(node)[1:])):
-            data[path] = {name: node[name] for name in sorted(node, key=rank.__getitem__)}
+    if len(rank) > 1:  # names in spec order, whatever order the entries ran in
+        for path, node in data.items():
+            if len(node) > 1 and any(rank[a] > rank[b] for a, b in zip(node, list(node)[1:])):
+                data[path] = {name: node[name] for name in sorted(node, key=rank.__getitem__)}
     paths = list(data)
     if paths != plan.paths:  # not every module, or not in module order: sort if needed
         order = plan.order

@@ -68,6 +68,7 @@ class Compiled:
     hooked)`` each (the hooked entries store copies), and the recorders compiled for them."""
 
     __slots__ = ("caller", "items", "recorders")
+    plain = False  # never the observers-only fast path of a wrapped forward
 
     def __init__(self, items: list[tuple[weakref.ref, str, Any]], caller: str) -> None:
         self.items, self.caller = items, caller
