@@ -86,6 +86,52 @@ def snapshot(value: Any) -> tuple[Any, Any]:
         return value, tuple([(t, t._version) for t in _torch.tensor_leaves(value) if not t.is_inference()])
 
 
+def _unchecked(value: Any) -> tuple[Any, None]:
+    """For entries that store copies (inside compiled graphs and transforms): nothing can
+    change a private copy, and a version read inside a dynamo trace becomes an op."""
+    return value, None
+
+
+def _copy(t: Tensor) -> Tensor:
+    return t.clone()
+
+
+def _copy_detached(t: Tensor) -> Tensor:
+    return t.detach().clone()
+
+
+def _copy_cpu(t: Tensor) -> Tensor:
+    return t.cpu().clone()
+
+
+def _copy_detached_cpu(t: Tensor) -> Tensor:
+    return t.detach().cpu().clone()
+
+
+_COPIERS = {(False, False): _copy, (True, False): _copy_detached, (False, True): _copy_cpu,
+            (True, True): _copy_detached_cpu}
+"""The copy a storing spec makes inside compiled graphs and transforms, by (detach, cpu):
+plain module functions, so a dynamo trace guards one function, not a chain of closures."""
+
+
+def _copies_of(spec: Spec, key: Key, pre: bool) -> Any:
+    """A lean entry storing copies of the inputs (`pre`) or outputs, for `outputs`/`inputs`
+    specs inside compiled graphs and transforms (what a dynamo trace reads is what it guards)."""
+    copy = _COPIERS[spec.detach, spec.cpu]
+    if pre:
+
+        def store_input_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
+            frame.buffer.append((key, _torch.map_tensors(copy, (args, kwargs)), None))
+
+        return store_input_copy
+
+    def store_output_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        value = copy(output) if isinstance(output, Tensor) else _torch.map_tensors(copy, output)
+        frame.buffer.append((key, value, None))
+
+    return store_output_copy
+
+
 def _gather(t: Tensor) -> Tensor:
     dist = torch.distributed
     if t.ndim == 0:
@@ -186,15 +232,18 @@ PreEntry = Callable[["Frame", nn.Module, tuple, dict], Any]
 PostEntry = Callable[["Frame", nn.Module, tuple, dict, Any], Any]
 
 
-def pre_entry(spec: Spec, key: Key) -> PreEntry:
-    """The entry of a ``forward_pre`` spec: store the inputs, observe, or edit the args."""
-    prep, path = _preparer(spec), key[0]
+def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
+    """The entry of a ``forward_pre`` spec: store the inputs, observe, or edit the args.
+    `copies`: the spec stores copies, with no version to check."""
+    prep, path, store = _preparer(spec), key[0], _unchecked if copies else snapshot
+    if copies and spec.role == "input" and not spec.gather:
+        return _copies_of(spec, key, pre=True)
     if spec.role == "input":
 
         def store_input(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
             value = args if prep is None else prep(args)
             named = (kwargs if prep is None else prep(kwargs)) if kwargs else {}
-            frame.buffer.append((key, *snapshot((value, named))))
+            frame.buffer.append((key, *store((value, named))))
 
         return store_input
 
@@ -210,17 +259,19 @@ def pre_entry(spec: Spec, key: Key) -> PreEntry:
 
     def observe_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
         value = _call(frame, spec, path, (module, args if prep is None else prep(args)))
-        frame.buffer.append((key, *snapshot(value)))
+        frame.buffer.append((key, *store(value)))
 
     return observe_args
 
 
-def post_entry(spec: Spec, key: Key) -> PostEntry:
+def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     """The entry of a ``forward`` spec (store the output, observe, edit it) or of a ``grads``
-    spec (watch the output's gradient)."""
-    prep, path = _preparer(spec), key[0]
+    spec (watch the output's gradient). `copies`: as for :func:`pre_entry`."""
+    prep, path, store = _preparer(spec), key[0], _unchecked if copies else snapshot
+    if copies and spec.role == "output" and not spec.gather:
+        return _copies_of(spec, key, pre=False)
     if spec.role == "output":
-        if spec.detach and not (spec.cpu or spec.gather or spec.clone):
+        if spec.detach and not (spec.cpu or spec.gather or spec.clone or copies):
 
             def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
                 if isinstance(output, Tensor):
@@ -236,7 +287,7 @@ def post_entry(spec: Spec, key: Key) -> PostEntry:
             return store_output
 
         def store_any(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            frame.buffer.append((key, *snapshot(output if prep is None else prep(output))))
+            frame.buffer.append((key, *store(output if prep is None else prep(output))))
 
         return store_any
 
@@ -277,7 +328,7 @@ def post_entry(spec: Spec, key: Key) -> PostEntry:
         if prep is not None:
             args, output = prep(args), prep(output)
         value = _call(frame, spec, path, (module, args, output))
-        frame.buffer.append((key, *snapshot(value)))
+        frame.buffer.append((key, *store(value)))
 
     return observe_output
 
@@ -355,16 +406,17 @@ class Hooked:
 
     __slots__ = ("backward", "backward_pre", "edits", "grads", "obs", "path", "plain", "pre_edits", "pre_obs")
 
-    def __init__(self, path: str, specs: list[tuple[Spec, Key]]) -> None:
+    def __init__(self, path: str, specs: list[tuple[Spec, Key]], *, copies: bool = False) -> None:
+        """Args: `copies`: the specs store copies (inside compiled graphs and transforms)."""
         self.path = path
         pre_edits, pre_obs, edits, grads, obs, backward, backward_pre = [], [], [], [], [], [], []
         for spec, key in specs:
             if spec.event == "forward_pre":
-                (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key))
+                (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key, copies))
             elif spec.role in ("grad", "grad_output"):
-                grads.append(post_entry(spec, key))
+                grads.append(post_entry(spec, key, copies))
             elif spec.event == "forward":
-                (edits if spec.is_edit else obs).append(post_entry(spec, key))
+                (edits if spec.is_edit else obs).append(post_entry(spec, key, copies))
             elif spec.event == "backward":
                 backward.append((spec.is_edit, backward_hook(spec, key)))
             else:

@@ -222,7 +222,7 @@ class Plan:
             if wrapper is None:
                 self.items.append((ref, forward.Forward(module, attr), Hooked(path, entries)))
             else:  # recorded by the wrapper's compiled recorder, storing copies
-                inside.setdefault(id(wrapper), (wrapper, []))[1].append((ref, attr, Hooked(path, _copies(entries))))
+                inside.setdefault(id(wrapper), (wrapper, []))[1].append((ref, attr, Hooked(path, _copies(entries), copies=True)))
         self.wrappers = [(weakref.ref(w), forward.Forward(w, "forward", trace.compiled_call), trace.Compiled(group, caller))
                          for w, group in inside.values()]
         self._copy_items: list | None = None
@@ -259,14 +259,14 @@ class Plan:
     def copy_items(self) -> list[tuple[weakref.ref, forward.Forward, Hooked]]:
         """The eager items with entries that store copies (runs inside ``torch.func`` transforms)."""
         if self._copy_items is None:
-            self._copy_items = [(ref, forward.Forward(module, fwd.attr), Hooked(h.path, _copies(self._hooked[id(module)][2])))
+            self._copy_items = [(ref, forward.Forward(module, fwd.attr), Hooked(h.path, _copies(self._hooked[id(module)][2]), copies=True))
                                 for ref, fwd, h in self.items if (module := ref()) is not None]
         return self._copy_items
 
     def traced(self) -> list[tuple[weakref.ref, str, Hooked]]:
         """Every hooked module with copy-storing entries, for recording inside a trace."""
         if self._traced is None:
-            self._traced = [(ref, forward.attribute(type(ref())), Hooked(p, _copies(e)))
+            self._traced = [(ref, forward.attribute(type(ref())), Hooked(p, _copies(e), copies=True))
                             for p, ref, e in self._hooked.values() if ref() is not None]
         return self._traced
 
