@@ -24,6 +24,7 @@ launch cost, and no copy is kept. The state holds per step one ``(modules, 3)`` 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -106,6 +107,64 @@ def _check_every(caller: str) -> Callable[[Any, Any, Any], None]:
     return check
 
 
+def _check_bool(caller: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise ReducerError(f"{caller}: `{attribute.name}` is a bool, got {value!r}. Pass True or False.")
+
+    return check
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _check_hook(instance: Any, attribute: Any, hook: Any) -> None:
+    if not callable(hook):
+        raise ReducerError(
+            f"HookCallback: `hook` is a callable `hook(module, input, output)`, got {hook!r}. Pass a function."
+        )
+
+
+def _check_name(instance: Any, attribute: Any, name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ReducerError(
+            f"HookCallback: `name` is a non-empty str or None, got {name!r}. "
+            "Pass the record name, or None for the hook's __name__."
+        )
+
+
+def _check_near_zero(instance: Any, attribute: Any, near_zero: Any) -> None:
+    if not _is_number(near_zero):
+        raise ReducerError(
+            f"ActivationStats: `near_zero` is a number (values `<= near_zero` count as near zero), got "
+            f"{near_zero!r}. Pass e.g. near_zero={NEAR_ZERO} (fastai's)."
+        )
+
+
+def _check_hist_bins(instance: Any, attribute: Any, bins: Any) -> None:
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
+        raise ReducerError(
+            f"ActivationStats: `hist_bins` is a positive int, got {bins!r}. "
+            f"Pass the number of histogram bins, e.g. hist_bins={HIST_BINS} (fastai's)."
+        )
+
+
+def _as_pair(value: Any) -> Any:
+    """A list range becomes a tuple; anything else is left for the validator to judge."""
+    return tuple(value) if isinstance(value, (tuple, list)) else value
+
+
+def _check_hist_range(instance: Any, attribute: Any, bounds: Any) -> None:
+    if not (isinstance(bounds, tuple) and len(bounds) == 2 and all(_is_number(b) and math.isfinite(b) for b in bounds)
+            and bounds[0] < bounds[1]):
+        low, high = (int(b) if float(b).is_integer() else b for b in HIST_RANGE)
+        raise ReducerError(
+            f"ActivationStats: `hist_range` is a pair (low, high) of finite numbers with low < high, got {bounds!r}. "
+            f"Pass e.g. hist_range={(low, high)!r} (fastai's)."
+        )
+
+
 def _records(every: int | None, iteration: int, training: bool) -> bool:
     return training and (every is None or iteration % every == 0)
 
@@ -164,7 +223,8 @@ class HookCallback:
     module order (fastai's ``hooks.stored``; a module called twice gives its last call).
 
     Raises:
-        ReducerError: for ``every <= 0``.
+        ReducerError: at construction, for a `hook` that is not callable, ``every <= 0``, a
+            flag that is not a bool or an empty `name`.
 
     Example:
         >>> import torch, funhooks as fh
@@ -178,14 +238,14 @@ class HookCallback:
         ([(8, 4), (8, 1)], [(8, 4), (8, 1)], [(8, 4), (8, 1)])
     """
 
-    hook: Callable[..., Any]
+    hook: Callable[..., Any] = attrs.field(validator=_check_hook)
     modules: Selector | None = attrs.field(default=None, converter=_to_selector)
     every: int | None = attrs.field(default=None, validator=_check_every("HookCallback"))
-    is_forward: bool = True
-    detach: bool = True
-    cpu: bool = True
-    include_paramless: bool = False
-    name: str | None = attrs.field(default=None, kw_only=True)
+    is_forward: bool = attrs.field(default=True, validator=_check_bool("HookCallback"))
+    detach: bool = attrs.field(default=True, validator=_check_bool("HookCallback"))
+    cpu: bool = attrs.field(default=True, validator=_check_bool("HookCallback"))
+    include_paramless: bool = attrs.field(default=False, validator=_check_bool("HookCallback"))
+    name: str | None = attrs.field(default=None, kw_only=True, validator=_check_name)
 
     @property
     def record_name(self) -> str:
@@ -237,9 +297,11 @@ class _Snapshot:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not isinstance(output, Tensor):
-            raise TypeError(
-                f"ActivationStats: activation statistics need a tensor output, got {type(output).__name__} from "
-                f"{type(module).__name__}. Pass `modules=` selecting modules with tensor outputs."
+            kind = type(module).__name__
+            raise ReducerError(
+                f"ActivationStats: statistics need a tensor output, got {type(output).__name__} from a {kind} module. "
+                f"Select modules with tensor outputs with `modules=`, e.g. "
+                f"`modules=fh.select(fh.stats.LeafModules()) & ~fh.select({kind})`."
             )
         o = output.detach()
         n = o.numel()
@@ -355,7 +417,11 @@ class ActivationStats:
     counts, means and variances (Chan's formula), near-zero counts and histograms.
 
     Raises:
-        ReducerError: for ``every <= 0``.
+        ReducerError: at construction, for ``every <= 0``, ``hist_bins <= 0``, a `hist_range`
+            that is not a pair ``low < high`` of finite numbers, a `near_zero` that is not a
+            number, or a flag that is not a bool; in the forward pass (from the hook, so
+            possibly wrapped in a :class:`~funhooks.HookError`), for a selected module whose
+            output is not a tensor (an ``nn.LSTM``'s tuple): select others with `modules=`.
 
     Example:
         >>> import torch, funhooks as fh
@@ -372,13 +438,14 @@ class ActivationStats:
         (3, torch.Size([40, 3]))
     """
 
-    with_hist: bool = False
+    with_hist: bool = attrs.field(default=False, validator=_check_bool("ActivationStats"))
     modules: Selector | None = attrs.field(default=None, converter=_to_selector)
     every: int | None = attrs.field(default=None, validator=_check_every("ActivationStats"))
-    include_paramless: bool = False
-    near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True)
-    hist_bins: int = attrs.field(default=HIST_BINS, kw_only=True)
-    hist_range: tuple[float, float] = attrs.field(default=HIST_RANGE, kw_only=True, converter=tuple)
+    include_paramless: bool = attrs.field(default=False, validator=_check_bool("ActivationStats"))
+    near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True, validator=_check_near_zero)
+    hist_bins: int = attrs.field(default=HIST_BINS, kw_only=True, validator=_check_hist_bins)
+    hist_range: tuple[float, float] = attrs.field(default=HIST_RANGE, kw_only=True, converter=_as_pair,
+                                                  validator=_check_hist_range)
     _snapshot: _Snapshot = attrs.field(init=False, repr=False, eq=False)
     record_name: str = attrs.field(init=False, repr=False, eq=False)
     """The name its values are stored under in each Step's record."""

@@ -228,12 +228,8 @@ def test_layer_stats_out_of_range_says_how_many_modules() -> None:
         res.hist(0)
 
 
-def test_tuple_outputs_and_missing_records_are_explained() -> None:
-    """A module with a tuple output, or steps run without the reducer's specs, say what to do."""
-    lstm = nn.LSTM(3, 2, batch_first=True)
-    with pytest.raises(fh.HookError, match=r"activation statistics need a tensor output, got tuple from LSTM"):
-        with fh.with_hooks(lstm, fh.ActivationStats(modules="").specs):
-            lstm(torch.randn(1, 4, 3))
+def test_missing_records_are_explained() -> None:
+    """Steps run without the reducer's specs say what to do."""
     model = _mlp()
     steps = fh.train(model, _batches(1), MSE, _frozen_opt(model))
     with pytest.raises(fh.ReducerError, match=r"holds the records of the reducer's specs, got a Step whose record"):
@@ -301,3 +297,102 @@ def test_example_script_runs(tmp_path: pathlib.Path) -> None:
                          check=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""}).stdout
     assert "layer" in out
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["color_dim.png", "layer_stats.png"]
+
+
+# -- arguments are checked at construction (issue 11) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hist_bins": 0}, "ActivationStats: `hist_bins` is a positive int, got 0. "
+                           "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's)."),
+        ({"hist_bins": 2.5}, "ActivationStats: `hist_bins` is a positive int, got 2.5. "
+                             "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's)."),
+        ({"hist_bins": True}, "ActivationStats: `hist_bins` is a positive int, got True. "
+                              "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's)."),
+        ({"hist_range": 3}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with low < high, "
+                            "got 3. Pass e.g. hist_range=(0, 10) (fastai's)."),
+        ({"hist_range": (5, 5)}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                 "low < high, got (5, 5). Pass e.g. hist_range=(0, 10) (fastai's)."),
+        ({"hist_range": (0, 1, 2)}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                    "low < high, got (0, 1, 2). Pass e.g. hist_range=(0, 10) (fastai's)."),
+        ({"hist_range": (0, math.inf)}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                        "low < high, got (0, inf). Pass e.g. hist_range=(0, 10) (fastai's)."),
+        ({"hist_range": "0-10"}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                 "low < high, got '0-10'. Pass e.g. hist_range=(0, 10) (fastai's)."),
+        ({"near_zero": "0.05"}, "ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
+                                "zero), got '0.05'. Pass e.g. near_zero=0.05 (fastai's)."),
+        ({"near_zero": math.nan}, "ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
+                                  "zero), got nan. Pass e.g. near_zero=0.05 (fastai's)."),
+        ({"near_zero": None}, "ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
+                              "zero), got None. Pass e.g. near_zero=0.05 (fastai's)."),
+        ({"every": 0}, "ActivationStats: `every` is a positive int or None, got 0. "
+                       "Pass every=1 (or None) to record every train step, every=k for one in k."),
+        ({"with_hist": "yes"}, "ActivationStats: `with_hist` is a bool, got 'yes'. Pass True or False."),
+        ({"include_paramless": 1}, "ActivationStats: `include_paramless` is a bool, got 1. Pass True or False."),
+    ],
+)
+def test_activation_stats_arguments_are_checked(kwargs: dict, message: str) -> None:
+    """A bad ActivationStats argument is a one-line ReducerError naming it, at construction."""
+    with pytest.raises(fh.ReducerError) as err:
+        fh.ActivationStats(**kwargs)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((3,), {}, "HookCallback: `hook` is a callable `hook(module, input, output)`, got 3. Pass a function."),
+        ((print,), {"every": 0}, "HookCallback: `every` is a positive int or None, got 0. "
+                                 "Pass every=1 (or None) to record every train step, every=k for one in k."),
+        ((print,), {"is_forward": "backward"}, "HookCallback: `is_forward` is a bool, got 'backward'. "
+                                               "Pass True or False."),
+        ((print,), {"detach": None}, "HookCallback: `detach` is a bool, got None. Pass True or False."),
+        ((print,), {"cpu": 0}, "HookCallback: `cpu` is a bool, got 0. Pass True or False."),
+        ((print,), {"include_paramless": "no"}, "HookCallback: `include_paramless` is a bool, got 'no'. "
+                                                "Pass True or False."),
+        ((print,), {"name": ""}, "HookCallback: `name` is a non-empty str or None, got ''. "
+                                 "Pass the record name, or None for the hook's __name__."),
+    ],
+)
+def test_hook_callback_arguments_are_checked(args: tuple, kwargs: dict, message: str) -> None:
+    """A bad HookCallback argument is a one-line ReducerError naming it, at construction."""
+    with pytest.raises(fh.ReducerError) as err:
+        fh.HookCallback(*args, **kwargs)
+    assert str(err.value) == message
+
+
+def test_good_arguments_are_kept() -> None:
+    """Numbers of any real kind are accepted for the thresholds; a list range becomes a tuple."""
+    stats = fh.ActivationStats(near_zero=0, hist_bins=8, hist_range=[-1, 1.5])
+    assert (stats.near_zero, stats.hist_bins, stats.hist_range) == (0, 8, (-1, 1.5))
+
+
+LSTM_MESSAGE = (
+    "ActivationStats: statistics need a tensor output, got tuple from a LSTM module. Select modules with tensor "
+    "outputs with `modules=`, e.g. `modules=fh.select(fh.stats.LeafModules()) & ~fh.select(LSTM)`."
+)
+
+
+class Tagger(nn.Module):
+    """An LSTM (tuple output) followed by a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_non_tensor_output_says_which_modules_to_select() -> None:
+    """The default spec meeting an LSTM raises a ReducerError naming the module and output types
+    and the `modules=` fix; the fix it suggests works."""
+    model = Tagger()
+    batches = [(torch.randn(2, 5, 3), torch.randn(2, 5, 2))]
+    with pytest.raises((fh.ReducerError, fh.HookError)) as err:
+        fh.fit(model, batches, MSE, _frozen_opt(model), fh.ActivationStats())
+    assert LSTM_MESSAGE in str(err.value)
+    fixed = fh.ActivationStats(modules=fh.select(fhstats.LeafModules()) & ~fh.select(nn.LSTM))
+    assert fh.fit(model, batches, MSE, _frozen_opt(model), fixed).paths == ("head",)
