@@ -23,9 +23,10 @@ launch cost, and no copy is kept. The state holds per step one ``(modules, 3)`` 
 
 from __future__ import annotations
 
+import heapq
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -309,16 +310,17 @@ class _Snapshot:
             return o.clone()
         x = o.float()
         var, mean = torch.var_mean(x, correction=0)
-        row = torch.stack((mean, var * n, (x <= self.near_zero).sum().double()))
+        row = torch.stack((mean, (var * n / (n - 1)).sqrt(), (x <= self.near_zero).sum().double()))
         hist = x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None
         return (n, row, hist)
 
 
 def _row_moments(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean and sum of squared deviations (``M2``) of every row of `x`, two-pass
-    (``var_mean(x, dim=1)`` is many times slower on CPU for short wide rows)."""
+    """Mean and unbiased std of every row of `x`, two-pass
+    (``std_mean(x, dim=1)`` is many times slower on CPU for short wide rows)."""
     mean = x.mean(1)
-    return mean, torch.linalg.vector_norm(x - mean.unsqueeze(1), dim=1).square_()
+    m2 = torch.linalg.vector_norm(x - mean.unsqueeze(1), dim=1).square_()
+    return mean, m2.div_(x.shape[1] - 1).sqrt_()
 
 
 def _batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
@@ -329,10 +331,11 @@ def _batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
 
 
 class _Entry(NamedTuple):
-    """One recorded step: module paths and sizes (module order), and per-row statistics.
+    """One recorded step: the paths of the modules that ran (module order), their output
+    sizes, and per-row statistics.
 
-    ``rows[order[i]]`` is ``(mean, M2, near_zero count)`` of module ``i`` (``M2``: the sum of
-    squared deviations from the mean, so ``var = M2 / (n - 1)``).
+    ``rows[order[i]]`` is ``(mean, std, near-zero count)`` of module ``paths[i]``, and
+    ``hist[order[i]]`` its histogram. A module that did not run on the step is not here.
     """
 
     iteration: int
@@ -359,8 +362,8 @@ def _reduce_step(values: list[Any], snap: _Snapshot) -> tuple[tuple[int, ...], T
             x = torch.stack([values[i] for i in members]).flatten(1)
             if x.dtype != torch.float32:
                 x = x.float()
-            mean, m2 = _row_moments(x)
-            pieces.append(torch.stack((mean, m2, x.le(snap.near_zero).sum(1)), 1))
+            mean, std = _row_moments(x)
+            pieces.append(torch.stack((mean, std, x.le(snap.near_zero).sum(1)), 1))
             if snap.with_hist:
                 hists.append(_batched_hist(x, snap.hist_bins, *snap.hist_range))
         for i in members:
@@ -371,6 +374,50 @@ def _reduce_step(values: list[Any], snap: _Snapshot) -> tuple[tuple[int, ...], T
     return tuple(order), rows, hist
 
 
+def _empty_entry(iteration: int, snap: _Snapshot) -> _Entry:
+    """A recorded step on which no selected module ran."""
+    hist = torch.zeros(0, snap.hist_bins) if snap.with_hist else None
+    return _Entry(iteration, (), (), (), torch.zeros(0, 3, dtype=torch.float64), hist)
+
+
+def _path_key(path: str) -> tuple:
+    """A stand-in for module order between two paths no step orders: numbered parts by number."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split("."))
+
+
+def _module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    """Every path of `orders` once, in module order.
+
+    Each of `orders` lists some paths in module order (the modules that ran on one step), so
+    together they say which of two paths comes first wherever a step ran both; paths no step
+    orders (never run together) are put by :func:`_path_key`. The answer depends on the set
+    of orders only, not on their sequence, so merging states in any order gives the same.
+    """
+    later: dict[str, set[str]] = {}
+    for seq in set(orders):
+        for p in seq:
+            later.setdefault(p, set())
+        for a, b in zip(seq, seq[1:]):
+            later[a].add(b)
+    waiting = dict.fromkeys(later, 0)
+    for nexts in later.values():
+        for b in nexts:
+            waiting[b] += 1
+    ready = [(_path_key(p), p) for p, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    out: list[str] = []
+    while ready:
+        _, p = heapq.heappop(ready)
+        out.append(p)
+        for b in later[p]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                heapq.heappush(ready, (_path_key(b), b))
+    if len(out) < len(later):  # contradicting orders (states of different models): the rest by name
+        out += sorted(set(later) - set(out), key=_path_key)
+    return tuple(out)
+
+
 def _in_module_order(entry: _Entry) -> _Entry:
     if entry.order == tuple(range(len(entry.order))):
         return entry
@@ -379,30 +426,48 @@ def _in_module_order(entry: _Entry) -> _Entry:
     return entry._replace(order=tuple(range(len(entry.order))), rows=entry.rows.index_select(0, index), hist=hist)
 
 
+def _spread(entry: _Entry, paths: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`entry`'s sizes, rows and histograms (module order) placed at the positions of `paths`;
+    zeros where its module did not run."""
+    where = torch.tensor([paths.index(p) for p in entry.paths], dtype=torch.long, device=device)
+    ns = torch.zeros(len(paths), dtype=torch.float64, device=device)
+    ns.index_copy_(0, where, torch.tensor(entry.ns, dtype=torch.float64, device=device))
+    rows = torch.zeros(len(paths), 3, dtype=torch.float64, device=device)
+    rows.index_copy_(0, where, entry.rows.to(device, torch.float64))
+    if entry.hist is None:
+        return ns, rows, None
+    hist = torch.zeros(len(paths), entry.hist.shape[1], dtype=entry.hist.dtype, device=device)
+    return ns, rows, hist.index_copy_(0, where, entry.hist.to(device))
+
+
 def _combine(a: _Entry, b: _Entry) -> _Entry:
-    """One step seen in two parts (two ranks): Chan's exact merge of mean and variance."""
-    if a.paths != b.paths:
-        raise ReducerError(
-            f"ActivationStats.merge: two states of iteration {a.iteration} combine when they cover the same modules, "
-            f"got {list(a.paths)} and {list(b.paths)}. Merge states folded with the same reducer and model."
-        )
+    """One step seen in two parts (two ranks), by module path: a module that ran in one part
+    keeps that part's statistics; one that ran in both gets those of the joint batch (Chan's
+    exact merge of means and squared deviations, written symmetrically: combining a with b
+    gives the very floats of combining b with a)."""
     a, b = _in_module_order(a), _in_module_order(b)
-    ra, rb = a.rows.double(), b.rows.double()
-    na = torch.tensor(a.ns, dtype=torch.float64, device=ra.device)
-    nb = torch.tensor(b.ns, dtype=torch.float64, device=ra.device)
+    paths = _module_order([a.paths, b.paths])
+    device = a.rows.device
+    na, ra, ha = _spread(a, paths, device)
+    nb, rb, hb = _spread(b, paths, device)
     n = na + nb
+    m2a = torch.where(na > 1, ra[:, 1].square() * (na - 1), 0.0)
+    m2b = torch.where(nb > 1, rb[:, 1].square() * (nb - 1), 0.0)
+    mean = (na * ra[:, 0] + nb * rb[:, 0]) / n
     delta = rb[:, 0] - ra[:, 0]
-    mean = ra[:, 0] + delta * nb / n
-    m2 = ra[:, 1] + rb[:, 1] + delta * delta * na * nb / n
-    rows = torch.stack((mean, m2, ra[:, 2] + rb[:, 2]), 1)
-    hist = None if a.hist is None else a.hist + b.hist.to(a.hist.device)
-    return a._replace(ns=tuple(x + y for x, y in zip(a.ns, b.ns)), rows=rows, hist=hist)
+    m2 = m2a + m2b + delta * delta * (na * nb / n)
+    std = torch.where(n > 1, (m2 / (n - 1)).sqrt(), math.nan)
+    both = torch.stack((mean, std, ra[:, 2] + rb[:, 2]), 1)
+    rows = torch.where((na == 0)[:, None], rb, torch.where((nb == 0)[:, None], ra, both))
+    hist = None if ha is None else ha + hb
+    ns = tuple(sum(e.ns[e.paths.index(p)] for e in (a, b) if p in e.paths) for p in paths)
+    return _Entry(a.iteration, paths, ns, tuple(range(len(paths))), rows, hist)
 
 
 @attrs.frozen
 class ActivationStats:
     """fastai's ``ActivationStats`` as a reducer: mean, std and near-zero share (and
-    histograms) of each module's output, per recorded train step.
+    histograms) of each module's output, per recorded train step, keyed by module path.
 
     Args:
         with_hist: also keep ``histc(hist_bins, *hist_range)`` of each output.
@@ -412,16 +477,22 @@ class ActivationStats:
         near_zero: the near-zero threshold (:data:`NEAR_ZERO`, fastai's).
         hist_bins, hist_range: the histogram (:data:`HIST_BINS`, :data:`HIST_RANGE`, fastai's).
 
-    Result: an :class:`ActivationStatsResult`. States merge exactly (``merge``): disjoint
-    chunks of steps concatenate, and two parts of one step (two ranks) combine their
-    counts, means and variances (Chan's formula), near-zero counts and histograms.
+    Result: an :class:`ActivationStatsResult`. A module that did not run on a step
+    (stochastic depth, routing, early exit) is absent from that step; the result's
+    ``paths`` are those of every module that ran on some recorded step. States merge
+    exactly (``merge``): disjoint chunks of steps concatenate, and two parts of one step
+    (two ranks) combine by path: counts, means and variances (Chan's formula), near-zero
+    counts and histograms of a module that ran in both, the one part's statistics of a
+    module that ran in one.
 
     Raises:
         ReducerError: at construction, for ``every <= 0``, ``hist_bins <= 0``, a `hist_range`
             that is not a pair ``low < high`` of finite numbers, a `near_zero` that is not a
             number, or a flag that is not a bool; in the forward pass (from the hook, so
             possibly wrapped in a :class:`~funhooks.HookError`), for a selected module whose
-            output is not a tensor (an ``nn.LSTM``'s tuple): select others with `modules=`.
+            output is not a tensor (an ``nn.LSTM``'s tuple): select others with `modules=`;
+            from ``result``, when recorded steps exist and no selected module stored
+            statistics on any of them (steps run without ``specs=reducer.specs``).
 
     Example:
         >>> import torch, funhooks as fh
@@ -473,10 +544,15 @@ class ActivationStats:
         return ()
 
     def step(self, state: tuple, step: Step) -> tuple:
-        """Add the step's statistics (computed on the device, not read) when it is recorded."""
+        """Add the step's statistics (computed on the device, not read) when it is recorded;
+        the modules that did not run on it are absent from it."""
         if not _records(self.every, step.iteration, step.training):
             return state
-        stored = _last_calls(step.record, self.record_name, "ActivationStats")
+        data = step.record._data  # the Record's own dict (package-internal, read only): no node objects per step
+        name = self.record_name
+        stored = [(path, names[name][-1]) for path, names in data.items() if name in names]
+        if not stored:
+            return (state, _empty_entry(step.iteration, self._snapshot))
         values = [v for _, v in stored]
         order, rows, hist = _reduce_step(values, self._snapshot)
         ns = tuple(v[0] if type(v) is tuple else v.numel() for v in values)
@@ -484,7 +560,7 @@ class ActivationStats:
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
-        the same iteration in both (two ranks) is combined as one larger batch."""
+        the same iteration in both (two ranks) is combined by module path as one larger batch."""
         by_iteration: dict[int, _Entry] = {}
         for entry in _unroll(a) + _unroll(b):
             seen = by_iteration.get(entry.iteration)
@@ -492,13 +568,33 @@ class ActivationStats:
         return _roll([by_iteration[k] for k in sorted(by_iteration)])
 
     def result(self, state: tuple) -> ActivationStatsResult:
-        """The statistics of every recorded step."""
-        return ActivationStatsResult(tuple(_unroll(state)), self.with_hist)
+        """The statistics of every recorded step.
+
+        Raises:
+            ReducerError: when steps were recorded and none of them holds this reducer's
+                values (steps run without its specs, or no selected module ever ran).
+        """
+        entries = tuple(_unroll(state))
+        if entries and not any(e.paths for e in entries):
+            raise ReducerError(
+                f"ActivationStats: a recorded train step holds the records of the reducer's specs, got "
+                f"{len(entries)} recorded steps and no {self.record_name!r} in any of their records. Run the steps "
+                f"with `specs=reducer.specs` (fh.fit does), and select modules that run."
+            )
+        return ActivationStatsResult(entries, self.with_hist)
+
+
+_ABSENT = (math.nan, math.nan, math.nan)
 
 
 @attrs.frozen(eq=False)
 class ActivationStatsResult:
-    """The result of :class:`ActivationStats`: per recorded step, per module statistics.
+    """The result of :class:`ActivationStats`: per recorded step, per module path statistics.
+
+    ``paths`` lists every module that ran on some recorded step, in module order. A module
+    that did not run on a step is absent there: ``stats[step]`` holds ``None`` at its
+    position (so positions stay aligned with ``paths``), ``layer_stats`` gives NaN for that
+    step, ``hist`` (and ``color_dim``) an empty column (zero counts), and the plots a gap.
 
     Everything stays on the device until read; reading ``stats``, ``layer_stats`` or
     ``hist`` copies to the host once.
@@ -517,16 +613,17 @@ class ActivationStatsResult:
 
     entries: tuple[_Entry, ...]
     with_hist: bool
+    paths: tuple[str, ...] = attrs.field(init=False)
+    """The module paths, in module order: every module that ran on some recorded step."""
+
+    @paths.default
+    def _all_paths(self) -> tuple[str, ...]:
+        return _module_order(e.paths for e in self.entries)
 
     @property
     def iterations(self) -> tuple[int, ...]:
         """The train iterations recorded."""
         return tuple(e.iteration for e in self.entries)
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The module paths, in module order (those of the first recorded step)."""
-        return self.entries[0].paths if self.entries else ()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -537,20 +634,31 @@ class ActivationStatsResult:
             return torch.stack(rows).tolist()  # one copy to the host for all steps
         return [r.tolist() for r in rows]
 
+    def _positions(self, entry: _Entry) -> list[int | None]:
+        """For each of ``paths``, its index in ``entry.paths``, or None where it did not run."""
+        if entry.paths == self.paths:
+            return list(range(len(entry.paths)))
+        here = {p: i for i, p in enumerate(entry.paths)}
+        return [here.get(p) for p in self.paths]
+
     @property
-    def stats(self) -> list[list[dict[str, Any]]]:
-        """Per recorded step, per module: ``{"mean", "std", "near_zero"}`` as Python floats
-        (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's ``stats``."""
+    def stats(self) -> list[list[dict[str, Any] | None]]:
+        """Per recorded step, per module of ``paths``: ``{"mean", "std", "near_zero"}`` as
+        Python floats (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's
+        ``stats``; ``None`` for a module that did not run on that step."""
         out = []
         hists = [e.hist.cpu() for e in self.entries] if self.with_hist else None
         for s, (entry, rows) in enumerate(zip(self.entries, self._host_rows())):
-            per_module = []
-            for i, n in enumerate(entry.ns):
-                mean, m2, near = rows[entry.order[i]]
-                std = math.sqrt(max(m2, 0.0) / (n - 1)) if n > 1 else math.nan
-                item = {"mean": mean, "std": std, "near_zero": near / n}
+            per_module: list[dict[str, Any] | None] = []
+            for i in self._positions(entry):
+                if i is None:
+                    per_module.append(None)
+                    continue
+                r = entry.order[i]
+                mean, std, near = rows[r]
+                item = {"mean": mean, "std": std, "near_zero": near / entry.ns[i]}
                 if hists is not None:
-                    item["hist"] = hists[s][entry.order[i]]
+                    item["hist"] = hists[s][r]
                 per_module.append(item)
             out.append(per_module)
         return out
@@ -567,17 +675,20 @@ class ActivationStatsResult:
         )
 
     def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float]]:
-        """``(means, stds, near_zero)`` of module `idx` (index or path) over the recorded steps.
+        """``(means, stds, near_zero)`` of module `idx` (index into ``paths``, or a path) over
+        the recorded steps; NaN for a step on which the module did not run.
 
         Raises:
             ReducerError: for an index out of range or an unknown path (says how many modules).
         """
         i = self._index(idx, "layer_stats")
         per_step = [step[i] for step in self.stats]
-        return ([s["mean"] for s in per_step], [s["std"] for s in per_step], [s["near_zero"] for s in per_step])
+        cols = [_ABSENT if s is None else (s["mean"], s["std"], s["near_zero"]) for s in per_step]
+        return ([c[0] for c in cols], [c[1] for c in cols], [c[2] for c in cols])
 
     def hist(self, idx: int | str) -> Tensor:
-        """fastai's histogram image of module `idx`: ``log1p`` of the counts, ``(bins, steps)``, on the CPU.
+        """fastai's histogram image of module `idx`: ``log1p`` of the counts, ``(bins, steps)``,
+        on the CPU; a column of zeros for a step on which the module did not run.
 
         Raises:
             ReducerError: for an index out of range, or a result folded without ``with_hist``.
@@ -588,7 +699,13 @@ class ActivationStatsResult:
                 "with_hist=False. Fold ActivationStats(with_hist=True)."
             )
         i = self._index(idx, "hist")
-        return torch.stack([e.hist[e.order[i]] for e in self.entries]).t().float().log1p().cpu()
+        path = self.paths[i]
+        bins = next(e.hist.shape[1] for e in self.entries if e.hist is not None)
+        cols = []
+        for e in self.entries:
+            k = e.paths.index(path) if path in e.paths else None
+            cols.append(torch.zeros(bins) if k is None else e.hist[e.order[k]].float().cpu())
+        return torch.stack(cols).t().log1p()
 
     def color_dim(self, idx: int | str, ax: Any = None, *, figsize: tuple[float, float] = (10, 5)) -> Any:
         """Draw the "colorful dimension" image of module `idx` (needs the ``plot`` extra).

@@ -232,8 +232,15 @@ def test_missing_records_are_explained() -> None:
     """Steps run without the reducer's specs say what to do."""
     model = _mlp()
     steps = fh.train(model, _batches(1), MSE, _frozen_opt(model))
-    with pytest.raises(fh.ReducerError, match=r"holds the records of the reducer's specs, got a Step whose record"):
+    with pytest.raises(fh.ReducerError) as err:
         fh.fold(fh.ActivationStats(), steps)
+    assert str(err.value) == (
+        "ActivationStats: a recorded train step holds the records of the reducer's specs, got 1 recorded steps and "
+        "no 'activation_stats' in any of their records. Run the steps with `specs=reducer.specs` (fh.fit does), "
+        "and select modules that run."
+    )
+    with pytest.raises(fh.ReducerError, match=r"holds the records of the reducer's specs, got a Step whose record"):
+        fh.fold(fh.HookCallback(print), fh.train(model, _batches(1), MSE, _frozen_opt(model)))
 
 
 # -- plots -------------------------------------------------------------------------------------
@@ -250,6 +257,17 @@ def test_plots_save_as_png(tmp_path: pathlib.Path) -> None:
     ax.figure.savefig(tmp_path / "color.png")
     assert (tmp_path / "stats.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "color.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plots_of_a_sometimes_skipped_module_show_gaps() -> None:
+    """A module absent on some steps plots NaN gaps with a dot per step, and zero columns."""
+    model = StochasticDepth([(True, False), (True, True), (True, False)])
+    res = fh.fit(model, _batches(3, (6, 4), 4), MSE, _frozen_opt(model), fh.ActivationStats(with_hist=True))
+    line = res.plot_layer_stats("blocks.1").axes[0].lines[0]
+    assert line.get_marker() == "." and [math.isnan(v) for v in line.get_ydata()] == [True, False, True]
+    assert res.plot_layer_stats("blocks.0").axes[0].lines[0].get_marker() == "None"
+    image = res.color_dim("blocks.1").images[0].get_array()
+    assert image.shape == (40, 3) and not image[:, 0].any() and not image[:, 2].any()
 
 
 def test_plotting_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,3 +414,152 @@ def test_non_tensor_output_says_which_modules_to_select() -> None:
     assert LSTM_MESSAGE in str(err.value)
     fixed = fh.ActivationStats(modules=fh.select(fhstats.LeafModules()) & ~fh.select(nn.LSTM))
     assert fh.fit(model, batches, MSE, _frozen_opt(model), fixed).paths == ("head",)
+
+
+# -- statistics are keyed by module path (issue 9) ------------------------------------------------
+
+
+class StochasticDepth(nn.Module):
+    """Residual Linear blocks; call k runs the blocks that ``masks[k % len(masks)]`` keeps
+    (stochastic depth, as in the issue: a module skipped on a step did not run there)."""
+
+    def __init__(self, masks: list[tuple[bool, ...]], width: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(len(masks[0])))
+        self.gain = nn.Parameter(torch.ones(()))  # the root's own: a step that skips every block still trains
+        self.masks = masks
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.masks[self.calls % len(self.masks)]
+        self.calls += 1
+        for block, keep in zip(self.blocks, mask):
+            if keep:
+                x = x + block(x)
+        return x * self.gain
+
+    def outputs(self, x: torch.Tensor, mask: tuple[bool, ...]) -> dict[str, torch.Tensor]:
+        """Each kept block's output on `x` under `mask`, by path (no hooks, no call counted)."""
+        out = {}
+        with torch.no_grad():
+            for i, (block, keep) in enumerate(zip(self.blocks, mask)):
+                if keep:
+                    out[f"blocks.{i}"] = block(x)
+                    x = x + out[f"blocks.{i}"]
+        return out
+
+
+def _stats_of(o: torch.Tensor) -> tuple[float, float, float]:
+    o = o.float()
+    return o.mean().item(), o.std().item(), (o <= 0.05).long().sum().item() / o.numel()
+
+
+def test_skipped_module_keeps_its_own_statistics(device: torch.device) -> None:
+    """A module skipped on a step is absent there: `paths` lists every module that ran in any step
+    (module order, though `blocks.1` first runs at step 1), `stats` has None at its position, and
+    `layer_stats` / `hist` of each path are that module's own, NaN / zero where it did not run."""
+    masks = [(True, False, True), (True, True, True), (False, True, True)]
+    model = StochasticDepth(masks).to(device)
+    batches = _batches(3, (6, 4), 4, device)
+    res = fh.fit(model, batches, MSE, _frozen_opt(model), fh.ActivationStats(with_hist=True))
+    assert res.paths == ("blocks.0", "blocks.1", "blocks.2")
+    assert [[s is None for s in step] for step in res.stats] == [[False, True, False], [False] * 3, [True, False, False]]
+    for path in res.paths:
+        means, stds, near_zero = res.layer_stats(path)
+        for k, ((x, _), mask) in enumerate(zip(batches, masks)):
+            o = model.outputs(x, mask).get(path)
+            if o is None:
+                assert math.isnan(means[k]) and math.isnan(stds[k]) and math.isnan(near_zero[k])
+                assert not res.hist(path)[:, k].any()
+            else:
+                want = _stats_of(o)
+                assert means[k] == pytest.approx(want[0], rel=1e-5, abs=1e-6)
+                assert stds[k] == pytest.approx(want[1], rel=1e-5)
+                assert near_zero[k] == want[2]
+                assert torch.equal(res.hist(path)[:, k], o.histc(40, 0, 10).log1p().cpu())
+    assert res.layer_stats(1) == res.layer_stats("blocks.1")
+
+
+def test_every_step_without_the_module_reads_as_absent() -> None:
+    """A module that never runs on a recorded step is not in `paths`; one that stops running is NaN."""
+    masks = [(True, True, False), (True, False, False), (False, False, False)]
+    model = StochasticDepth(masks)
+    res = fh.fit(model, _batches(4, (6, 4), 4), MSE, _frozen_opt(model), fh.ActivationStats(with_hist=True))
+    assert res.paths == ("blocks.0", "blocks.1")
+    means, _, _ = res.layer_stats("blocks.1")
+    assert [math.isnan(m) for m in means] == [False, True, True, False]
+    assert res.stats[2] == [None, None]
+    assert res.hist("blocks.0")[:, 2].sum() == 0 and res.hist("blocks.0")[:, 3].sum() > 0
+
+
+def _masks(depth: int) -> st.SearchStrategy[list[tuple[bool, ...]]]:
+    return st.lists(st.tuples(*[st.booleans()] * depth).filter(any), min_size=1, max_size=8)
+
+
+@hypothesis.given(data=st.data(), depth=st.integers(1, 4), with_hist=st.booleans(),
+                  every=st.one_of(st.none(), st.integers(1, 3)))
+def test_fold_of_chunks_equals_one_pass_with_skipped_modules(data: st.DataObject, depth: int, with_hist: bool,
+                                                             every: int | None) -> None:
+    """With modules skipped at random, folding chunks and merging (in any order) == one pass, exactly."""
+    masks = data.draw(_masks(depth), label="masks")
+    model = StochasticDepth(masks)
+    stats = fh.ActivationStats(with_hist=with_hist, every=every)
+    steps = list(fh.train(model, _batches(8, (6, 4), 4), MSE, torch.optim.SGD(model.parameters(), lr=0.1),
+                          specs=stats.specs))
+    cuts = data.draw(st.lists(st.integers(0, len(steps)), max_size=3), label="cuts")
+    bounds = [0, *sorted(cuts), len(steps)]
+    states = [toolz.reduce(stats.step, steps[a:b], stats.init()) for a, b in zip(bounds, bounds[1:])]
+    order = data.draw(st.permutations(range(len(states))), label="merge order")
+    merged = stats.result(toolz.reduce(stats.merge, [states[i] for i in order]))
+    whole = fh.fold(stats, steps)
+    assert merged.paths == whole.paths
+    assert merged.iterations == whole.iterations
+    assert _plain(merged) == _plain(whole)
+
+
+def _plain(res: fhstats.ActivationStatsResult) -> list:
+    """The stats with histograms as lists, so results compare with ==."""
+    return [[_plain_one(s) for s in step] for step in res.stats]
+
+
+def _plain_one(s: dict | None) -> dict | None:
+    return None if s is None else {k: (v.tolist() if k == "hist" else v) for k, v in s.items()}
+
+
+@hypothesis.given(data=st.data(), depth=st.integers(1, 4))
+def test_merge_of_ranks_with_skipped_modules(data: st.DataObject, depth: int) -> None:
+    """Two ranks that skipped different modules on the same iteration merge by path: a module that
+    ran on one rank has that rank's statistics exactly, one that ran on both those of the joint batch."""
+    mask_a, mask_b = (data.draw(st.tuples(*[st.booleans()] * depth)) for _ in range(2))
+    hypothesis.assume(any(mask_a) or any(mask_b))
+    split = data.draw(st.integers(1, 11))
+    model = StochasticDepth([mask_a])
+    x = torch.randn(12, 4)
+    stats = fh.ActivationStats(with_hist=True)
+
+    def state(xs: torch.Tensor, mask: tuple[bool, ...]) -> tuple:
+        model.masks = [mask]
+        with fh.with_hooks(model, stats.specs) as run:
+            model(xs)
+        return stats.step(stats.init(), fh.Step(epoch=0, iteration=0, loss=torch.zeros(()), record=run.record,
+                                                training=True))
+
+    a, b = state(x[:split], mask_a), state(x[split:], mask_b)
+    merged = stats.result(stats.merge(a, b))
+    assert _plain(merged) == _plain(stats.result(stats.merge(b, a)))  # merging is symmetric
+    outs_a, outs_b = model.outputs(x[:split], mask_a), model.outputs(x[split:], mask_b)
+    assert merged.paths == tuple(p for p in (f"blocks.{i}" for i in range(depth)) if p in outs_a or p in outs_b)
+    for path, got in zip(merged.paths, merged.stats[0]):
+        if path not in outs_b:
+            alone = stats.result(a)
+            assert _plain_one(got) == _plain_one(alone.stats[0][alone.paths.index(path)])
+        elif path not in outs_a:
+            alone = stats.result(b)
+            assert _plain_one(got) == _plain_one(alone.stats[0][alone.paths.index(path)])
+        else:
+            joint = torch.cat([outs_a[path], outs_b[path]]).double()
+            assert got["mean"] == pytest.approx(joint.mean().item(), rel=1e-5, abs=1e-6)
+            assert got["std"] == pytest.approx(joint.std().item(), rel=1e-5)
+            assert got["near_zero"] == (joint <= torch.tensor(0.05).float()).sum().item() / joint.numel()
+            assert torch.equal(got["hist"], joint.float().histc(40, 0, 10))
