@@ -306,6 +306,9 @@ class _Snapshot:
             )
         o = output.detach()
         n = o.numel()
+        if n == 0:  # an empty batch: NaN statistics, no counts (no kernel reads it)
+            hist = o.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
+            return (0, o.new_full((3,), math.nan, dtype=torch.float64), hist)
         if n <= REDUCE_IN_HOOK_NUMEL:
             return o.clone()
         x = o.float()
@@ -595,6 +598,8 @@ class ActivationStatsResult:
     that did not run on a step is absent there: ``stats[step]`` holds ``None`` at its
     position (so positions stay aligned with ``paths``), ``layer_stats`` gives NaN for that
     step, ``hist`` (and ``color_dim``) an empty column (zero counts), and the plots a gap.
+    A module that ran on an empty batch (a zero-element output) has NaN ``mean``, ``std``
+    and ``near_zero`` and zero histogram counts for that step.
 
     Everything stays on the device until read; reading ``stats``, ``layer_stats`` or
     ``hist`` copies to the host once.
@@ -656,7 +661,8 @@ class ActivationStatsResult:
                     continue
                 r = entry.order[i]
                 mean, std, near = rows[r]
-                item = {"mean": mean, "std": std, "near_zero": near / entry.ns[i]}
+                n = entry.ns[i]
+                item = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
                 if hists is not None:
                     item["hist"] = hists[s][r]
                 per_module.append(item)

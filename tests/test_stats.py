@@ -563,3 +563,40 @@ def test_merge_of_ranks_with_skipped_modules(data: st.DataObject, depth: int) ->
             assert got["std"] == pytest.approx(joint.std().item(), rel=1e-5)
             assert got["near_zero"] == (joint <= torch.tensor(0.05).float()).sum().item() / joint.numel()
             assert torch.equal(got["hist"], joint.float().histc(40, 0, 10))
+
+
+# -- empty batches (issue 10) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [4, 300])  # 300 x 40 x 6 > REDUCE_IN_HOOK_NUMEL: the hook reduces it
+def test_an_empty_batch_gives_nan_statistics(device: torch.device, width: int) -> None:
+    """A zero-element activation reads as NaN mean / std / near_zero and zero histogram counts;
+    the other steps are unaffected and the result stays readable."""
+    model = nn.Sequential(nn.Linear(3, width), nn.ReLU(), nn.Linear(width, 2)).to(device)
+    batches = [(torch.randn(n, 40, 3, device=device), torch.randn(n, 40, 2, device=device)) for n in (6, 0, 6)]
+    with torch.autograd.set_detect_anomaly(False):
+        res = fh.fit(model, batches, lambda p, y: (p - y).square().sum(), _frozen_opt(model),
+                     fh.ActivationStats(with_hist=True))
+    empty = res.stats[1]
+    assert [math.isnan(s[k]) for s in empty for k in ("mean", "std", "near_zero")] == [True] * 6
+    assert all(torch.equal(s["hist"], torch.zeros(40)) for s in empty)
+    assert all(not math.isnan(s["mean"]) for step in (res.stats[0], res.stats[2]) for s in step)
+    means, stds, near_zero = res.layer_stats(0)
+    assert math.isnan(means[1]) and math.isnan(stds[1]) and math.isnan(near_zero[1])
+    assert not res.hist(0)[:, 1].any()
+
+
+def test_an_empty_part_merges_as_nothing() -> None:
+    """A rank that saw an empty batch adds nothing: the merge is the other rank's statistics."""
+    model = _mlp()
+    stats = fh.ActivationStats(with_hist=True)
+
+    def state(xs: torch.Tensor) -> tuple:
+        with fh.with_hooks(model, stats.specs) as run:
+            model(xs)
+        return stats.step(stats.init(), fh.Step(epoch=0, iteration=0, loss=torch.zeros(()), record=run.record,
+                                                training=True))
+
+    full = state(torch.randn(5, 3))
+    merged = stats.result(stats.merge(state(torch.randn(0, 3)), full))
+    assert _plain(merged) == _plain(stats.result(full))
