@@ -8,17 +8,22 @@ are never recorded, and under :func:`funhooks.fit` the other iterations run with
 paused, so they cost nothing but the loop.
 
 ActivationStats keeps its statistics on the activation's device until a result is read:
-nothing calls ``.item()`` per batch, so a GPU never syncs. Its statistics are fastai's:
-``mean``, ``std`` (unbiased), ``near_zero`` (fraction of values ``<= NEAR_ZERO``) and, with
-``with_hist``, ``histc(HIST_BINS, *HIST_RANGE)``.
+nothing calls ``.item()`` per batch, so a GPU never syncs. Its statistics are fastai's, to
+the bit: ``mean`` and ``std`` (unbiased) equal ``o.float().mean().item()`` and
+``o.float().std().item()`` of the same output exactly (fastai's own test compares them with
+``==``), ``near_zero`` is the fraction of values ``<= NEAR_ZERO`` and, with ``with_hist``,
+``hist`` is ``histc(HIST_BINS, *HIST_RANGE)``. They are keyed by module path: a module that
+did not run on a step is absent from it.
 
-Cost: an activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is copied in the hook (one
-copy per module, alive until the end of its step; the copy keeps the numbers right when a
-later in-place op such as ``ReLU(inplace=True)`` changes the output) and all the copies of
-a step are reduced together, a handful of kernels per step instead of three per module.
-Larger activations are reduced in the hook, where the kernels' own work dwarfs their
-launch cost, and no copy is kept. The state holds per step one ``(modules, 3)`` tensor
-(and ``(modules, HIST_BINS)`` with histograms).
+Cost: a contiguous CPU activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is copied in
+the hook (one copy per module, alive until the end of its step; the copy keeps the numbers
+right when a later in-place op such as ``ReLU(inplace=True)`` changes the output) and the
+copies of a step are reduced together, a handful of kernels per step instead of three per
+module, in the very order of PyTorch's own reductions (see :func:`_row_stats`). Larger,
+non-contiguous and non-CPU activations are reduced in the hook by ``mean()`` and ``std()``
+themselves (on a GPU, a few asynchronous kernels per module), and no copy is kept. The
+state holds per step one ``(modules, 3)`` tensor of ``(mean, std, near-zero count)`` (and
+``(modules, hist_bins)`` with histograms) and the paths of the modules that ran.
 """
 
 from __future__ import annotations
@@ -59,8 +64,12 @@ HIST_RANGE = (0.0, 10.0)
 """... over this range; values outside it are not counted (fastai's ``histc(40, 0, 10)``,
 which ignores every negative activation)."""
 
-REDUCE_IN_HOOK_NUMEL = 1 << 16
-"""Activations with more elements than this are reduced in the hook instead of copied."""
+REDUCE_IN_HOOK_NUMEL = (1 << 15) - 1
+"""Contiguous CPU activations of at most this many elements are copied in the hook and
+reduced with the step's others; the rest are reduced in the hook by ``x.mean()`` and
+``x.std()`` themselves. PyTorch reduces a tensor this small on one thread whatever
+``torch.get_num_threads()`` says (its grain size is ``1 << 15``), in the order the batched
+reduction reproduces, so both ways give torch's own numbers to the bit."""
 
 Tensor = torch.Tensor
 
@@ -309,27 +318,75 @@ class _Snapshot:
         if n == 0:  # an empty batch: NaN statistics, no counts (no kernel reads it)
             hist = o.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
             return (0, o.new_full((3,), math.nan, dtype=torch.float64), hist)
-        if n <= REDUCE_IN_HOOK_NUMEL:
+        if n <= REDUCE_IN_HOOK_NUMEL and o.is_cpu and o.is_contiguous():
             return o.clone()
+        return self.reduce(o)
+
+    def reduce(self, o: Tensor) -> tuple[int, Tensor, Tensor | None]:
+        """``(n, (mean, std, near-zero count), histogram)`` of `o`, by fastai's very calls."""
         x = o.float()
-        var, mean = torch.var_mean(x, correction=0)
-        row = torch.stack((mean, (var * n / (n - 1)).sqrt(), (x <= self.near_zero).sum().double()))
-        hist = x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None
-        return (n, row, hist)
+        n = x.numel()
+        mean = x.mean()
+        std = x.std() if n > 1 else torch.full_like(mean, math.nan)  # torch warns on one value
+        row = torch.stack((mean.double(), std.double(), torch.le(x, self.near_zero).sum().double()))
+        return (n, row, x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None)
 
 
-def _row_moments(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean and unbiased std of every row of `x`, two-pass
-    (``std_mean(x, dim=1)`` is many times slower on CPU for short wide rows)."""
+_SUM_ORDER_SLACK = 2.0**-35
+"""Two sums in double of the same ``n < 2**15`` non-negative terms, added in different
+orders, differ by at most ``2 (n - 1) 2**-53 < 2**-37`` of the sum, and two stds from them
+by less than ``2**-37`` of the std: with 4x margin, an std whose ``1 -/+ 2**-35`` neighbours
+round to one float32 is that float32 whichever order the sum took."""
+
+
+def _round_std(d: Tensor) -> Tensor:
+    """``row.std()`` of each row of float32 values whose deviations from the float32 mean,
+    in double, are the rows of `d`: torch's float32 answer, bit for bit.
+
+    torch adds the squares one after the other, in double, then rounds ``sqrt(sum / (n - 1))``
+    to float32. A vectorised sum adds them in another order and may differ in the last bits
+    of the double; rounded to float32 it is the same except within :data:`_SUM_ORDER_SLACK`
+    of a rounding boundary, where (a row in a thousand or so) the sum is redone in torch's
+    order with a running sum (``cumsum``, sequential like torch's loop).
+    """
+    n = d.shape[1]
+    approx = torch.linalg.vector_norm(d, dim=1).div_(math.sqrt(n - 1))
+    low = approx.mul(1 - _SUM_ORDER_SLACK).float()
+    std = approx.mul_(1 + _SUM_ORDER_SLACK).float()
+    unsure = low.ne(std)  # NaN too
+    if unsure.any():  # a CPU tensor: reading it is no device sync
+        rows = unsure.nonzero().squeeze(1)
+        exact = d.index_select(0, rows).square_().cumsum_(1)[:, -1].div_(n - 1).sqrt_().float()
+        std.index_copy_(0, rows, exact)
+    return std
+
+
+def _row_stats(x: Tensor, near_zero: float) -> Tensor:
+    """``(mean, std, near-zero count)`` of every row of the float32 CPU matrix `x`, bit for
+    bit those of ``row.mean()``, ``row.std()`` and ``(row <= near_zero).sum()``.
+
+    ``x.mean(1)`` sums each row as ``row.sum()`` does (verified over many sizes; ``x.std(1)``
+    is Welford's and differs in the last bit now and then, see :func:`_round_std`). The
+    comparison writes floats so that it runs as a vectorised kernel (bool outputs do not);
+    float sums of 0/1 are exact below ``2**24``.
+    """
+    n = x.shape[1]
     mean = x.mean(1)
-    m2 = torch.linalg.vector_norm(x - mean.unsqueeze(1), dim=1).square_()
-    return mean, m2.div_(x.shape[1] - 1).sqrt_()
+    if n > 1:
+        std = _round_std(x.double().sub_(mean.double().unsqueeze(1)))
+    else:
+        std = torch.full_like(mean, math.nan)
+    near = torch.le(x, near_zero, out=torch.empty_like(x)).sum(1)
+    return torch.stack((mean, std, near), 1)
 
 
 def _batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
-    """``torch.histc(row, bins, lo, hi)`` for every row of `x` at once (same bin rule)."""
+    """``torch.histc(row, bins, lo, hi)`` for every row of `x` at once: histc's own float32
+    arithmetic, ``(value - lo) * bins / (hi - lo)`` truncated, ``hi`` in the last bin."""
+    lo32, hi32 = torch.tensor((lo, hi), dtype=torch.float32)
+    width = float(hi32 - lo32)  # histc's width: a float32 difference of float32 bounds
     inside = (x >= lo) & (x <= hi)
-    pos = (x - lo).mul_(bins).div_(hi - lo).long().clamp_(0, bins - 1)
+    pos = (x - float(lo32)).mul_(bins).div_(width).long().clamp_(0, bins - 1)
     return torch.zeros(x.shape[0], bins, dtype=x.dtype, device=x.device).scatter_add_(1, pos, inside.to(x.dtype))
 
 
@@ -349,32 +406,40 @@ class _Entry(NamedTuple):
     hist: Tensor | None
 
 
-def _reduce_step(values: list[Any], snap: _Snapshot) -> tuple[tuple[int, ...], Tensor, Tensor | None]:
-    """Rows (and histograms) for one step's values; returns the row of each module too."""
-    groups: dict[tuple, list[int]] = {}
+def _reduce_step(values: list[Any], snap: _Snapshot) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
+    """``(order, ns, rows, histograms)`` of one step's hook values (module order): copies of
+    one shape and dtype are stacked and reduced together; ``order[i]`` is value i's row."""
+    groups: dict[Any, list[int]] = {}
     for i, v in enumerate(values):
-        key = ("big",) if type(v) is tuple else (v.shape, v.dtype, v.device)
-        groups.setdefault(key, []).append(i)
-    pieces, hists, order = [], [], [0] * len(values)
+        key = None if type(v) is tuple else (v.shape, v.dtype)  # None: reduced in the hook
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [i]
+        else:
+            members.append(i)
+    pieces, hists, order, ns = [], [], [0] * len(values), [0] * len(values)
     row = 0
     for key, members in groups.items():
-        if key[0] == "big":
+        if key is None:
             pieces += [values[i][1][None] for i in members]
             hists += [values[i][2][None] for i in members] if snap.with_hist else []
+            for i in members:
+                ns[i] = values[i][0]
         else:
-            x = torch.stack([values[i] for i in members]).flatten(1)
+            x = torch.stack(values if len(members) == len(values) else [values[i] for i in members]).flatten(1)
             if x.dtype != torch.float32:
                 x = x.float()
-            mean, std = _row_moments(x)
-            pieces.append(torch.stack((mean, std, x.le(snap.near_zero).sum(1)), 1))
+            pieces.append(_row_stats(x, snap.near_zero))
             if snap.with_hist:
                 hists.append(_batched_hist(x, snap.hist_bins, *snap.hist_range))
+            for i in members:
+                ns[i] = x.shape[1]
         for i in members:
             order[i] = row
             row += 1
-    rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # float64 where a big one is (exact counts)
     hist = None if not snap.with_hist else hists[0] if len(hists) == 1 else torch.cat(hists)
-    return tuple(order), rows, hist
+    return tuple(order), tuple(ns), rows, hist
 
 
 def _empty_entry(iteration: int, snap: _Snapshot) -> _Entry:
@@ -396,8 +461,11 @@ def _module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     orders (never run together) are put by :func:`_path_key`. The answer depends on the set
     of orders only, not on their sequence, so merging states in any order gives the same.
     """
+    distinct = set(orders)
+    if len(distinct) == 1:  # the same modules ran on every step
+        return next(iter(distinct))
     later: dict[str, set[str]] = {}
-    for seq in set(orders):
+    for seq in distinct:
         for p in seq:
             later.setdefault(p, set())
         for a, b in zip(seq, seq[1:]):
@@ -553,13 +621,16 @@ class ActivationStats:
             return state
         data = step.record._data  # the Record's own dict (package-internal, read only): no node objects per step
         name = self.record_name
-        stored = [(path, names[name][-1]) for path, names in data.items() if name in names]
-        if not stored:
+        paths, values = [], []
+        for path, names in data.items():
+            calls = names.get(name)
+            if calls:
+                paths.append(path)
+                values.append(calls[-1])  # a module called twice: its last call, as fastai's
+        if not values:
             return (state, _empty_entry(step.iteration, self._snapshot))
-        values = [v for _, v in stored]
-        order, rows, hist = _reduce_step(values, self._snapshot)
-        ns = tuple(v[0] if type(v) is tuple else v.numel() for v in values)
-        return (state, _Entry(step.iteration, tuple(p for p, _ in stored), ns, order, rows, hist))
+        order, ns, rows, hist = _reduce_step(values, self._snapshot)
+        return (state, _Entry(step.iteration, tuple(paths), ns, order, rows, hist))
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
