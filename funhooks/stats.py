@@ -29,6 +29,7 @@ state holds per step one ``(modules, 3)`` tensor of ``(mean, std, near-zero coun
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
@@ -468,7 +469,7 @@ def _module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     for seq in distinct:
         for p in seq:
             later.setdefault(p, set())
-        for a, b in zip(seq, seq[1:]):
+        for a, b in itertools.pairwise(seq):
             later[a].add(b)
     waiting = dict.fromkeys(later, 0)
     for nexts in later.values():

@@ -325,30 +325,30 @@ def test_example_script_runs(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"hist_bins": 0}, "ActivationStats: `hist_bins` is a positive int, got 0. "
-                           "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's)."),
-        ({"hist_bins": 2.5}, "ActivationStats: `hist_bins` is a positive int, got 2.5. "
-                             "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's)."),
-        ({"hist_bins": True}, "ActivationStats: `hist_bins` is a positive int, got True. "
-                              "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's)."),
-        ({"hist_range": 3}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with low < high, "
-                            "got 3. Pass e.g. hist_range=(0, 10) (fastai's)."),
-        ({"hist_range": (5, 5)}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
-                                 "low < high, got (5, 5). Pass e.g. hist_range=(0, 10) (fastai's)."),
-        ({"hist_range": (0, 1, 2)}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
-                                    "low < high, got (0, 1, 2). Pass e.g. hist_range=(0, 10) (fastai's)."),
-        ({"hist_range": (0, math.inf)}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
-                                        "low < high, got (0, inf). Pass e.g. hist_range=(0, 10) (fastai's)."),
-        ({"hist_range": "0-10"}, "ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
-                                 "low < high, got '0-10'. Pass e.g. hist_range=(0, 10) (fastai's)."),
-        ({"near_zero": "0.05"}, "ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
-                                "zero), got '0.05'. Pass e.g. near_zero=0.05 (fastai's)."),
-        ({"near_zero": math.nan}, "ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
-                                  "zero), got nan. Pass e.g. near_zero=0.05 (fastai's)."),
-        ({"near_zero": None}, "ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
-                              "zero), got None. Pass e.g. near_zero=0.05 (fastai's)."),
-        ({"every": 0}, "ActivationStats: `every` is a positive int or None, got 0. "
-                       "Pass every=1 (or None) to record every train step, every=k for one in k."),
+        ({"hist_bins": 0}, ("ActivationStats: `hist_bins` is a positive int, got 0. "
+                            "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's).")),
+        ({"hist_bins": 2.5}, ("ActivationStats: `hist_bins` is a positive int, got 2.5. "
+                              "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's).")),
+        ({"hist_bins": True}, ("ActivationStats: `hist_bins` is a positive int, got True. "
+                               "Pass the number of histogram bins, e.g. hist_bins=40 (fastai's).")),
+        ({"hist_range": 3}, ("ActivationStats: `hist_range` is a pair (low, high) of finite numbers with low < high, "
+                             "got 3. Pass e.g. hist_range=(0, 10) (fastai's).")),
+        ({"hist_range": (5, 5)}, ("ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                  "low < high, got (5, 5). Pass e.g. hist_range=(0, 10) (fastai's).")),
+        ({"hist_range": (0, 1, 2)}, ("ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                     "low < high, got (0, 1, 2). Pass e.g. hist_range=(0, 10) (fastai's).")),
+        ({"hist_range": (0, math.inf)}, ("ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                         "low < high, got (0, inf). Pass e.g. hist_range=(0, 10) (fastai's).")),
+        ({"hist_range": "0-10"}, ("ActivationStats: `hist_range` is a pair (low, high) of finite numbers with "
+                                  "low < high, got '0-10'. Pass e.g. hist_range=(0, 10) (fastai's).")),
+        ({"near_zero": "0.05"}, ("ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
+                                 "zero), got '0.05'. Pass e.g. near_zero=0.05 (fastai's).")),
+        ({"near_zero": math.nan}, ("ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
+                                   "zero), got nan. Pass e.g. near_zero=0.05 (fastai's).")),
+        ({"near_zero": None}, ("ActivationStats: `near_zero` is a number (values `<= near_zero` count as near "
+                               "zero), got None. Pass e.g. near_zero=0.05 (fastai's).")),
+        ({"every": 0}, ("ActivationStats: `every` is a positive int or None, got 0. "
+                        "Pass every=1 (or None) to record every train step, every=k for one in k.")),
         ({"with_hist": "yes"}, "ActivationStats: `with_hist` is a bool, got 'yes'. Pass True or False."),
         ({"include_paramless": 1}, "ActivationStats: `include_paramless` is a bool, got 1. Pass True or False."),
     ],
@@ -364,16 +364,16 @@ def test_activation_stats_arguments_are_checked(kwargs: dict, message: str) -> N
     ("args", "kwargs", "message"),
     [
         ((3,), {}, "HookCallback: `hook` is a callable `hook(module, input, output)`, got 3. Pass a function."),
-        ((print,), {"every": 0}, "HookCallback: `every` is a positive int or None, got 0. "
-                                 "Pass every=1 (or None) to record every train step, every=k for one in k."),
-        ((print,), {"is_forward": "backward"}, "HookCallback: `is_forward` is a bool, got 'backward'. "
-                                               "Pass True or False."),
+        ((print,), {"every": 0}, ("HookCallback: `every` is a positive int or None, got 0. "
+                                  "Pass every=1 (or None) to record every train step, every=k for one in k.")),
+        ((print,), {"is_forward": "backward"}, ("HookCallback: `is_forward` is a bool, got 'backward'. "
+                                                "Pass True or False.")),
         ((print,), {"detach": None}, "HookCallback: `detach` is a bool, got None. Pass True or False."),
         ((print,), {"cpu": 0}, "HookCallback: `cpu` is a bool, got 0. Pass True or False."),
-        ((print,), {"include_paramless": "no"}, "HookCallback: `include_paramless` is a bool, got 'no'. "
-                                                "Pass True or False."),
-        ((print,), {"name": ""}, "HookCallback: `name` is a non-empty str or None, got ''. "
-                                 "Pass the record name, or None for the hook's __name__."),
+        ((print,), {"include_paramless": "no"}, ("HookCallback: `include_paramless` is a bool, got 'no'. "
+                                                 "Pass True or False.")),
+        ((print,), {"name": ""}, ("HookCallback: `name` is a non-empty str or None, got ''. "
+                                  "Pass the record name, or None for the hook's __name__.")),
     ],
 )
 def test_hook_callback_arguments_are_checked(args: tuple, kwargs: dict, message: str) -> None:
@@ -511,7 +511,7 @@ def test_fold_of_chunks_equals_one_pass_with_skipped_modules(data: st.DataObject
                           specs=stats.specs))
     cuts = data.draw(st.lists(st.integers(0, len(steps)), max_size=3), label="cuts")
     bounds = [0, *sorted(cuts), len(steps)]
-    states = [toolz.reduce(stats.step, steps[a:b], stats.init()) for a, b in zip(bounds, bounds[1:])]
+    states = [toolz.reduce(stats.step, steps[a:b], stats.init()) for a, b in itertools.pairwise(bounds)]
     order = data.draw(st.permutations(range(len(states))), label="merge order")
     merged = stats.result(toolz.reduce(stats.merge, [states[i] for i in order]))
     whole = fh.fold(stats, steps)
