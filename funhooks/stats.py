@@ -666,7 +666,9 @@ _ABSENT = (math.nan, math.nan, math.nan)
 class ActivationStatsResult:
     """The result of :class:`ActivationStats`: per recorded step, per module path statistics.
 
-    ``paths`` lists every module that ran on some recorded step, in module order. A module
+    ``paths`` lists every module that ran on some recorded step, in module order (two
+    modules that never ran on the same step, whose order no step shows, are put in path
+    order, numbered parts by number: ``experts.2`` before ``experts.10``). A module
     that did not run on a step is absent there: ``stats[step]`` holds ``None`` at its
     position (so positions stay aligned with ``paths``), ``layer_stats`` gives NaN for that
     step, ``hist`` (and ``color_dim``) an empty column (zero counts), and the plots a gap.
@@ -776,14 +778,12 @@ class ActivationStatsResult:
                 "hist: histograms are kept by `ActivationStats(with_hist=True)`, got a result folded with "
                 "with_hist=False. Fold ActivationStats(with_hist=True)."
             )
-        i = self._index(idx, "hist")
-        path = self.paths[i]
-        bins = next(e.hist.shape[1] for e in self.entries if e.hist is not None)
-        cols = []
-        for e in self.entries:
-            k = e.paths.index(path) if path in e.paths else None
-            cols.append(torch.zeros(bins) if k is None else e.hist[e.order[k]].float().cpu())
-        return torch.stack(cols).t().log1p()
+        path = self.paths[self._index(idx, "hist")]
+        cols = [e.hist[e.order[e.paths.index(path)]] if path in e.paths else None for e in self.entries]
+        present = next(c for c in cols if c is not None)
+        empty = torch.zeros_like(present)
+        cols = [empty if c is None else c.to(present.device) for c in cols]
+        return torch.stack(cols).t().float().log1p().cpu()  # one copy to the host
 
     def color_dim(self, idx: int | str, ax: Any = None, *, figsize: tuple[float, float] = (10, 5)) -> Any:
         """Draw the "colorful dimension" image of module `idx` (needs the ``plot`` extra).

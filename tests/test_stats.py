@@ -735,3 +735,27 @@ def test_std_near_a_float32_rounding_boundary_is_still_torchs() -> None:
     rows = fhstats._row_stats(x, 0.05)
     assert torch.equal(rows[:, 1], torch.stack([row.std() for row in x]))
     assert torch.equal(rows[:, 0], torch.stack([row.mean() for row in x]))
+
+
+class Routed(nn.Module):
+    """A mixture of 12 experts where call k runs expert ``route[k % len(route)]`` only."""
+
+    def __init__(self, route: list[int]) -> None:
+        super().__init__()
+        self.stem, self.experts = nn.Linear(4, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(12))
+        self.route, self.calls = route, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert = self.experts[self.route[self.calls % len(self.route)]]
+        self.calls += 1
+        return expert(self.stem(x))
+
+
+def test_modules_that_never_run_together_are_in_path_order() -> None:
+    """Experts routed one per step: `paths` puts each after the stem (the steps say so) and the
+    experts, which no step orders, by number; each expert's statistics are its own steps'."""
+    model = Routed([10, 2, 0, 10])
+    res = fh.fit(model, _batches(4, (6, 4), 4), MSE, _frozen_opt(model), fh.ActivationStats())
+    assert res.paths == ("stem", "experts.0", "experts.2", "experts.10")
+    means, _, _ = res.layer_stats("experts.10")
+    assert [math.isnan(m) for m in means] == [False, True, True, False]
