@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ================================================================
         Layer (type)         Output Shape         Param #    Trainable
         ================================================================
-        Identity             2 x 3                0          False
+        Identity             2 x 3
         ________________________________________________________________
         <BLANKLINE>
         Total params: 0

@@ -7,6 +7,7 @@ figure state, needs no display, and ``fig.savefig("x.png")`` works anywhere.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import ExtraError
@@ -36,7 +37,9 @@ def plot_layer_stats(result: Any, idx: int | str, *, figsize: tuple[float, float
         figsize: the figure size in inches.
 
     Returns:
-        A matplotlib Figure with three Axes.
+        A matplotlib Figure with three Axes. Steps on which the module did not run (NaN)
+        leave a gap; the lines of such a module get a dot per step, so a step between two
+        gaps still shows.
 
     Raises:
         ExtraError: without matplotlib (install ``funhooks[plot]``).
@@ -56,8 +59,9 @@ def plot_layer_stats(result: Any, idx: int | str, *, figsize: tuple[float, float
     fig = _figure("plot_layer_stats", figsize)
     series = result.layer_stats(idx)
     axs = fig.subplots(1, len(LAYER_STATS_TITLES))
+    gaps = any(math.isnan(v) for v in series[0])
     for values, ax, title in zip(series, axs, LAYER_STATS_TITLES):
-        ax.plot(result.iterations, values)
+        ax.plot(result.iterations, values, marker="." if gaps else None)
         ax.set_title(title)
         ax.set_xlabel("iteration")
     fig.tight_layout()
@@ -74,7 +78,8 @@ def color_dim(result: Any, idx: int | str, *, ax: Any = None, figsize: tuple[flo
         figsize: the size of a new figure, in inches.
 
     Returns:
-        The Axes drawn on (``ax.figure.savefig("x.png")`` writes it).
+        The Axes drawn on (``ax.figure.savefig("x.png")`` writes it); a step on which the
+        module did not run is an empty (zero) column.
 
     Raises:
         ExtraError: without matplotlib (install ``funhooks[plot]``).

@@ -8,23 +8,31 @@ are never recorded, and under :func:`funhooks.fit` the other iterations run with
 paused, so they cost nothing but the loop.
 
 ActivationStats keeps its statistics on the activation's device until a result is read:
-nothing calls ``.item()`` per batch, so a GPU never syncs. Its statistics are fastai's:
-``mean``, ``std`` (unbiased), ``near_zero`` (fraction of values ``<= NEAR_ZERO``) and, with
-``with_hist``, ``histc(HIST_BINS, *HIST_RANGE)``.
+nothing calls ``.item()`` per batch, so a GPU never syncs. Its statistics are fastai's, to
+the bit: ``mean`` and ``std`` (unbiased) equal ``o.float().mean().item()`` and
+``o.float().std().item()`` of the same output exactly (fastai's own test compares them with
+``==``), ``near_zero`` is the fraction of values ``<= NEAR_ZERO`` and, with ``with_hist``,
+``hist`` is ``histc(HIST_BINS, *HIST_RANGE)``. They are keyed by module path: a module that
+did not run on a step is absent from it.
 
-Cost: an activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is copied in the hook (one
-copy per module, alive until the end of its step; the copy keeps the numbers right when a
-later in-place op such as ``ReLU(inplace=True)`` changes the output) and all the copies of
-a step are reduced together, a handful of kernels per step instead of three per module.
-Larger activations are reduced in the hook, where the kernels' own work dwarfs their
-launch cost, and no copy is kept. The state holds per step one ``(modules, 3)`` tensor
-(and ``(modules, HIST_BINS)`` with histograms).
+Cost: a contiguous CPU activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is copied in
+the hook (one copy per module, alive until the end of its step; the copy keeps the numbers
+right when a later in-place op such as ``ReLU(inplace=True)`` changes the output) and the
+copies of a step are reduced together, a handful of kernels per step instead of three per
+module, in the very order of PyTorch's own reductions (see :func:`_row_stats`). Larger,
+non-contiguous and non-CPU activations are reduced in the hook by ``mean()`` and ``std()``
+themselves (on a GPU, a few asynchronous kernels per module), and no copy is kept. The
+state holds per step one ``(modules, 3)`` tensor of ``(mean, std, near-zero count)`` (and
+``(modules, hist_bins)`` with histograms) and the paths of the modules that ran.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -57,8 +65,12 @@ HIST_RANGE = (0.0, 10.0)
 """... over this range; values outside it are not counted (fastai's ``histc(40, 0, 10)``,
 which ignores every negative activation)."""
 
-REDUCE_IN_HOOK_NUMEL = 1 << 16
-"""Activations with more elements than this are reduced in the hook instead of copied."""
+REDUCE_IN_HOOK_NUMEL = (1 << 15) - 1
+"""Contiguous CPU activations of at most this many elements are copied in the hook and
+reduced with the step's others; the rest are reduced in the hook by ``x.mean()`` and
+``x.std()`` themselves. PyTorch reduces a tensor this small on one thread whatever
+``torch.get_num_threads()`` says (its grain size is ``1 << 15``), in the order the batched
+reduction reproduces, so both ways give torch's own numbers to the bit."""
 
 Tensor = torch.Tensor
 
@@ -104,6 +116,64 @@ def _check_every(caller: str) -> Callable[[Any, Any, Any], None]:
             )
 
     return check
+
+
+def _check_bool(caller: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise ReducerError(f"{caller}: `{attribute.name}` is a bool, got {value!r}. Pass True or False.")
+
+    return check
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _check_hook(instance: Any, attribute: Any, hook: Any) -> None:
+    if not callable(hook):
+        raise ReducerError(
+            f"HookCallback: `hook` is a callable `hook(module, input, output)`, got {hook!r}. Pass a function."
+        )
+
+
+def _check_name(instance: Any, attribute: Any, name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ReducerError(
+            f"HookCallback: `name` is a non-empty str or None, got {name!r}. "
+            "Pass the record name, or None for the hook's __name__."
+        )
+
+
+def _check_near_zero(instance: Any, attribute: Any, near_zero: Any) -> None:
+    if not _is_number(near_zero):
+        raise ReducerError(
+            f"ActivationStats: `near_zero` is a number (values `<= near_zero` count as near zero), got "
+            f"{near_zero!r}. Pass e.g. near_zero={NEAR_ZERO} (fastai's)."
+        )
+
+
+def _check_hist_bins(instance: Any, attribute: Any, bins: Any) -> None:
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
+        raise ReducerError(
+            f"ActivationStats: `hist_bins` is a positive int, got {bins!r}. "
+            f"Pass the number of histogram bins, e.g. hist_bins={HIST_BINS} (fastai's)."
+        )
+
+
+def _as_pair(value: Any) -> Any:
+    """A list range becomes a tuple; anything else is left for the validator to judge."""
+    return tuple(value) if isinstance(value, (tuple, list)) else value
+
+
+def _check_hist_range(instance: Any, attribute: Any, bounds: Any) -> None:
+    if not (isinstance(bounds, tuple) and len(bounds) == 2 and all(_is_number(b) and math.isfinite(b) for b in bounds)
+            and bounds[0] < bounds[1]):
+        low, high = (int(b) if float(b).is_integer() else b for b in HIST_RANGE)
+        raise ReducerError(
+            f"ActivationStats: `hist_range` is a pair (low, high) of finite numbers with low < high, got {bounds!r}. "
+            f"Pass e.g. hist_range={(low, high)!r} (fastai's)."
+        )
 
 
 def _records(every: int | None, iteration: int, training: bool) -> bool:
@@ -164,7 +234,8 @@ class HookCallback:
     module order (fastai's ``hooks.stored``; a module called twice gives its last call).
 
     Raises:
-        ReducerError: for ``every <= 0``.
+        ReducerError: at construction, for a `hook` that is not callable, ``every <= 0``, a
+            flag that is not a bool or an empty `name`.
 
     Example:
         >>> import torch, funhooks as fh
@@ -178,14 +249,14 @@ class HookCallback:
         ([(8, 4), (8, 1)], [(8, 4), (8, 1)], [(8, 4), (8, 1)])
     """
 
-    hook: Callable[..., Any]
+    hook: Callable[..., Any] = attrs.field(validator=_check_hook)
     modules: Selector | None = attrs.field(default=None, converter=_to_selector)
     every: int | None = attrs.field(default=None, validator=_check_every("HookCallback"))
-    is_forward: bool = True
-    detach: bool = True
-    cpu: bool = True
-    include_paramless: bool = False
-    name: str | None = attrs.field(default=None, kw_only=True)
+    is_forward: bool = attrs.field(default=True, validator=_check_bool("HookCallback"))
+    detach: bool = attrs.field(default=True, validator=_check_bool("HookCallback"))
+    cpu: bool = attrs.field(default=True, validator=_check_bool("HookCallback"))
+    include_paramless: bool = attrs.field(default=False, validator=_check_bool("HookCallback"))
+    name: str | None = attrs.field(default=None, kw_only=True, validator=_check_name)
 
     @property
     def record_name(self) -> str:
@@ -237,40 +308,95 @@ class _Snapshot:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not isinstance(output, Tensor):
-            raise TypeError(
-                f"ActivationStats: activation statistics need a tensor output, got {type(output).__name__} from "
-                f"{type(module).__name__}. Pass `modules=` selecting modules with tensor outputs."
+            kind = type(module).__name__
+            raise ReducerError(
+                f"ActivationStats: statistics need a tensor output, got {type(output).__name__} from a {kind} module. "
+                f"Select modules with tensor outputs with `modules=`, e.g. "
+                f"`modules=fh.select(fh.stats.LeafModules()) & ~fh.select({kind})`."
             )
         o = output.detach()
         n = o.numel()
-        if n <= REDUCE_IN_HOOK_NUMEL:
+        if n == 0:  # an empty batch: NaN statistics, no counts (no kernel reads it)
+            hist = o.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
+            return (0, o.new_full((3,), math.nan, dtype=torch.float64), hist)
+        if n <= REDUCE_IN_HOOK_NUMEL and o.is_cpu and o.is_contiguous():
             return o.clone()
+        return self.reduce(o)
+
+    def reduce(self, o: Tensor) -> tuple[int, Tensor, Tensor | None]:
+        """``(n, (mean, std, near-zero count), histogram)`` of `o`, by fastai's very calls."""
         x = o.float()
-        var, mean = torch.var_mean(x, correction=0)
-        row = torch.stack((mean, var * n, (x <= self.near_zero).sum().double()))
-        hist = x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None
-        return (n, row, hist)
+        n = x.numel()
+        mean = x.mean()
+        std = x.std() if n > 1 else torch.full_like(mean, math.nan)  # torch warns on one value
+        row = torch.stack((mean.double(), std.double(), torch.le(x, self.near_zero).sum().double()))
+        return (n, row, x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None)
 
 
-def _row_moments(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean and sum of squared deviations (``M2``) of every row of `x`, two-pass
-    (``var_mean(x, dim=1)`` is many times slower on CPU for short wide rows)."""
+_SUM_ORDER_SLACK = 2.0**-35
+"""Two sums in double of the same ``n < 2**15`` non-negative terms, added in different
+orders, differ by at most ``2 (n - 1) 2**-53 < 2**-37`` of the sum, and two stds from them
+by less than ``2**-37`` of the std: with 4x margin, an std whose ``1 -/+ 2**-35`` neighbours
+round to one float32 is that float32 whichever order the sum took."""
+
+
+def _round_std(d: Tensor) -> Tensor:
+    """``row.std()`` of each row of float32 values whose deviations from the float32 mean,
+    in double, are the rows of `d`: torch's float32 answer, bit for bit.
+
+    torch adds the squares one after the other, in double, then rounds ``sqrt(sum / (n - 1))``
+    to float32. A vectorised sum adds them in another order and may differ in the last bits
+    of the double; rounded to float32 it is the same except within :data:`_SUM_ORDER_SLACK`
+    of a rounding boundary, where (a row in a thousand or so) the sum is redone in torch's
+    order with a running sum (``cumsum``, sequential like torch's loop).
+    """
+    n = d.shape[1]
+    approx = torch.linalg.vector_norm(d, dim=1).div_(math.sqrt(n - 1))
+    low = approx.mul(1 - _SUM_ORDER_SLACK).float()
+    std = approx.mul_(1 + _SUM_ORDER_SLACK).float()
+    unsure = low.ne(std)  # NaN too
+    if unsure.any():  # a CPU tensor: reading it is no device sync
+        rows = unsure.nonzero().squeeze(1)
+        exact = d.index_select(0, rows).square_().cumsum_(1)[:, -1].div_(n - 1).sqrt_().float()
+        std.index_copy_(0, rows, exact)
+    return std
+
+
+def _row_stats(x: Tensor, near_zero: float) -> Tensor:
+    """``(mean, std, near-zero count)`` of every row of the float32 CPU matrix `x`, bit for
+    bit those of ``row.mean()``, ``row.std()`` and ``(row <= near_zero).sum()``.
+
+    ``x.mean(1)`` sums each row as ``row.sum()`` does (verified over many sizes; ``x.std(1)``
+    is Welford's and differs in the last bit now and then, see :func:`_round_std`). The
+    comparison writes floats so that it runs as a vectorised kernel (bool outputs do not);
+    float sums of 0/1 are exact below ``2**24``.
+    """
+    n = x.shape[1]
     mean = x.mean(1)
-    return mean, torch.linalg.vector_norm(x - mean.unsqueeze(1), dim=1).square_()
+    if n > 1:
+        std = _round_std(x.double().sub_(mean.double().unsqueeze(1)))
+    else:
+        std = torch.full_like(mean, math.nan)
+    near = torch.le(x, near_zero, out=torch.empty_like(x)).sum(1)
+    return torch.stack((mean, std, near), 1)
 
 
 def _batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
-    """``torch.histc(row, bins, lo, hi)`` for every row of `x` at once (same bin rule)."""
+    """``torch.histc(row, bins, lo, hi)`` for every row of `x` at once: histc's own float32
+    arithmetic, ``(value - lo) * bins / (hi - lo)`` truncated, ``hi`` in the last bin."""
+    lo32, hi32 = torch.tensor((lo, hi), dtype=torch.float32)
+    width = float(hi32 - lo32)  # histc's width: a float32 difference of float32 bounds
     inside = (x >= lo) & (x <= hi)
-    pos = (x - lo).mul_(bins).div_(hi - lo).long().clamp_(0, bins - 1)
+    pos = (x - float(lo32)).mul_(bins).div_(width).long().clamp_(0, bins - 1)
     return torch.zeros(x.shape[0], bins, dtype=x.dtype, device=x.device).scatter_add_(1, pos, inside.to(x.dtype))
 
 
 class _Entry(NamedTuple):
-    """One recorded step: module paths and sizes (module order), and per-row statistics.
+    """One recorded step: the paths of the modules that ran (module order), their output
+    sizes, and per-row statistics.
 
-    ``rows[order[i]]`` is ``(mean, M2, near_zero count)`` of module ``i`` (``M2``: the sum of
-    squared deviations from the mean, so ``var = M2 / (n - 1)``).
+    ``rows[order[i]]`` is ``(mean, std, near-zero count)`` of module ``paths[i]``, and
+    ``hist[order[i]]`` its histogram. A module that did not run on the step is not here.
     """
 
     iteration: int
@@ -281,32 +407,87 @@ class _Entry(NamedTuple):
     hist: Tensor | None
 
 
-def _reduce_step(values: list[Any], snap: _Snapshot) -> tuple[tuple[int, ...], Tensor, Tensor | None]:
-    """Rows (and histograms) for one step's values; returns the row of each module too."""
-    groups: dict[tuple, list[int]] = {}
+def _reduce_step(values: list[Any], snap: _Snapshot) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
+    """``(order, ns, rows, histograms)`` of one step's hook values (module order): copies of
+    one shape and dtype are stacked and reduced together; ``order[i]`` is value i's row."""
+    groups: dict[Any, list[int]] = {}
     for i, v in enumerate(values):
-        key = ("big",) if type(v) is tuple else (v.shape, v.dtype, v.device)
-        groups.setdefault(key, []).append(i)
-    pieces, hists, order = [], [], [0] * len(values)
+        key = None if type(v) is tuple else (v.shape, v.dtype)  # None: reduced in the hook
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [i]
+        else:
+            members.append(i)
+    pieces, hists, order, ns = [], [], [0] * len(values), [0] * len(values)
     row = 0
     for key, members in groups.items():
-        if key[0] == "big":
+        if key is None:
             pieces += [values[i][1][None] for i in members]
             hists += [values[i][2][None] for i in members] if snap.with_hist else []
+            for i in members:
+                ns[i] = values[i][0]
         else:
-            x = torch.stack([values[i] for i in members]).flatten(1)
+            x = torch.stack(values if len(members) == len(values) else [values[i] for i in members]).flatten(1)
             if x.dtype != torch.float32:
                 x = x.float()
-            mean, m2 = _row_moments(x)
-            pieces.append(torch.stack((mean, m2, x.le(snap.near_zero).sum(1)), 1))
+            pieces.append(_row_stats(x, snap.near_zero))
             if snap.with_hist:
                 hists.append(_batched_hist(x, snap.hist_bins, *snap.hist_range))
+            for i in members:
+                ns[i] = x.shape[1]
         for i in members:
             order[i] = row
             row += 1
-    rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # float64 where a big one is (exact counts)
     hist = None if not snap.with_hist else hists[0] if len(hists) == 1 else torch.cat(hists)
-    return tuple(order), rows, hist
+    return tuple(order), tuple(ns), rows, hist
+
+
+def _empty_entry(iteration: int, snap: _Snapshot) -> _Entry:
+    """A recorded step on which no selected module ran."""
+    hist = torch.zeros(0, snap.hist_bins) if snap.with_hist else None
+    return _Entry(iteration, (), (), (), torch.zeros(0, 3, dtype=torch.float64), hist)
+
+
+def _path_key(path: str) -> tuple:
+    """A stand-in for module order between two paths no step orders: numbered parts by number."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split("."))
+
+
+def _module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    """Every path of `orders` once, in module order.
+
+    Each of `orders` lists some paths in module order (the modules that ran on one step), so
+    together they say which of two paths comes first wherever a step ran both; paths no step
+    orders (never run together) are put by :func:`_path_key`. The answer depends on the set
+    of orders only, not on their sequence, so merging states in any order gives the same.
+    """
+    distinct = set(orders)
+    if len(distinct) == 1:  # the same modules ran on every step
+        return next(iter(distinct))
+    later: dict[str, set[str]] = {}
+    for seq in distinct:
+        for p in seq:
+            later.setdefault(p, set())
+        for a, b in itertools.pairwise(seq):
+            later[a].add(b)
+    waiting = dict.fromkeys(later, 0)
+    for nexts in later.values():
+        for b in nexts:
+            waiting[b] += 1
+    ready = [(_path_key(p), p) for p, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    out: list[str] = []
+    while ready:
+        _, p = heapq.heappop(ready)
+        out.append(p)
+        for b in later[p]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                heapq.heappush(ready, (_path_key(b), b))
+    if len(out) < len(later):  # contradicting orders (states of different models): the rest by name
+        out += sorted(set(later) - set(out), key=_path_key)
+    return tuple(out)
 
 
 def _in_module_order(entry: _Entry) -> _Entry:
@@ -317,30 +498,48 @@ def _in_module_order(entry: _Entry) -> _Entry:
     return entry._replace(order=tuple(range(len(entry.order))), rows=entry.rows.index_select(0, index), hist=hist)
 
 
+def _spread(entry: _Entry, paths: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`entry`'s sizes, rows and histograms (module order) placed at the positions of `paths`;
+    zeros where its module did not run."""
+    where = torch.tensor([paths.index(p) for p in entry.paths], dtype=torch.long, device=device)
+    ns = torch.zeros(len(paths), dtype=torch.float64, device=device)
+    ns.index_copy_(0, where, torch.tensor(entry.ns, dtype=torch.float64, device=device))
+    rows = torch.zeros(len(paths), 3, dtype=torch.float64, device=device)
+    rows.index_copy_(0, where, entry.rows.to(device, torch.float64))
+    if entry.hist is None:
+        return ns, rows, None
+    hist = torch.zeros(len(paths), entry.hist.shape[1], dtype=entry.hist.dtype, device=device)
+    return ns, rows, hist.index_copy_(0, where, entry.hist.to(device))
+
+
 def _combine(a: _Entry, b: _Entry) -> _Entry:
-    """One step seen in two parts (two ranks): Chan's exact merge of mean and variance."""
-    if a.paths != b.paths:
-        raise ReducerError(
-            f"ActivationStats.merge: two states of iteration {a.iteration} combine when they cover the same modules, "
-            f"got {list(a.paths)} and {list(b.paths)}. Merge states folded with the same reducer and model."
-        )
+    """One step seen in two parts (two ranks), by module path: a module that ran in one part
+    keeps that part's statistics; one that ran in both gets those of the joint batch (Chan's
+    exact merge of means and squared deviations, written symmetrically: combining a with b
+    gives the very floats of combining b with a)."""
     a, b = _in_module_order(a), _in_module_order(b)
-    ra, rb = a.rows.double(), b.rows.double()
-    na = torch.tensor(a.ns, dtype=torch.float64, device=ra.device)
-    nb = torch.tensor(b.ns, dtype=torch.float64, device=ra.device)
+    paths = _module_order([a.paths, b.paths])
+    device = a.rows.device
+    na, ra, ha = _spread(a, paths, device)
+    nb, rb, hb = _spread(b, paths, device)
     n = na + nb
+    m2a = torch.where(na > 1, ra[:, 1].square() * (na - 1), 0.0)
+    m2b = torch.where(nb > 1, rb[:, 1].square() * (nb - 1), 0.0)
+    mean = (na * ra[:, 0] + nb * rb[:, 0]) / n
     delta = rb[:, 0] - ra[:, 0]
-    mean = ra[:, 0] + delta * nb / n
-    m2 = ra[:, 1] + rb[:, 1] + delta * delta * na * nb / n
-    rows = torch.stack((mean, m2, ra[:, 2] + rb[:, 2]), 1)
-    hist = None if a.hist is None else a.hist + b.hist.to(a.hist.device)
-    return a._replace(ns=tuple(x + y for x, y in zip(a.ns, b.ns)), rows=rows, hist=hist)
+    m2 = m2a + m2b + delta * delta * (na * nb / n)
+    std = torch.where(n > 1, (m2 / (n - 1)).sqrt(), math.nan)
+    both = torch.stack((mean, std, ra[:, 2] + rb[:, 2]), 1)
+    rows = torch.where((na == 0)[:, None], rb, torch.where((nb == 0)[:, None], ra, both))
+    hist = None if ha is None else ha + hb
+    ns = tuple(sum(e.ns[e.paths.index(p)] for e in (a, b) if p in e.paths) for p in paths)
+    return _Entry(a.iteration, paths, ns, tuple(range(len(paths))), rows, hist)
 
 
 @attrs.frozen
 class ActivationStats:
     """fastai's ``ActivationStats`` as a reducer: mean, std and near-zero share (and
-    histograms) of each module's output, per recorded train step.
+    histograms) of each module's output, per recorded train step, keyed by module path.
 
     Args:
         with_hist: also keep ``histc(hist_bins, *hist_range)`` of each output.
@@ -350,12 +549,22 @@ class ActivationStats:
         near_zero: the near-zero threshold (:data:`NEAR_ZERO`, fastai's).
         hist_bins, hist_range: the histogram (:data:`HIST_BINS`, :data:`HIST_RANGE`, fastai's).
 
-    Result: an :class:`ActivationStatsResult`. States merge exactly (``merge``): disjoint
-    chunks of steps concatenate, and two parts of one step (two ranks) combine their
-    counts, means and variances (Chan's formula), near-zero counts and histograms.
+    Result: an :class:`ActivationStatsResult`. A module that did not run on a step
+    (stochastic depth, routing, early exit) is absent from that step; the result's
+    ``paths`` are those of every module that ran on some recorded step. States merge
+    exactly (``merge``): disjoint chunks of steps concatenate, and two parts of one step
+    (two ranks) combine by path: counts, means and variances (Chan's formula), near-zero
+    counts and histograms of a module that ran in both, the one part's statistics of a
+    module that ran in one.
 
     Raises:
-        ReducerError: for ``every <= 0``.
+        ReducerError: at construction, for ``every <= 0``, ``hist_bins <= 0``, a `hist_range`
+            that is not a pair ``low < high`` of finite numbers, a `near_zero` that is not a
+            number, or a flag that is not a bool; in the forward pass (from the hook, so
+            possibly wrapped in a :class:`~funhooks.HookError`), for a selected module whose
+            output is not a tensor (an ``nn.LSTM``'s tuple): select others with `modules=`;
+            from ``result``, when recorded steps exist and no selected module stored
+            statistics on any of them (steps run without ``specs=reducer.specs``).
 
     Example:
         >>> import torch, funhooks as fh
@@ -372,13 +581,14 @@ class ActivationStats:
         (3, torch.Size([40, 3]))
     """
 
-    with_hist: bool = False
+    with_hist: bool = attrs.field(default=False, validator=_check_bool("ActivationStats"))
     modules: Selector | None = attrs.field(default=None, converter=_to_selector)
     every: int | None = attrs.field(default=None, validator=_check_every("ActivationStats"))
-    include_paramless: bool = False
-    near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True)
-    hist_bins: int = attrs.field(default=HIST_BINS, kw_only=True)
-    hist_range: tuple[float, float] = attrs.field(default=HIST_RANGE, kw_only=True, converter=tuple)
+    include_paramless: bool = attrs.field(default=False, validator=_check_bool("ActivationStats"))
+    near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True, validator=_check_near_zero)
+    hist_bins: int = attrs.field(default=HIST_BINS, kw_only=True, validator=_check_hist_bins)
+    hist_range: tuple[float, float] = attrs.field(default=HIST_RANGE, kw_only=True, converter=_as_pair,
+                                                  validator=_check_hist_range)
     _snapshot: _Snapshot = attrs.field(init=False, repr=False, eq=False)
     record_name: str = attrs.field(init=False, repr=False, eq=False)
     """The name its values are stored under in each Step's record."""
@@ -406,18 +616,26 @@ class ActivationStats:
         return ()
 
     def step(self, state: tuple, step: Step) -> tuple:
-        """Add the step's statistics (computed on the device, not read) when it is recorded."""
+        """Add the step's statistics (computed on the device, not read) when it is recorded;
+        the modules that did not run on it are absent from it."""
         if not _records(self.every, step.iteration, step.training):
             return state
-        stored = _last_calls(step.record, self.record_name, "ActivationStats")
-        values = [v for _, v in stored]
-        order, rows, hist = _reduce_step(values, self._snapshot)
-        ns = tuple(v[0] if type(v) is tuple else v.numel() for v in values)
-        return (state, _Entry(step.iteration, tuple(p for p, _ in stored), ns, order, rows, hist))
+        data = step.record._data  # the Record's own dict (package-internal, read only): no node objects per step
+        name = self.record_name
+        paths, values = [], []
+        for path, names in data.items():
+            calls = names.get(name)
+            if calls:
+                paths.append(path)
+                values.append(calls[-1])  # a module called twice: its last call, as fastai's
+        if not values:
+            return (state, _empty_entry(step.iteration, self._snapshot))
+        order, ns, rows, hist = _reduce_step(values, self._snapshot)
+        return (state, _Entry(step.iteration, tuple(paths), ns, order, rows, hist))
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
-        the same iteration in both (two ranks) is combined as one larger batch."""
+        the same iteration in both (two ranks) is combined by module path as one larger batch."""
         by_iteration: dict[int, _Entry] = {}
         for entry in _unroll(a) + _unroll(b):
             seen = by_iteration.get(entry.iteration)
@@ -425,13 +643,37 @@ class ActivationStats:
         return _roll([by_iteration[k] for k in sorted(by_iteration)])
 
     def result(self, state: tuple) -> ActivationStatsResult:
-        """The statistics of every recorded step."""
-        return ActivationStatsResult(tuple(_unroll(state)), self.with_hist)
+        """The statistics of every recorded step.
+
+        Raises:
+            ReducerError: when steps were recorded and none of them holds this reducer's
+                values (steps run without its specs, or no selected module ever ran).
+        """
+        entries = tuple(_unroll(state))
+        if entries and not any(e.paths for e in entries):
+            raise ReducerError(
+                f"ActivationStats: a recorded train step holds the records of the reducer's specs, got "
+                f"{len(entries)} recorded steps and no {self.record_name!r} in any of their records. Run the steps "
+                f"with `specs=reducer.specs` (fh.fit does), and select modules that run."
+            )
+        return ActivationStatsResult(entries, self.with_hist)
+
+
+_ABSENT = (math.nan, math.nan, math.nan)
 
 
 @attrs.frozen(eq=False)
 class ActivationStatsResult:
-    """The result of :class:`ActivationStats`: per recorded step, per module statistics.
+    """The result of :class:`ActivationStats`: per recorded step, per module path statistics.
+
+    ``paths`` lists every module that ran on some recorded step, in module order (two
+    modules that never ran on the same step, whose order no step shows, are put in path
+    order, numbered parts by number: ``experts.2`` before ``experts.10``). A module
+    that did not run on a step is absent there: ``stats[step]`` holds ``None`` at its
+    position (so positions stay aligned with ``paths``), ``layer_stats`` gives NaN for that
+    step, ``hist`` (and ``color_dim``) an empty column (zero counts), and the plots a gap.
+    A module that ran on an empty batch (a zero-element output) has NaN ``mean``, ``std``
+    and ``near_zero`` and zero histogram counts for that step.
 
     Everything stays on the device until read; reading ``stats``, ``layer_stats`` or
     ``hist`` copies to the host once.
@@ -450,16 +692,17 @@ class ActivationStatsResult:
 
     entries: tuple[_Entry, ...]
     with_hist: bool
+    paths: tuple[str, ...] = attrs.field(init=False)
+    """The module paths, in module order: every module that ran on some recorded step."""
+
+    @paths.default
+    def _all_paths(self) -> tuple[str, ...]:
+        return _module_order(e.paths for e in self.entries)
 
     @property
     def iterations(self) -> tuple[int, ...]:
         """The train iterations recorded."""
         return tuple(e.iteration for e in self.entries)
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The module paths, in module order (those of the first recorded step)."""
-        return self.entries[0].paths if self.entries else ()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -470,20 +713,32 @@ class ActivationStatsResult:
             return torch.stack(rows).tolist()  # one copy to the host for all steps
         return [r.tolist() for r in rows]
 
+    def _positions(self, entry: _Entry) -> list[int | None]:
+        """For each of ``paths``, its index in ``entry.paths``, or None where it did not run."""
+        if entry.paths == self.paths:
+            return list(range(len(entry.paths)))
+        here = {p: i for i, p in enumerate(entry.paths)}
+        return [here.get(p) for p in self.paths]
+
     @property
-    def stats(self) -> list[list[dict[str, Any]]]:
-        """Per recorded step, per module: ``{"mean", "std", "near_zero"}`` as Python floats
-        (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's ``stats``."""
+    def stats(self) -> list[list[dict[str, Any] | None]]:
+        """Per recorded step, per module of ``paths``: ``{"mean", "std", "near_zero"}`` as
+        Python floats (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's
+        ``stats``; ``None`` for a module that did not run on that step."""
         out = []
         hists = [e.hist.cpu() for e in self.entries] if self.with_hist else None
         for s, (entry, rows) in enumerate(zip(self.entries, self._host_rows())):
-            per_module = []
-            for i, n in enumerate(entry.ns):
-                mean, m2, near = rows[entry.order[i]]
-                std = math.sqrt(max(m2, 0.0) / (n - 1)) if n > 1 else math.nan
-                item = {"mean": mean, "std": std, "near_zero": near / n}
+            per_module: list[dict[str, Any] | None] = []
+            for i in self._positions(entry):
+                if i is None:
+                    per_module.append(None)
+                    continue
+                r = entry.order[i]
+                mean, std, near = rows[r]
+                n = entry.ns[i]
+                item = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
                 if hists is not None:
-                    item["hist"] = hists[s][entry.order[i]]
+                    item["hist"] = hists[s][r]
                 per_module.append(item)
             out.append(per_module)
         return out
@@ -500,17 +755,20 @@ class ActivationStatsResult:
         )
 
     def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float]]:
-        """``(means, stds, near_zero)`` of module `idx` (index or path) over the recorded steps.
+        """``(means, stds, near_zero)`` of module `idx` (index into ``paths``, or a path) over
+        the recorded steps; NaN for a step on which the module did not run.
 
         Raises:
             ReducerError: for an index out of range or an unknown path (says how many modules).
         """
         i = self._index(idx, "layer_stats")
         per_step = [step[i] for step in self.stats]
-        return ([s["mean"] for s in per_step], [s["std"] for s in per_step], [s["near_zero"] for s in per_step])
+        cols = [_ABSENT if s is None else (s["mean"], s["std"], s["near_zero"]) for s in per_step]
+        return ([c[0] for c in cols], [c[1] for c in cols], [c[2] for c in cols])
 
     def hist(self, idx: int | str) -> Tensor:
-        """fastai's histogram image of module `idx`: ``log1p`` of the counts, ``(bins, steps)``, on the CPU.
+        """fastai's histogram image of module `idx`: ``log1p`` of the counts, ``(bins, steps)``,
+        on the CPU; a column of zeros for a step on which the module did not run.
 
         Raises:
             ReducerError: for an index out of range, or a result folded without ``with_hist``.
@@ -520,8 +778,12 @@ class ActivationStatsResult:
                 "hist: histograms are kept by `ActivationStats(with_hist=True)`, got a result folded with "
                 "with_hist=False. Fold ActivationStats(with_hist=True)."
             )
-        i = self._index(idx, "hist")
-        return torch.stack([e.hist[e.order[i]] for e in self.entries]).t().float().log1p().cpu()
+        path = self.paths[self._index(idx, "hist")]
+        cols = [e.hist[e.order[e.paths.index(path)]] if path in e.paths else None for e in self.entries]
+        present = next(c for c in cols if c is not None)
+        empty = torch.zeros_like(present)
+        cols = [empty if c is None else c.to(present.device) for c in cols]
+        return torch.stack(cols).t().float().log1p().cpu()  # one copy to the host
 
     def color_dim(self, idx: int | str, ax: Any = None, *, figsize: tuple[float, float] = (10, 5)) -> Any:
         """Draw the "colorful dimension" image of module `idx` (needs the ``plot`` extra).

@@ -33,6 +33,7 @@ from .run import with_hooks
 from .spec import observe
 
 __all__ = [
+    "NO_WEIGHT",
     "LayerRow",
     "ModuleSummary",
     "Shape",
@@ -101,30 +102,36 @@ def _plain(shape: Any) -> Any:
     return shape
 
 
-class LayerRow(tuple):
-    """One leaf module of :func:`layer_info`: fastai's 4-tuple ``(type, params, trainable,
-    shape)``, with the module's ``path`` attached.
+NO_WEIGHT = ""
+"""fastai 2.8's params and trainable of a module without a ``weight`` (an activation, a pool)."""
 
-    A row *is* that tuple: it unpacks into four values and compares equal to fastai's
-    documented rows such as ``('Linear', 100, True, [1, 50])``. The path is extra
-    information, not part of equality or hashing. Rows are frozen.
+
+class LayerRow(tuple):
+    """One leaf module of :func:`layer_info`: fastai 2.8's five-item tuple ``(type, params,
+    trainable, shape, same)``, with the module's ``path`` attached.
+
+    A row *is* that tuple: it unpacks into five values and compares equal to fastai's
+    documented rows such as ``('Linear', 100, True, [1, 50], False)`` or ``('ReLU', '', '',
+    [1, 50], True)``. The path is extra information, not part of equality or hashing. Rows
+    are frozen.
 
     Example:
         >>> from funhooks.summary import LayerRow
-        >>> row = LayerRow("0", "Linear", 100, True, (1, 50))
-        >>> row == ("Linear", 100, True, [1, 50]), row.path, row.params
+        >>> row = LayerRow("0", "Linear", 100, True, (1, 50), False)
+        >>> row == ("Linear", 100, True, [1, 50], False), row.path, row.params
         (True, '0', 100)
         >>> row.to_dict()
-        {'path': '0', 'type': 'Linear', 'params': 100, 'trainable': True, 'shape': [1, 50]}
+        {'path': '0', 'type': 'Linear', 'params': 100, 'trainable': True, 'shape': [1, 50], 'same': False}
     """
 
     path: str
     """The module's path in the model (``""`` for a model that is itself a leaf)."""
 
-    def __new__(cls, path: str, type: str, params: int, trainable: bool, shape: Any) -> LayerRow:  # noqa: A002
+    def __new__(cls, path: str, type: str, params: int | str, trainable: bool | str, shape: Any,  # noqa: A002
+                same: bool) -> LayerRow:
         if isinstance(shape, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in shape):
             shape = Shape(shape)
-        row = super().__new__(cls, (type, params, trainable, shape))
+        row = super().__new__(cls, (type, params, trainable, shape, same))
         object.__setattr__(row, "path", path)
         return row
 
@@ -137,13 +144,15 @@ class LayerRow(tuple):
         return self[0]
 
     @property
-    def params(self) -> int:
-        """The number of parameters of the module."""
+    def params(self) -> int | str:
+        """The number of parameters of the module; ``''`` for a module without a ``weight``
+        attribute (fastai's rule: activations, pools)."""
         return self[1]
 
     @property
-    def trainable(self) -> bool:
-        """True when the module has parameters and one of them requires grad."""
+    def trainable(self) -> bool | str:
+        """True when the module has parameters and one of them requires grad; ``''`` for a
+        module without a ``weight`` attribute."""
         return self[2]
 
     @property
@@ -152,14 +161,20 @@ class LayerRow(tuple):
         the module did not run or returned no tensor)."""
         return self[3]
 
+    @property
+    def same(self) -> bool:
+        """fastai's "size unchanged": an input's shape without its batch dimension equals
+        the matching output's (False when the module did not run)."""
+        return self[4]
+
     def to_dict(self) -> dict[str, Any]:
         """The row as plain Python values (shapes as lists), ready for ``json.dumps``."""
         return {"path": self.path, "type": self.type, "params": self.params, "trainable": self.trainable,
-                "shape": _plain(self.shape)}
+                "shape": _plain(self.shape), "same": self.same}
 
     def __repr__(self) -> str:
-        return (f"LayerRow(path={self.path!r}, type={self.type!r}, params={self.params}, "
-                f"trainable={self.trainable}, shape={self.shape!r})")
+        return (f"LayerRow(path={self.path!r}, type={self.type!r}, params={self.params!r}, "
+                f"trainable={self.trainable!r}, shape={self.shape!r}, same={self.same})")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LayerRow, (self.path, *self))
@@ -213,7 +228,8 @@ class ModuleSummary:
                 "trainable": self.trainable, "non_trainable": self.non_trainable}
 
     def __str__(self) -> str:
-        cells = [(r.type, _format_shape(r.shape), f"{r.params:,}", str(r.trainable)) for r in self.rows]
+        cells = [(r.type, _format_shape(r.shape), f"{r.params:,}" if r.params != NO_WEIGHT else "", str(r.trainable))
+                 for r in self.rows]
         widths = [max([w, *(len(c[i]) + 1 for c in cells)]) for i, (_, w) in enumerate(_COLUMNS)]
 
         def line(values: Sequence[str]) -> str:
@@ -371,8 +387,24 @@ def _is_leaf(path: str, module: nn.Module) -> bool:
     return not any(c is not None for c in module._modules.values())
 
 
-def _shape(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-    return _shape_tree(output)
+def _same(args: tuple[Any, ...], output: Any) -> bool:
+    """fastai's ``any(i.shape[1:] == o.shape for i, o in zip(args, output))`` on shapes: a
+    tensor output iterates over its first dimension, a tuple or list over its items (an
+    item that is no tensor, or a dict or 0-d output, where fastai raises, gives False)."""
+    if isinstance(output, torch.Tensor):
+        if output.ndim == 0:
+            return False
+        outs = [output.shape[1:]] * min(len(args), output.shape[0])
+    elif isinstance(output, (tuple, list)):
+        outs = [o.shape if isinstance(o, torch.Tensor) else None for o in output]
+    else:
+        return False
+    return any(isinstance(a, torch.Tensor) and o is not None and a.shape[1:] == o for a, o in zip(args, outs))
+
+
+def _track(module: nn.Module, args: tuple[Any, ...], output: Any) -> tuple[Any, bool]:
+    """What a row needs of one call: the output's shape tree, and fastai's `same`."""
+    return _shape_tree(output), _same(args, output)
 
 
 def _meta(value: Any) -> Any:
@@ -416,7 +448,7 @@ def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record
     device when it can, else with one real pass. Lazy modules always get the real pass
     (it initialises them, as users of fastai's ``dummy_eval`` expect)."""
     model = _torch.unwrap(model)
-    specs = () if where is None else (observe(where, _shape, name="shape", detach=False),)
+    specs = () if where is None else (observe(where, _track, name="shape", detach=False),)
     with_hooks(model, specs)  # validates the selector before anything runs
     lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
     with _eval_mode(model), torch.no_grad():
@@ -432,9 +464,14 @@ def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record
         return run.record, _shape_tree(out)
 
 
-def _last_shape(rec: Any, path: str) -> Any:
+def _last_track(rec: Any, path: str) -> tuple[Any, bool]:
+    """``(shape, same)`` of the module's last call; ``(None, False)`` when it did not run."""
     calls = rec.calls(path, "shape") if path in rec else ()
-    return calls[-1] if calls else None
+    return calls[-1] if calls else (None, False)
+
+
+def _last_shape(rec: Any, path: str) -> Any:
+    return _last_track(rec, path)[0]
 
 
 def model_sizes(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> list[Shape]:
@@ -505,9 +542,16 @@ def num_features_model(m: nn.Module) -> int:
     return out[1]
 
 
+def _row(path: str, module: nn.Module, track: tuple[Any, bool]) -> LayerRow:
+    """fastai 2.8's ``_track`` row: parameter count and trainable only for a module with a
+    ``weight`` attribute (``hasattr``, so a BatchNorm without affine gives ``0, False``)."""
+    params, trainable = total_params(module) if hasattr(module, "weight") else (NO_WEIGHT, NO_WEIGHT)
+    return LayerRow(path, type(module).__name__, params, trainable, *track)
+
+
 def _rows(model: nn.Module, args: tuple[Any, ...]) -> tuple[LayerRow, ...]:
     rec, _ = _shapes(model, _is_leaf, args)
-    return tuple(LayerRow(path, type(mod).__name__, *total_params(mod), _last_shape(rec, path))
+    return tuple(_row(path, mod, _last_track(rec, path))
                  for path, mod in _torch.named_modules(_torch.unwrap(model)) if _is_leaf(path, mod))
 
 
@@ -523,8 +567,10 @@ def layer_info(model: nn.Module, *xb: Any) -> list[LayerRow]:
         *xb: the model's inputs, batch first; only the first example is used.
 
     Returns:
-        A list of :class:`LayerRow` ``(type, params, trainable, shape)`` with ``.path``, in
-        module order; `shape` is the last call's output shape (batch dimension 1).
+        A list of :class:`LayerRow` ``(type, params, trainable, shape, same)`` with
+        ``.path``, in module order, equal to fastai 2.8's rows: `params` and `trainable` are
+        ``''`` for a module without a ``weight``; `shape` is the last call's output shape
+        (batch dimension 1); `same` says whether that call kept its input's size.
 
     Raises:
         Whatever `model` raises on the inputs.
@@ -534,7 +580,7 @@ def layer_info(model: nn.Module, *xb: Any) -> list[LayerRow]:
         >>> from torch import nn
         >>> m = nn.Sequential(nn.Linear(1, 50), nn.ReLU(), nn.BatchNorm1d(50), nn.Linear(50, 1))
         >>> fh.layer_info(m, torch.randn(16, 1))[:2]
-        [LayerRow(path='0', type='Linear', params=100, trainable=True, shape=(1, 50)), LayerRow(path='1', type='ReLU', params=0, trainable=False, shape=(1, 50))]
+        [LayerRow(path='0', type='Linear', params=100, trainable=True, shape=(1, 50), same=False), LayerRow(path='1', type='ReLU', params='', trainable='', shape=(1, 50), same=True)]
     """
     return list(_rows(model, _first_example(xb)))
 
@@ -562,7 +608,7 @@ def module_summary(model: nn.Module, *xb: Any) -> ModuleSummary:
         >>> m = nn.Sequential(nn.Linear(1, 50), nn.ReLU(), nn.BatchNorm1d(50), nn.Linear(50, 1))
         >>> s = fh.module_summary(m, torch.randn(16, 1))
         >>> s.total, s.trainable, s.rows[-1]
-        (251, 251, LayerRow(path='3', type='Linear', params=51, trainable=True, shape=(16, 1)))
+        (251, 251, LayerRow(path='3', type='Linear', params=51, trainable=True, shape=(16, 1), same=False))
     """
     inner = _torch.unwrap(model)
     params = list(inner.parameters())

@@ -266,3 +266,33 @@ def test_hookcallback_backward_example(device: torch.device) -> None:
             opt.step()
             opt.zero_grad()
     fh.testing.assert_no_hooks(model)
+
+
+# -- ActivationStats' example ----------------------------------------------------------------------
+
+
+class RegModel(nn.Module):
+    """fastai's synth_learner model: `x * a + b`, a leaf module with two parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(1)), nn.Parameter(torch.randn(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a + self.b
+
+
+def test_activation_stats_example_equals_the_hook_values_exactly(device: torch.device) -> None:
+    """Seed: `synth_learner(n_trn=5, cbs=ActivationStats(every=4))` records iterations 0 and 4, one
+    dict per module; fastai's tests compare its numbers with `pred.mean()` / `pred.std()` by ==."""
+    torch.manual_seed(0)
+    model = RegModel().to(device)
+    x = torch.randn(5 * 16, 1, device=device)
+    batches = [(x[i:i + 16], 2 * x[i:i + 16] + 3 + 0.1 * torch.randn(16, 1, device=device)) for i in range(0, 80, 16)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stats, preds = fh.fit(model, batches, F.mse_loss, opt,
+                          [fh.ActivationStats(every=4), fh.HookCallback(lambda m, i, o: o, every=4, cpu=False)])
+    assert stats.iterations == (0, 4) and stats.paths == ("",)
+    for (s,), (pred,) in zip(stats.stats, preds):
+        assert s == {"mean": pred.float().mean().item(), "std": pred.float().std().item(),
+                     "near_zero": (pred <= 0.05).long().sum().item() / pred.numel()}

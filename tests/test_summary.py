@@ -85,15 +85,51 @@ def test_num_features_model_grows_the_input() -> None:
 
 
 def test_layer_info_fastai_rows(device: torch.device) -> None:
-    """layer_info of Linear/ReLU/BatchNorm1d/Linear equals fastai's documented tuples."""
+    """layer_info of Linear/ReLU/BatchNorm1d/Linear equals fastai 2.8's documented five-item rows
+    `(type, params, trainable, shape, same)`, '' for a module without a weight, and keeps paths."""
     rows = fh.layer_info(fastai_mlp().to(device), torch.randn(16, 1, device=device))
     assert rows == [
-        ("Linear", 100, True, [1, 50]),
-        ("ReLU", 0, False, [1, 50]),
-        ("BatchNorm1d", 100, True, [1, 50]),
-        ("Linear", 51, True, [1, 1]),
+        ("Linear", 100, True, [1, 50], False),
+        ("ReLU", "", "", [1, 50], True),
+        ("BatchNorm1d", 100, True, [1, 50], True),
+        ("Linear", 51, True, [1, 1], False),
     ]
     assert [r.path for r in rows] == ["0", "1", "2", "3"]
+    kind, params, trainable, shape, same = rows[1]
+    assert (kind, params, trainable, shape, same) == (rows[1].type, rows[1].params, rows[1].trainable,
+                                                      rows[1].shape, rows[1].same)
+
+
+class Scale(nn.Module):
+    """A leaf with a parameter that is not called `weight`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Pair(nn.Module):
+    """Two inputs, a tuple of two outputs: `same` pairs input k with output k, as fastai's zip."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sum(1), y[0]
+
+
+def test_layer_info_follows_fastais_track_rules() -> None:
+    """params/trainable are '' exactly when fastai's `hasattr(m, 'weight')` is False (a BatchNorm
+    without affine has a None weight: 0 and False); `same` is fastai's `any(i.shape[1:] == o.shape)`
+    over `zip(inputs, outputs)`, an output tensor iterating over its batch."""
+    model = nn.Sequential(Scale(), nn.BatchNorm1d(3, affine=False), nn.Flatten(0), nn.Unflatten(0, (1, 3)))
+    rows = fh.layer_info(model, torch.randn(4, 3))
+    assert rows == [("Scale", "", "", [1, 3], True), ("BatchNorm1d", 0, False, [1, 3], True),
+                    ("Flatten", "", "", [3], False), ("Unflatten", "", "", [1, 3], False)]
+    (row,) = fh.layer_info(Pair(), torch.randn(2, 3, 4), torch.randn(2, 5))
+    assert row.shape == ((1, 4), (5,)) and row.same is True  # y.shape[1:] == the second output's shape
+    (row,) = fh.layer_info(nn.LSTM(4, 5, batch_first=True), torch.randn(3, 7, 4))
+    assert row[1:3] == ("", "") and row.same is False  # no `weight`: fastai shows no parameter count
 
 
 FASTAI_TABLE = """\
@@ -103,7 +139,7 @@ Layer (type)         Output Shape         Param #    Trainable
 ================================================================
 Linear               16 x 50              100        True
 ________________________________________________________________
-ReLU                 16 x 50              0          False
+ReLU                 16 x 50
 ________________________________________________________________
 BatchNorm1d          16 x 50              100        True
 ________________________________________________________________
@@ -128,7 +164,10 @@ def test_module_summary_plain_data_is_json() -> None:
     data = json.loads(json.dumps(s.to_dict()))
     assert data["total"] == 251 and data["non_trainable"] == 0
     assert data["input_shapes"] == [[16, 1]]
-    assert data["rows"][2] == {"path": "2", "type": "BatchNorm1d", "params": 100, "trainable": True, "shape": [16, 50]}
+    assert data["rows"][2] == {"path": "2", "type": "BatchNorm1d", "params": 100, "trainable": True, "shape": [16, 50],
+                               "same": True}
+    assert data["rows"][1] == {"path": "1", "type": "ReLU", "params": "", "trainable": "", "shape": [16, 50],
+                               "same": True}
 
 
 def test_module_summary_counts_frozen_and_non_leaf_params() -> None:
@@ -244,7 +283,7 @@ class DataDependent(nn.Module):
 def test_data_dependent_model_falls_back_to_a_real_pass() -> None:
     """A model the meta device cannot run still gets its shapes, from a real pass."""
     rows = fh.layer_info(DataDependent(), torch.ones(4, 3))
-    assert rows == [("Linear", 8, True, None), ("Linear", 20, True, [1, 5])]
+    assert rows == [("Linear", 8, True, None, False), ("Linear", 20, True, [1, 5], False)]
 
 
 def test_summary_of_a_large_batch_costs_no_memory() -> None:
@@ -319,7 +358,7 @@ def test_lazy_modules_are_initialised_by_a_real_pass() -> None:
     """A lazy model gets a real pass (which initialises it, as fastai's dummy_eval would)."""
     m = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
     rows = fh.layer_info(m, torch.randn(5, 3))
-    assert rows == [("Linear", 16, True, [1, 4]), ("ReLU", 0, False, [1, 4])]
+    assert rows == [("Linear", 16, True, [1, 4], False), ("ReLU", "", "", [1, 4], True)]
     assert m[0].weight.shape == (4, 3) and m[0].weight.device.type == "cpu"
 
 
@@ -349,12 +388,13 @@ def test_tuple_outputs_give_a_tree_of_shapes() -> None:
 
 def test_layer_row_is_a_frozen_fastai_tuple() -> None:
     """A row unpacks like fastai's tuple, pickles with its path, and refuses assignment."""
-    row = LayerRow("body.0", "Conv2d", 10, True, torch.Size([1, 2, 3, 3]))
-    kind, params, trainable, shape = row
-    assert (kind, params, trainable, shape) == ("Conv2d", 10, True, [1, 2, 3, 3])
+    row = LayerRow("body.0", "Conv2d", 10, True, torch.Size([1, 2, 3, 3]), False)
+    kind, params, trainable, shape, same = row
+    assert (kind, params, trainable, shape, same) == ("Conv2d", 10, True, [1, 2, 3, 3], False)
     assert isinstance(shape, Shape) and hash(shape) == hash((1, 2, 3, 3))
     again = pickle.loads(pickle.dumps(row))
     assert again == row and again.path == "body.0"
     with pytest.raises(fh.FrozenError, match=r"^LayerRow: a row cannot be assigned to, got `\.path = \.\.\.`"):
         row.path = "x"  # type: ignore[misc]
-    assert row != ("Conv2d", 10, True, [1, 2, 3, 4])
+    assert row != ("Conv2d", 10, True, [1, 2, 3, 4], False)
+    assert row != ("Conv2d", 10, True, [1, 2, 3, 3])  # fastai 2.8's rows have five items
