@@ -29,6 +29,7 @@ from torch import nn
 from . import _torch
 from .errors import FrozenError
 from .record import Record
+from ._core import scope
 from .run import with_hooks
 from .spec import observe
 
@@ -376,7 +377,7 @@ def dummy_eval(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> Any:
         (torch.Size([1, 3]), True, True)
     """
     x = dummy_batch(m, size)
-    with _eval_mode(m), torch.no_grad():
+    with _eval_mode(m), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
         return m(x)
 
 
@@ -451,7 +452,7 @@ def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record
     specs = () if where is None else (observe(where, _track, name="shape", detach=False),)
     with_hooks(model, specs)  # validates the selector before anything runs
     lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
-    with _eval_mode(model), torch.no_grad():
+    with _eval_mode(model), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
         if not lazy:
             try:
                 with _on_meta(model), with_hooks(model, specs) as run:

@@ -369,6 +369,32 @@ def test_a_spec_function_that_calls_the_model_does_not_recurse() -> None:
     assert torch.equal(run.record["0"]["again"], y.sum())
 
 
+def test_funhooks_own_passes_are_invisible_to_open_runs() -> None:
+    """`module_summary`, `layer_info`, `model_sizes`, `dummy_eval` inside an open run on the
+    same model add nothing to its Record (their meta-device calls included)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    with fh.with_hooks(model, fh.outputs("0")) as run:
+        fh.module_summary(model, x)
+        fh.layer_info(model, x)
+        fh.model_sizes(model, size=(4,))
+        fh.dummy_eval(model, size=(4,))
+        model(x)
+    assert len(run.record.calls("0", "output")) == 1 and run.record["0"]["output"].device.type == "cpu"
+
+
+def test_funhooks_own_spec_errors_say_what_to_do_not_to_fix_the_function() -> None:
+    """An error funhooks' own spec function raises (ActivationStats meeting an LSTM's tuple
+    output) names the module and the fix, and never tells the user to fix funhooks' code."""
+    model = nn.Sequential(nn.LSTM(3, 4))
+    batches = [(torch.randn(2, 5, 3), torch.randn(2, 5, 4))]
+    with pytest.raises(fh.HookError) as err:
+        fh.fit(model, batches, lambda out, y: out[0].sum(), torch.optim.SGD(model.parameters(), lr=0.1),
+               fh.ActivationStats(), progress=False)
+    assert "stopped at module '0': ActivationStats: statistics need a tensor output, got tuple" in str(err.value)
+    assert "Fix the function" not in str(err.value)
+
+
 # -- errors a user can act on ------------------------------------------------------------------------
 
 
