@@ -14,9 +14,10 @@ Example:
     [(3, 8), (3, 2)]
 """
 
+import sys as _sys
 from importlib import metadata as _metadata
 
-from . import distributed, plot, progress, testing
+from . import activation, distributed, plot, progress, pure, selector, testing
 from .dataset import ActivationDataset
 from .collect import collect
 from .distributed import merge_across_ranks
@@ -35,12 +36,12 @@ from .errors import (
     TransformError,
 )
 from .fold import Reducer, fit, fold, fold_all, running
-from .functional import capture, functional
-from .grads import activation_grads
+from .pure import capture, functional
+from .activation import activation_grads
 from .loop import Step, evaluate, train
 from .record import Record, RecordNode
 from .run import Run, with_hooks
-from .select import Selector, select
+from .selector import Selector, select
 from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
 from .stats import ActivationStats, ActivationStatsResult, HookCallback
 from .store import ActivationWriter, WriterState
@@ -56,6 +57,12 @@ from .summary import (
     num_features_model,
     total_params,
 )
+
+# The modules `select`, `functional` and `grads` were renamed (`selector`, `pure`,
+# `activation`) so that no module shares a name with a function exported here; their old
+# import paths keep working, and pickles that name them still load.
+for _old, _new in (("select", selector), ("functional", pure), ("grads", activation)):
+    _sys.modules[f"{__name__}.{_old}"] = _new
 
 try:
     __version__ = _metadata.version("funhooks")

@@ -94,12 +94,6 @@ def is_functorch_active() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def is_distributed() -> bool:
-    """True when a ``torch.distributed`` group with more than one process is initialised."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def is_compiling() -> bool:
     """True while dynamo traces the calling code."""
     return torch.compiler.is_compiling()

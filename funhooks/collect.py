@@ -22,7 +22,7 @@ import torch
 from . import progress as _progress
 from .dataset import ActivationDataset
 from .errors import LoopError
-from .functional import capture
+from .pure import capture
 from .store import ActivationWriter
 
 __all__ = ["collect"]

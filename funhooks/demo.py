@@ -22,11 +22,12 @@ import attrs
 import torch
 from torch import nn
 
+from . import plot
 from .errors import ExtraError
 from .fold import fit
 from .loop import Step
 from .spec import Spec
-from .stats import ActivationStats, ActivationStatsResult
+from .stats import ActivationStats, ActivationStatsResult, unroll
 from .summary import ModuleSummary, module_summary
 
 __all__ = ["DemoResult", "LossCurve", "digits", "digits_cnn", "run"]
@@ -85,11 +86,8 @@ class LossCurve:
 
     def result(self, state: tuple[Any, ...]) -> list[float]:
         """The losses in step order, as floats (one copy to the host)."""
-        losses = []
-        while state:
-            state, loss = state
-            losses.append(loss)
-        return torch.stack(losses[::-1]).tolist() if losses else []
+        losses = unroll(state)
+        return torch.stack(losses).tolist() if losses else []
 
 
 @attrs.frozen
@@ -152,19 +150,6 @@ def digits_cnn() -> nn.Sequential:
 # -- plots -----------------------------------------------------------------------------------------
 
 
-def _figure(figsize: tuple[float, float]) -> Any:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ExtraError(
-            "demo: the plots need matplotlib, got it not installed. Install the extra: pip install 'funhooks[demo]'."
-        ) from None
-    fig = Figure(figsize=figsize, dpi=100)
-    FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global state
-    return fig
-
-
 def _label(stats: ActivationStatsResult, i: int, model: nn.Module) -> str:
     path = stats.paths[i]
     return f"{path} ({type(model.get_submodule(path)).__name__})"
@@ -173,7 +158,7 @@ def _label(stats: ActivationStatsResult, i: int, model: nn.Module) -> str:
 def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: int) -> Any:
     """One row per layer, columns mean / std / % near zero over the steps."""
     n = len(stats.paths)
-    fig = _figure((12, 2.2 * n + 0.6))
+    fig = plot.figure("demo", (12, 2.2 * n + 0.6), extra="demo")
     axes = fig.subplots(n, 3, squeeze=False, sharex=True)
     for i in range(n):
         for j, (values, title) in enumerate(zip(stats.layer_stats(i), ("mean", "std", "% near zero"))):
@@ -194,7 +179,7 @@ def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: 
 def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Any:
     """fastai's colorful dimension of every layer, one panel each."""
     n = len(stats.paths)
-    fig = _figure((10, 2.0 * n + 0.6))
+    fig = plot.figure("demo", (10, 2.0 * n + 0.6), extra="demo")
     axes = fig.subplots(n, 1, squeeze=False)
     for i in range(n):
         ax = stats.color_dim(i, ax=axes[i][0])
@@ -206,7 +191,7 @@ def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Any:
 
 def plot_loss(losses: list[float], epoch_len: int) -> Any:
     """The loss at every step, its moving average and the epoch boundaries."""
-    fig = _figure((8, 4))
+    fig = plot.figure("demo", (8, 4), extra="demo")
     ax = fig.subplots()
     smooth, avg = [], losses[0] if losses else 0.0
     for loss in losses:

@@ -22,7 +22,7 @@ from torch import nn
 from . import _invariant as inv
 from .errors import SpecError
 from .run import with_hooks
-from .select import Where
+from .selector import Where
 from .spec import observe
 
 __all__ = ["check_dead_units", "check_init_scale"]

@@ -20,7 +20,6 @@ never calls ``.item()``, so nothing syncs a GPU. Steps whose record nobody reads
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from . import progress as _progress
+from ._modes import in_mode
 from .errors import FrozenError, LoopError
 from .record import Record
 from .run import Run
@@ -143,26 +143,6 @@ def _total(batches: Any, epochs: int) -> int | None:
         return None
 
 
-# -- train / eval modes: nn.Module.__setattr__ is slow, so flags are only written when they change
-
-
-@contextlib.contextmanager
-def _mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """Inside the block `model` is in train (or eval) mode; after it, every module's flag is
-    what it was before (a module's own ``train()`` override runs on the way in)."""
-    modes = [(m, m.training) for m in model.modules()]
-    if all(flag == training for _, flag in modes):
-        yield
-        return
-    model.train(training)
-    try:
-        yield
-    finally:
-        for module, flag in modes:
-            if module.training != flag:
-                module.training = flag
-
-
 def _recorded(specs: tuple[Spec, ...] | None, model: nn.Module, caller: str,
               work: Callable[[], Any]) -> tuple[Any, Record]:
     """``work()`` inside a ``with_hooks`` block of `specs` (none: no block), and its Record."""
@@ -213,7 +193,7 @@ def _train(
         for index, batch in enumerate(batches):
             x, y = _pair(batch, index, caller)
             wanted = run_specs if records is None or records(iteration, True) else None
-            with _mode(model, True):
+            with in_mode(model, True):
                 loss, record = _recorded(wanted, model, caller, lambda: _step(model, x, y, loss_fn, opt))
             yield Step(epoch, iteration, loss, record, True)
             iteration += 1
@@ -337,6 +317,6 @@ def _evaluate(
 
             def work() -> torch.Tensor:
                 return loss_fn(model(x), y).detach()
-        with _mode(model, False), torch.no_grad():
+        with in_mode(model, False), torch.no_grad():
             loss, record = _recorded(run_specs, model, "evaluate", work)
         yield Step(0, index, loss, record, False)

@@ -17,15 +17,23 @@ __all__ = ["color_dim", "plot_layer_stats"]
 LAYER_STATS_TITLES = ("mean", "std", "% near zero")
 
 
-def _figure(caller: str, figsize: tuple[float, float]) -> Any:
+def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") -> Any:
+    """A matplotlib Figure on the Agg canvas, without touching pyplot's global state.
+
+    Raises:
+        ExtraError: without matplotlib, naming `extra` to install.
+    """
     try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ExtraError(
             f"{caller}: plotting needs matplotlib, got it not installed. "
-            "Install the extra: pip install 'funhooks[plot]'."
+            f"Install the extra: pip install 'funhooks[{extra}]'."
         ) from None
-    return Figure(figsize=figsize)
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def plot_layer_stats(result: Any, idx: int | str, *, figsize: tuple[float, float] = (12, 3)) -> Any:
@@ -56,7 +64,7 @@ def plot_layer_stats(result: Any, idx: int | str, *, figsize: tuple[float, float
         >>> [ax.get_title() for ax in fig.axes]
         ['mean', 'std', '% near zero']
     """
-    fig = _figure("plot_layer_stats", figsize)
+    fig = figure("plot_layer_stats", figsize)
     series = result.layer_stats(idx)
     axs = fig.subplots(1, len(LAYER_STATS_TITLES))
     gaps = any(math.isnan(v) for v in series[0])
@@ -98,7 +106,7 @@ def color_dim(result: Any, idx: int | str, *, ax: Any = None, figsize: tuple[flo
     """
     image = result.hist(idx)
     if ax is None:
-        ax = _figure("color_dim", figsize).subplots()
+        ax = figure("color_dim", figsize).subplots()
     ax.imshow(image.numpy(), origin="lower", aspect="auto")
     ax.axis("off")
     return ax

@@ -15,7 +15,7 @@ import attrs
 from torch import nn
 
 from .errors import SpecError
-from .select import Selector, Where, select
+from .selector import Selector, Where, select
 
 __all__ = [
     "EVENTS",
@@ -38,8 +38,15 @@ EVENTS = ("forward_pre", "forward", "backward_pre", "backward", "param_grad")
 grad_output)``, ``param_grad`` ``fn(param, grad)``."""
 
 ROLES = ("output", "input", "grad", "grad_output", "call")
-"""How a run treats a spec: the built-in stores (``output``, ``input``, ``grad`` and
-fastai's ``grad_output`` tuple) have fast paths; ``call`` runs the spec's function."""
+"""What a spec stores: the built-in stores (``output``, ``input``, ``grad`` and fastai's
+``grad_output`` tuple) have fast paths; ``call`` runs the spec's function."""
+
+HOOKS = ("forward_pre", "forward", "output_grad", "backward_pre", "backward", "param_grad")
+_BACKWARD_HOOKS = frozenset(HOOKS[2:])
+"""How a run reaches a spec, the one field it dispatches on: ``forward_pre`` / ``forward``
+around the module's own forward; ``output_grad``, tensor hooks on the outputs (``grads``,
+whose event is ``backward_pre``, are set up during the forward); ``backward_pre`` /
+``backward``, PyTorch's per-call backward hook; ``param_grad``, hooks on the parameters."""
 
 
 @attrs.frozen(repr=False)
@@ -70,7 +77,19 @@ class Spec:
     cpu: bool = False
     gather: bool = False
     clone: bool = False
-    label: str = "observe"
+    label: str = "observe"  # the constructor's name, for repr and messages only
+    hook: str = attrs.field(init=False)
+    """How a run reaches this spec (see :data:`HOOKS`), derived from `event` and `role`."""
+
+    @hook.default
+    def _hook(self) -> str:
+        return "output_grad" if self.role in ("grad", "grad_output") else self.event
+
+    @property
+    def needs_backward(self) -> bool:
+        """True for specs that act during a backward pass (gradients of outputs, module
+        backward events, parameter gradients)."""
+        return self.hook in _BACKWARD_HOOKS
 
     def __repr__(self) -> str:
         parts = [repr(self.where)]

@@ -42,7 +42,7 @@ from torch import nn
 from .errors import ReducerError
 from .loop import Step
 from .record import Record
-from .select import Selector, Where, select
+from .selector import Selector, Where, select
 from .spec import Spec, observe
 
 __all__ = [
@@ -195,7 +195,7 @@ def _last_calls(record: Record, name: str, caller: str) -> list[tuple[str, Any]]
 # States are cons lists: () or (rest, entry); adding a step is O(1) and copies nothing.
 
 
-def _unroll(state: tuple) -> list[Any]:
+def unroll(state: tuple) -> list[Any]:
     out = []
     while state:
         state, entry = state
@@ -204,7 +204,7 @@ def _unroll(state: tuple) -> list[Any]:
     return out
 
 
-def _roll(entries: Sequence[Any]) -> tuple:
+def roll(entries: Sequence[Any]) -> tuple:
     state: tuple = ()
     for entry in entries:
         state = (state, entry)
@@ -287,11 +287,11 @@ class HookCallback:
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """The state of two disjoint chunks of steps, in iteration order."""
-        return _roll(sorted(_unroll(a) + _unroll(b), key=lambda entry: entry[0]))
+        return roll(sorted(unroll(a) + unroll(b), key=lambda entry: entry[0]))
 
     def result(self, state: tuple) -> tuple[list[Any], ...]:
         """One list of hook values per recorded step."""
-        return tuple(values for _, values in _unroll(state))
+        return tuple(values for _, values in unroll(state))
 
 
 # -- ActivationStats --------------------------------------------------------------------------
@@ -637,10 +637,10 @@ class ActivationStats:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
         the same iteration in both (two ranks) is combined by module path as one larger batch."""
         by_iteration: dict[int, _Entry] = {}
-        for entry in _unroll(a) + _unroll(b):
+        for entry in unroll(a) + unroll(b):
             seen = by_iteration.get(entry.iteration)
             by_iteration[entry.iteration] = entry if seen is None else _combine(seen, entry)
-        return _roll([by_iteration[k] for k in sorted(by_iteration)])
+        return roll([by_iteration[k] for k in sorted(by_iteration)])
 
     def result(self, state: tuple) -> ActivationStatsResult:
         """The statistics of every recorded step.
@@ -649,7 +649,7 @@ class ActivationStats:
             ReducerError: when steps were recorded and none of them holds this reducer's
                 values (steps run without its specs, or no selected module ever ran).
         """
-        entries = tuple(_unroll(state))
+        entries = tuple(unroll(state))
         if entries and not any(e.paths for e in entries):
             raise ReducerError(
                 f"ActivationStats: a recorded train step holds the records of the reducer's specs, got "

@@ -46,7 +46,7 @@ from .dataset import ActivationDataset, require_safetensors
 from .errors import ReducerError, StoreError
 from .loop import Step
 from .record import Record
-from .select import resolve
+from .selector import resolve
 from .spec import Spec
 
 __all__ = ["SHARD_BYTES", "ActivationWriter", "WriterState"]

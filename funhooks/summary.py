@@ -30,6 +30,7 @@ from . import _torch
 from .errors import FrozenError
 from .record import Record
 from ._core import scope
+from ._modes import in_mode
 from .run import with_hooks
 from .spec import observe
 
@@ -290,18 +291,6 @@ def total_params(m: nn.Module) -> tuple[int, bool]:
 # -- dummy passes --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode inside the block; every module's own flag restored after, whatever it was."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-
-
 def _first_layer(caller: str, m: nn.Module) -> nn.Module:
     for _, layer in _torch.named_modules(m):
         if isinstance(layer, _FIRST_LAYERS):
@@ -377,7 +366,7 @@ def dummy_eval(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> Any:
         (torch.Size([1, 3]), True, True)
     """
     x = dummy_batch(m, size)
-    with _eval_mode(m), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
+    with in_mode(m, False), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
         return m(x)
 
 
@@ -452,7 +441,7 @@ def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record
     specs = () if where is None else (observe(where, _track, name="shape", detach=False),)
     with_hooks(model, specs)  # validates the selector before anything runs
     lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
-    with _eval_mode(model), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
+    with in_mode(model, False), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
         if not lazy:
             try:
                 with _on_meta(model), with_hooks(model, specs) as run:

@@ -43,6 +43,7 @@ from ._core.plan import never_called
 from . import run as _run
 from . import spec as _spec
 from .errors import SpecError
+from .selector import path_label
 from .flow import check_finite, check_gradients_reach
 from .health import check_dead_units, check_init_scale
 from .independence import check_batch_independence, check_causality
@@ -78,10 +79,6 @@ _HOOK_DICTS = (
     "_backward_pre_hooks",
 )
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
-
-
-def _where(path: str) -> str:
-    return repr(path) if path else "'' (the root)"
 
 
 def _hypothesis() -> Any:
@@ -168,7 +165,7 @@ def assert_no_hooks(model: nn.Module, *, funhooks_only: bool = False) -> None:
     if not isinstance(model, nn.Module):
         raise SpecError(f"assert_no_hooks: `model` is an nn.Module, got {type(model).__name__}. Pass the model.")
     for path, module in model.named_modules(remove_duplicate=False):
-        where = f"module {_where(path)}"
+        where = f"module {path_label(path)}"
         for attr in ("forward", "_call_impl"):
             wrapped = module.__dict__.get(attr)
             if isinstance(wrapped, _forward.Forward):
@@ -505,7 +502,6 @@ def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) ->
 
 # -- invariants ----------------------------------------------------------------------------
 
-_BACKWARD_EVENTS = ("backward_pre", "backward", "param_grad")
 _MAX_REPORTED = 5
 
 
@@ -521,7 +517,7 @@ def _failures(predicate: Callable[..., Any], rec: Any) -> list[tuple[str, str]]:
                 for j, t in enumerate(leaves):
                     if not bool(predicate(path, name, t)):
                         part = f" (tensor {j + 1} of {len(leaves)})" if len(leaves) > 1 else ""
-                        found.append((path, f"the {name!r} of module {_where(path)}{part}, call {i + 1} of {len(calls)}"))
+                        found.append((path, f"the {name!r} of module {path_label(path)}{part}, call {i + 1} of {len(calls)}"))
                         break
     paths = {p for p, _ in found}
 
@@ -559,7 +555,7 @@ def _record_failure(predicate: Callable[[Record], Any], rec: Record) -> str | No
     inner = _invariant.innermost(alone)
     if inner is None:
         return "the whole Record (no module's record alone makes it false)"
-    return f"the record of module {_where(inner)} alone"
+    return f"the record of module {path_label(inner)} alone"
 
 
 def check_invariant(
@@ -611,7 +607,7 @@ def check_invariant(
             f"got {predicate!r}. Pass a function such as `lambda path, name, out: bool(out.isfinite().all())`."
         )
     on_record = _takes_record(predicate)
-    needs_backward = any(s.event in _BACKWARD_EVENTS for s in spec_tuple)
+    needs_backward = any(s.needs_backward for s in spec_tuple)
     if settings is None:
         settings = hyp.settings(hyp.settings.default, deadline=None)
 

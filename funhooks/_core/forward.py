@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from .. import _torch
+from ..selector import path_label as where
 from ..errors import TransformError
 from . import scope
-from .entries import Hooked, where
+from .entries import Hooked
 
 __all__ = ["Forward", "attribute", "call", "install", "uninstall"]
 
@@ -163,7 +164,7 @@ class Forward:
         if not active:
             return inner(*args, **kwargs)
         solo = self.solo
-        if solo is not None and solo[0] in active and _peek() is None:
+        if solo is not None and solo[0] in active and not solo[0].calling and _peek() is None:
             # the common case, inlined from `call`: one run, observers only, no transform
             output = inner(*args, **kwargs)
             if _graph_task() == -1:  # not a recomputation during backward
@@ -171,7 +172,7 @@ class Forward:
                 for entry in solo[1]:
                     entry(frame, module, args, kwargs, output)
             return output
-        mine = tuple([u for u in self.users if u[0] in active])
+        mine = tuple([u for u in self.users if u[0] in active and not u[0].calling])
         return self.route(module, inner, mine, args, kwargs) if mine else inner(*args, **kwargs)
 
     # -- looking like the forward it wraps ------------------------------------------------

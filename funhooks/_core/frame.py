@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .. import _torch
+from ..selector import path_label as where
 from ..errors import StaleTensorError
 from ..record import Record
-from .entries import GradSlot, where
+from .entries import GradSlot
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -31,7 +32,7 @@ __all__ = ["Frame"]
 class Frame:
     """One run's mutable state: what its entries stored, and the hooks they registered."""
 
-    __slots__ = ("buffer", "caller", "grad_hooks", "late", "level", "open", "plan")
+    __slots__ = ("buffer", "caller", "calling", "grad_hooks", "late", "level", "open", "plan")
 
     def __init__(self, plan: Plan, caller: str, level: int | None = None) -> None:
         self.plan = plan
@@ -39,6 +40,7 @@ class Frame:
         self.buffer: list[tuple[Any, Any, Any]] = []
         self.grad_hooks: list[Any] = []
         self.late: set[tuple[str, str]] = set()
+        self.calling = 0  # > 0 while one of its specs' own functions runs: it sees no call then
         if level is None:
             interpreter = _torch.peek_transform()
             level = 0 if interpreter is None else interpreter.level()

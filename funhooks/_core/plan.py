@@ -33,10 +33,11 @@ from torch.nn.utils import parametrize
 
 from .. import _torch
 from ..errors import SelectorError, SpecError, TransformError
-from ..select import resolve
+from ..selector import path_label as where
+from ..selector import resolve
 from ..spec import Spec
 from . import forward, trace
-from .entries import Hooked, where
+from .entries import Hooked
 
 __all__ = ["Plan", "as_copy", "never_called"]
 
@@ -142,7 +143,8 @@ def _parameters(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tenso
                 yield f"{prefix}parametrizations.{tensor}.{name}", param
 
 
-_BACKWARD = ("backward", "backward_pre")
+_PER_CALL_BACKWARD = ("output_grad", "backward", "backward_pre")
+"""Backward events tied to the module calls a run sees: not available inside compiled code."""
 
 
 def _check_called(found: Iterable[tuple[str, nn.Module]], modules: list[tuple[str, nn.Module]], spec: Spec,
@@ -194,13 +196,13 @@ class Plan:
                             f"{spec!r}. Give one of them another `name=`."
                         )
                     names[key] = spec  # type: ignore[index]
-                    if spec.event != "param_grad":
+                    if spec.hook != "param_grad":
                         self.slots.append(key)  # type: ignore[arg-type]
                 self.order.setdefault(path, (rank[id(module)], 0))
-                if spec.event == "param_grad":
+                if spec.hook == "param_grad":
                     self._parameters(spec, module, path, rank[id(module)], caller)
                     continue
-                if owner[id(module)] is not None and spec.event in _BACKWARD:
+                if owner[id(module)] is not None and spec.hook in _PER_CALL_BACKWARD:
                     raise TransformError(
                         f"{caller}: module {where(path)} runs inside a `torch.compile`d module, where backward "
                         f"events never reach a run, got {spec!r}. Run on the model before compiling it, or "
@@ -235,7 +237,7 @@ class Plan:
         if given is not None:  # an ordered list of modules: `run.stored` follows the list
             position = {id(m): i for i, m in enumerate(given)}
             found = tuple(sorted(found, key=lambda pm: position.get(id(pm[1]), len(position))))
-        if spec.event == "param_grad":
+        if spec.hook == "param_grad":
             return list(found)
         containers = [(p, m) for p, m in found if never_called(m)]
         if len(containers) == len(found):

@@ -16,7 +16,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["active", "enter", "isolated", "leave", "only", "restore", "silence"]
+__all__ = ["active", "enter", "isolated", "leave", "only"]
 
 _ACTIVE: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("funhooks.active", default=())
 
@@ -49,15 +49,6 @@ def only(frames: tuple[Any, ...]) -> Iterator[None]:
 
 def isolated() -> contextlib.AbstractContextManager[None]:
     """A block whose module calls no run sees: funhooks' own passes (shape discovery,
-    summaries) and the calls a spec's own function makes."""
+    summaries)."""
     return only(())
 
-
-def silence() -> contextvars.Token[tuple[Any, ...]]:
-    """Hide every run from the calling context until :func:`restore` (a spec's own function
-    runs so: the module calls it makes are seen by no run)."""
-    return _ACTIVE.set(())
-
-
-restore = _ACTIVE.reset
-"""Undo :func:`silence` with the token it returned."""

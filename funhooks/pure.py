@@ -35,13 +35,10 @@ from .spec import Spec
 
 __all__ = ["capture", "functional"]
 
-_BACKWARD_EVENTS = ("backward_pre", "backward", "param_grad")
-
-
 def _backward_error(specs: tuple[Spec, ...], caller: str) -> TransformError | None:
     """The error for a backward-event spec, raised when the function is called."""
     for spec in specs:
-        if spec.event in _BACKWARD_EVENTS:
+        if spec.needs_backward:
             return TransformError(
                 f"{caller}: a pure function returns its Record when the forward pass ends, so "
                 f"backward events (`grads`, `backward`, `backward_pre`, `param_grad`) never reach it "

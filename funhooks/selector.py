@@ -208,6 +208,11 @@ def select(where: Where) -> Selector:
     )
 
 
+def path_label(path: str) -> str:
+    """A module path as messages name it: quoted, and the root said in words."""
+    return repr(path) if path else "'' (the root)"
+
+
 def _type_selector(types: tuple[type, ...]) -> Selector:
     bad = [t for t in types if not issubclass(t, nn.Module)]
     if bad:

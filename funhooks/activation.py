@@ -24,10 +24,10 @@ from torch import nn
 
 from . import _torch
 from .errors import TransformError
-from .functional import _Recorder
+from .pure import _Recorder
 from .record import Record
 from .run import _check_model
-from .select import Where, resolve, select
+from .selector import Where, resolve, select
 from .spec import edit
 
 __all__ = ["activation_grads"]
