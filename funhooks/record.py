@@ -29,7 +29,8 @@ import attrs
 import torch
 
 from . import _torch
-from .errors import FrozenError, RecordError, RecordKeyError
+from ._frozen import Frozen
+from .errors import RecordError, RecordKeyError
 
 __all__ = ["CallKey", "Record", "RecordNode"]
 
@@ -76,23 +77,7 @@ def _summarise(value: Any) -> str:
     return repr(value)
 
 
-class _Frozen:
-    __slots__ = ()
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be assigned to, got `.{key} = ...`. Build a new one.")
-
-    def __delattr__(self, key: str) -> None:
-        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be changed, got `del .{key}`. Build a new one.")
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be assigned to, got `[{key!r}] = ...`. Build a new one.")
-
-    def __delitem__(self, key: Any) -> None:
-        raise FrozenError(f"{type(self).__name__}: a frozen value cannot be changed, got `del [{key!r}]`. Build a new one.")
-
-
-class RecordNode(_Frozen, Mapping):
+class RecordNode(Frozen, Mapping):
     """What one module stored: a read-only ``Mapping`` from record name to value.
 
     ``node[name]`` is the single value of a module that ran once; ``node.calls(name)`` the
@@ -169,7 +154,7 @@ class RecordNode(_Frozen, Mapping):
         return f"RecordNode({self._path!r}, {{{body}}})"
 
 
-class Record(_Frozen):
+class Record(Frozen):
     """An immutable tree of stored values keyed by module path, in module order.
 
     Reads like a read-only mapping from path to :class:`RecordNode`: ``rec[path]``,

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ._core import Attached, Frame, Plan, scope
-from .errors import FrozenError, SpecError, TransformError
+from ._frozen import Frozen
+from .errors import SpecError, TransformError
 from .record import Record
 from .spec import Spec
 
@@ -58,7 +59,7 @@ def _check_model(model: Any, caller: str) -> nn.Module:
     return model
 
 
-class Run:
+class Run(Frozen):
     """A context-scoped run of specs on a model. Use it through :func:`with_hooks`.
 
     Inside the block the model is called as usual (``model(x)`` or ``run(x)``); hooks are
@@ -80,6 +81,7 @@ class Run:
     """
 
     __slots__ = ("_attached", "_caller", "_frame", "_model", "_plan", "_specs", "_state")
+    _hint = "Start a new run."
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec]) -> None:
         self._setup(model, specs, "with_hooks")
@@ -100,9 +102,6 @@ class Run:
         set_(self, "_frame", None)
         set_(self, "_attached", None)
         set_(self, "_state", "new")
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise FrozenError(f"Run: a run cannot be assigned to, got `.{key} = ...`. Start a new run.")
 
     @property
     def specs(self) -> tuple[Spec, ...]:
@@ -174,8 +173,8 @@ class Run:
         rec = self.record
         out = []
         for path, name in self._plan.slots:
-            calls = rec._data.get(path, {}).get(name, ())
-            out.append(calls[-1] if calls else None)
+            node = rec.get(path)
+            out.append(node.calls(name)[-1] if node is not None and name in node else None)
         return out
 
     def __repr__(self) -> str:

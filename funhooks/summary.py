@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import _torch
-from .errors import FrozenError
+from ._frozen import Frozen
 from .record import Record
 from ._core import scope
 from ._modes import in_mode
@@ -108,7 +108,7 @@ NO_WEIGHT = ""
 """fastai 2.8's params and trainable of a module without a ``weight`` (an activation, a pool)."""
 
 
-class LayerRow(tuple):
+class LayerRow(tuple, Frozen):
     """One leaf module of :func:`layer_info`: fastai 2.8's five-item tuple ``(type, params,
     trainable, shape, same)``, with the module's ``path`` attached.
 
@@ -136,9 +136,6 @@ class LayerRow(tuple):
         row = super().__new__(cls, (type, params, trainable, shape, same))
         object.__setattr__(row, "path", path)
         return row
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise FrozenError(f"LayerRow: a row cannot be assigned to, got `.{key} = ...`. Build a new one.")
 
     @property
     def type(self) -> str:

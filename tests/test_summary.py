@@ -394,7 +394,7 @@ def test_layer_row_is_a_frozen_fastai_tuple() -> None:
     assert isinstance(shape, Shape) and hash(shape) == hash((1, 2, 3, 3))
     again = pickle.loads(pickle.dumps(row))
     assert again == row and again.path == "body.0"
-    with pytest.raises(fh.FrozenError, match=r"^LayerRow: a row cannot be assigned to, got `\.path = \.\.\.`"):
+    with pytest.raises(fh.FrozenError, match=r"^LayerRow: a frozen value cannot be assigned to, got `\.path = \.\.\.`"):
         row.path = "x"  # type: ignore[misc]
     assert row != ("Conv2d", 10, True, [1, 2, 3, 4], False)
     assert row != ("Conv2d", 10, True, [1, 2, 3, 3])  # fastai 2.8's rows have five items
