@@ -178,6 +178,7 @@ def append_line(path: pathlib.Path, obj: Mapping[str, Any], *, fsync: bool) -> N
 
 # -- one writer per rank -------------------------------------------------------------------
 
+_fcntl: Any
 try:
     import fcntl as _fcntl
 except ImportError:  # pragma: no cover - Windows: no advisory locks, one writer per rank is on the user

@@ -91,7 +91,7 @@ _SCALES = (0.5, 2.0)
 _MAX_BLOCKS = 3
 
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "relu": (nn.ReLU, False),
     "tanh": (nn.Tanh, False),
     "gelu": (nn.GELU, True),

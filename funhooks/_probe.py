@@ -17,7 +17,7 @@ the zero add, and the graph of the pass is kept until the gradients are taken.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ def projection_loss(output: Any) -> torch.Tensor:
     return torch.stack([t.float() for t in terms]).sum() if terms else torch.zeros(())
 
 
-def kind(tensors: list[torch.Tensor | None]) -> str | None:
+def kind(tensors: Sequence[torch.Tensor | None]) -> str | None:
     """``"nan"`` or ``"inf"`` for the first non-finite value, or None."""
     for t in tensors:
         if t is not None and t.is_floating_point():
@@ -123,10 +123,9 @@ class Flow:
         self.record: Record = run.record
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         wanted = probes.all() + [p for _, p in self.params]
+        grads: list[torch.Tensor | None] = [None] * len(wanted)
         if isinstance(self.loss, torch.Tensor) and self.loss.requires_grad and wanted:
             grads = list(torch.autograd.grad(self.loss, wanted, allow_unused=True))
-        else:
-            grads = [None] * len(wanted)
         by_id = {id(t): g for t, g in zip(wanted, grads)}
         self.order = probes.order
         self.out_grads = {p: [[by_id[id(t)] for t in call] for call in calls] for p, calls in probes.outputs.items()}

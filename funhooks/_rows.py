@@ -98,4 +98,4 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
 
 def describe(rows: Mapping[str, torch.Tensor]) -> list[_shards.Column]:
     """The columns of `rows`: name, dtype, shape of one row."""
-    return [_shards.Column(name, t.dtype, tuple(t.shape[1:])) for name, t in rows.items()]
+    return [_shards.Column(name, t.dtype, t.shape[1:]) for name, t in rows.items()]

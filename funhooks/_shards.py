@@ -28,7 +28,7 @@ import pathlib
 import re
 import secrets
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -71,13 +71,17 @@ def is_storable(dtype: torch.dtype) -> bool:
     return dtype in _CODES
 
 
+def _shape(dims: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dims)
+
+
 @attrs.frozen
 class Column:
     """One column of a store: its name (``"<module path>/<record name>"``) and one row's dtype and shape."""
 
     name: str
     dtype: torch.dtype
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
 
     @property
     def row_bytes(self) -> int:
@@ -91,7 +95,7 @@ class Column:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Column:
-        return cls(str(obj["name"]), parse_dtype(obj["dtype"]), tuple(int(d) for d in obj["shape"]))
+        return cls(str(obj["name"]), parse_dtype(obj["dtype"]), _shape(int(d) for d in obj["shape"]))
 
     def describe(self) -> str:
         return f"{dtype_name(self.dtype)} rows of shape {self.shape}"

@@ -38,7 +38,8 @@ class _Held:
     """What a sink must give back: its lock and its unfinished shard."""
 
     def __init__(self, lock: _manifest.RankLock) -> None:
-        self.lock, self.shard = lock, None
+        self.lock = lock
+        self.shard: _shards.ShardFile | None = None
 
     def close(self) -> None:
         if self.shard is not None:
@@ -55,8 +56,9 @@ class Sink:
         self.directory, self.rank, self.fsync = directory, rank, fsync
         key = (os.path.realpath(directory), rank)
         previous = _OPEN.get(key)
-        if previous is not None and previous() is not None:
-            previous().close()
+        earlier = None if previous is None else previous()
+        if earlier is not None:
+            earlier.close()
         self._held = _Held(_manifest.RankLock(directory, rank, CALLER))
         self._finalizer = weakref.finalize(self, _Held.close, self._held)
         try:
@@ -136,8 +138,8 @@ class Sink:
                  "shard": self.shards}
         meta = {"format": "pt", "funhooks": json.dumps(about)}
         assert self.columns is not None
-        self._held.shard = _shards.ShardFile(self.directory, self.rank, self.shards, self.columns, self.capacity, meta)
-        return self._held.shard
+        shard = self._held.shard = _shards.ShardFile(self.directory, self.rank, self.shards, self.columns, self.capacity, meta)
+        return shard
 
     def _commit(self, end: tuple[int, int]) -> None:
         shard = self._held.shard

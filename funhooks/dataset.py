@@ -168,6 +168,7 @@ class ActivationDataset(torch.utils.data.Dataset):
             self._cache.move_to_end(s)
             return tensors
         path, rows = self._files[s]
+        problem: str | None
         try:
             with self._safe_open(path, framework="pt") as f:
                 tensors = {c.name: f.get_tensor(c.name) for c in self._columns}

@@ -16,7 +16,7 @@ tens to hundreds of inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +34,13 @@ SEED = 0
 def _forward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
     """``(path, kind)`` of the innermost module, first in module order, with a call whose
     inputs are finite and whose output is not."""
-    found = {}
+    found: dict[str, str] = {}
     for path, node in flow.record.items():
         for before, after in zip(node.calls("input_kind"), node.calls("output_kind")):
             if before is None and after is not None:
                 found.setdefault(path, after)
-    path = inv.innermost(list(found))
-    return None if path is None else (path, found[path])
+    culprit = inv.innermost(list(found))
+    return None if culprit is None else (culprit, found[culprit])
 
 
 def _backward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
@@ -58,8 +58,8 @@ def _backward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
                 kind = bad_params.get(path)
             if kind is not None:
                 found.setdefault(path, kind)
-    path = inv.innermost(list(found))
-    return None if path is None else (path, found[path])
+    culprit = inv.innermost(list(found))
+    return None if culprit is None else (culprit, found[culprit])
 
 
 _FINITE_FIX = "Guard the operation (clamp what goes into `log` or `sqrt`, add an epsilon to a division)"
@@ -199,10 +199,9 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
             torch.manual_seed(SEED)
             with torch.enable_grad():
                 loss = loss_fn(model(*inv.as_args(draw)))
+                grads: Sequence[torch.Tensor | None] = [None] * len(params)
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-                else:
-                    grads = (None,) * len(params)
             return [(n, s) for (n, _), g in zip(params, grads) if (s := _status(g)) is not None]
 
         draw = inv.search(inv.as_strategy(inputs, caller, normal=True), lambda d: bool(statuses(d)), settings)

@@ -14,6 +14,8 @@ Cost: one forward pass per drawn input, without gradients, plus one float per la
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from typing import Any
 
 import torch
@@ -69,7 +71,7 @@ def _unit_peaks(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | N
     return t.detach().abs().float().amax(0)
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
 

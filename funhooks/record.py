@@ -104,6 +104,9 @@ class RecordNode(Frozen, Mapping):
     """
 
     __slots__ = ("_notes", "_path", "_values")
+    _notes: tuple[tuple[str | None, str], ...]
+    _path: str
+    _values: Mapping[str, tuple[Any, ...]]
 
     def __init__(self, path: str, values: Mapping[str, tuple[Any, ...]]) -> None:
         object.__setattr__(self, "_path", path)
@@ -179,6 +182,8 @@ class Record(Frozen):
     """
 
     __slots__ = ("_data", "_notes")
+    _data: dict[str, dict[str, tuple[Any, ...]]]
+    _notes: Mapping[str, tuple[tuple[str | None, str], ...]]
 
     def __init__(self, data: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None) -> None:
         """Build a Record from ``{path: {name: (value_of_call_0, value_of_call_1, ...)}}``.
@@ -482,7 +487,8 @@ def _same(x: Any, y: Any, rtol: float, atol: float) -> bool:
 
 def _same_tuple_type(a: type, b: type) -> bool:
     """Same tuple type; namedtuples match by name and fields, as :meth:`Record.load` rebuilds them."""
-    return a is b or (_is_namedtuple(a) and _is_namedtuple(b) and a.__name__ == b.__name__ and a._fields == b._fields)
+    return a is b or (_is_namedtuple(a) and _is_namedtuple(b) and a.__name__ == b.__name__
+                      and getattr(a, "_fields") == getattr(b, "_fields"))
 
 
 def _same_plain(x: Any, y: Any) -> bool:
@@ -673,10 +679,11 @@ def _tuple_type(kind: type) -> tuple[str, str, tuple[str, ...]] | None:
         return _RETURN_TYPE, kind.__name__, ()
     if _is_namedtuple(kind):
         try:
-            _namedtuple(kind.__name__, tuple(kind._fields))
+            fields = tuple(getattr(kind, "_fields"))
+            _namedtuple(kind.__name__, fields)
         except (TypeError, ValueError):  # e.g. fields renamed to `_1` by `rename=True`
             return None
-        return _NAMEDTUPLE, kind.__name__, tuple(kind._fields)
+        return _NAMEDTUPLE, kind.__name__, fields
     return None
 
 
@@ -888,10 +895,10 @@ def _rebuilt(value: Any, position: tuple[Any, ...], positions: dict[tuple[Any, .
     cls = positions.pop(position, None)
     if cls is None:
         return value
-    arity = cls.n_sequence_fields if hasattr(cls, "n_sequence_fields") else len(cls._fields)
+    arity = cls.n_sequence_fields if hasattr(cls, "n_sequence_fields") else len(getattr(cls, "_fields"))
     if kind is not tuple or len(value) != arity:
         raise _Malformed(f"a type entry for `{where.at(position)}`, which holds no tuple of its length")
-    return cls(value) if hasattr(cls, "n_sequence_fields") else cls._make(value)
+    return cls(value) if hasattr(cls, "n_sequence_fields") else getattr(cls, "_make")(value)
 
 
 def _clipped(value: Any, limit: int = 200) -> str:

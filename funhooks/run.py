@@ -81,6 +81,13 @@ class Run(Frozen):
     """
 
     __slots__ = ("_attached", "_caller", "_frame", "_model", "_plan", "_specs", "_state")
+    _attached: Attached | None
+    _caller: str
+    _frame: Frame | None
+    _model: nn.Module
+    _plan: Plan
+    _specs: tuple[Spec, ...]
+    _state: str
     _hint = "Start a new run."
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec]) -> None:
@@ -121,9 +128,11 @@ class Run(Frozen):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        frame = self._frame
+        frame, attached = self._frame, self._attached
+        if frame is None or attached is None:  # never entered
+            return
         scope.leave(frame)
-        self._attached.detach()
+        attached.detach()
         frame.close()
         object.__setattr__(self, "_state", "closed")
 

@@ -9,7 +9,7 @@ installed once and make natural cache keys; they pickle when their function does
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from torch import nn
@@ -117,7 +117,7 @@ class Spec:
         return None
 
 
-def _flags(label: str, **flags: Any) -> dict[str, bool]:
+def _flags(label: str, **flags: Any) -> dict[str, Any]:
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise SpecError(f"{label}: `{key}` is a bool, got {value!r}. Pass True or False.")
@@ -324,10 +324,12 @@ _FASTAI_NAME = "stored"
 
 def _modules_of(label: str, ms: Any, arg: str = "ms") -> list[nn.Module]:
     """fastai iterates `ms`: a Sequential or ModuleList means its children."""
-    try:
-        mods = list(ms) if not isinstance(ms, nn.Module) or hasattr(ms, "__iter__") else None
-    except TypeError:
-        mods = None
+    mods: list[Any] | None = None
+    if not isinstance(ms, nn.Module) or hasattr(ms, "__iter__"):  # a Sequential or ModuleList: its children
+        try:
+            mods = list(cast(Iterable[Any], ms))
+        except TypeError:
+            mods = None
     if not mods or not all(isinstance(m, nn.Module) for m in mods):
         raise SpecError(
             f"{label}: `{arg}` is an iterable of modules (a list, Sequential or ModuleList), "

@@ -37,7 +37,6 @@ from ..errors import (
 from ..distributed import is_distributed
 from ..selector import path_label as where
 from ..spec import Spec
-from . import scope
 
 if TYPE_CHECKING:
     from .frame import Frame
@@ -422,7 +421,13 @@ class Hooked:
     def __init__(self, path: str, specs: list[tuple[Spec, Key]], *, copies: bool = False) -> None:
         """Args: `copies`: the specs store copies (inside compiled graphs and transforms)."""
         self.path = path
-        pre_edits, pre_obs, edits, grads, obs, backward, backward_pre = [], [], [], [], [], [], []
+        pre_edits: list[PreEntry] = []
+        pre_obs: list[PreEntry] = []
+        edits: list[PostEntry] = []
+        grads: list[PostEntry] = []
+        obs: list[PostEntry] = []
+        backward: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
+        backward_pre: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
         for spec, key in specs:  # `param_grad` specs never reach here: they hook parameters
             if spec.hook == "forward_pre":
                 (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key, copies))

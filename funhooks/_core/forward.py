@@ -202,7 +202,7 @@ class Forward:
         """The module's own reduction, without the run's instance attributes (``copy.copy``,
         ``copy.deepcopy`` and pickle all ask an object's ``__reduce_ex__``)."""
         module = self.ref()
-        reduced = type(module).__reduce_ex__(module, protocol)
+        reduced: Any = type(module).__reduce_ex__(module, protocol)  # type: ignore[arg-type, call-arg]
         if len(reduced) < 3 or not isinstance(reduced[2], dict):
             return reduced
         state = {k: v for k, v in reduced[2].items() if v is not self and not (k == "__reduce_ex__" and self.reducing)}

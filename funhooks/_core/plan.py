@@ -138,7 +138,8 @@ def _parameters(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tenso
     for name, param in module.named_parameters(recurse=False):
         yield prefix + name, param
     if parametrize.is_parametrized(module):
-        for tensor, plist in module.parametrizations.items():
+        parametrizations: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
+        for tensor, plist in parametrizations.items():
             for name, param in plist.named_parameters(recurse=False):
                 yield f"{prefix}parametrizations.{tensor}.{name}", param
 
@@ -218,11 +219,11 @@ class Plan:
         self.items: list[tuple[weakref.ref, forward.Forward, Hooked]] = []
         inside: dict[int, tuple[nn.Module, list[tuple[weakref.ref, str, Hooked]]]] = {}
         for mid, (path, ref, entries) in hooked.items():
-            module = ref()
-            attr = forward.attribute(type(module))
+            target: Any = ref()
+            attr = forward.attribute(type(target))
             wrapper = owner[mid]
             if wrapper is None:
-                self.items.append((ref, forward.Forward(module, attr), Hooked(path, entries)))
+                self.items.append((ref, forward.Forward(target, attr), Hooked(path, entries)))
             else:  # recorded by the wrapper's compiled recorder, storing copies
                 inside.setdefault(id(wrapper), (wrapper, []))[1].append((ref, attr, Hooked(path, _copies(entries), copies=True)))
         self.wrappers = [(weakref.ref(w), forward.Forward(w, "forward", trace.compiled_call), trace.Compiled(group, caller))

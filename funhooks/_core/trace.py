@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -45,7 +45,7 @@ def _wrapped(module: nn.Module, inner: Callable[..., Any], users: Users) -> Call
     return forward
 
 
-def record(fn: Callable[..., Any], groups: list[Group], frames: list[Frame], args: tuple, kwargs: dict) -> Any:
+def record(fn: Callable[..., Any], groups: Sequence[Group], frames: list[Frame], args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` with each group's module recording into `frames`; traceable."""
     saved = []
     for module, attr, users in groups:
