@@ -87,7 +87,7 @@ class Sink:
         self.header = manifest.header
         self.shards = len(manifest.shards)
         self.rows = sum(line["rows"] for line in manifest.shards)
-        self.end: tuple[int, int] = tuple(manifest.shards[-1]["end"]) if manifest.shards else (0, 0)  # type: ignore[assignment]
+        self.end: tuple[int, int] = tuple(manifest.shards[-1]["end"]) if manifest.shards else (0, 0)
         self.columns = None if self.header is None else [_shards.Column.from_json(c) for c in self.header["columns"]]
 
     def close(self) -> None:

@@ -100,7 +100,7 @@ def collect(writer: ActivationWriter, inputs: Iterable[Any], *, mask: str | Mask
     fn = capture(writer.model, writer.specs)
     model = writer.model
     modes = [(m, m.training) for m in model.modules()]
-    total = len(inputs) - state.next_batch if isinstance(inputs, Sized) else None  # type: ignore[arg-type]
+    total = len(inputs) - state.next_batch if isinstance(inputs, Sized) else None
     batches = _progress.wrap((b for b in _remaining(inputs, state.next_batch)), total=total, desc="collect",
                              progress=progress)
     try:

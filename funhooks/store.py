@@ -152,6 +152,10 @@ def _header_mismatch(header: Mapping[str, Any], ours: Mapping[str, Any], directo
     return None
 
 
+def _as_path(directory: str | os.PathLike[str]) -> pathlib.Path:
+    return pathlib.Path(os.fspath(directory))
+
+
 @attrs.frozen
 class ActivationWriter:
     """A reducer that streams the activations its specs store into a directory of shards.
@@ -196,7 +200,7 @@ class ActivationWriter:
 
     model: nn.Module = attrs.field(repr=lambda m: type(m).__name__)
     specs: tuple[Spec, ...] = attrs.field(converter=_as_specs)
-    directory: pathlib.Path = attrs.field(converter=lambda d: pathlib.Path(os.fspath(d)))
+    directory: pathlib.Path = attrs.field(converter=_as_path)
     dtype: torch.dtype | None = attrs.field(default=None, kw_only=True, validator=_check_dtype)
     flatten: bool = attrs.field(default=False, kw_only=True, validator=attrs.validators.instance_of(bool))
     mask: Mask | None = attrs.field(default=None, kw_only=True, validator=_check_mask)
