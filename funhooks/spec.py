@@ -8,24 +8,19 @@ installed once and make natural cache keys; they pickle when their function does
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import attrs
-from torch import nn
 
 from .errors import SpecError
 from .selector import Selector, Where, select
 
 __all__ = [
     "EVENTS",
-    "Hook",
-    "Hooks",
     "Spec",
     "edit",
     "grads",
-    "hook_output",
-    "hook_outputs",
     "inputs",
     "observe",
     "outputs",
@@ -117,7 +112,7 @@ class Spec:
         return None
 
 
-def _flags(label: str, **flags: Any) -> dict[str, Any]:
+def check_flags(label: str, **flags: Any) -> dict[str, Any]:
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise SpecError(f"{label}: `{key}` is a bool, got {value!r}. Pass True or False.")
@@ -130,7 +125,7 @@ def _check_event(label: str, event: str) -> str:
     return event
 
 
-def _check_fn(label: str, fn: Any, arg: str = "fn") -> Callable[..., Any]:
+def check_fn(label: str, fn: Any, arg: str = "fn") -> Callable[..., Any]:
     if not callable(fn):
         raise SpecError(
             f"{label}: `{arg}` is a callable taking PyTorch's hook arguments, got {fn!r}. "
@@ -147,7 +142,7 @@ def _check_fn(label: str, fn: Any, arg: str = "fn") -> Callable[..., Any]:
     return fn
 
 
-def _record_name(label: str, fn: Callable[..., Any], name: str | None) -> str:
+def record_name(label: str, fn: Callable[..., Any], name: str | None) -> str:
     if name is None:
         name = getattr(fn, "__name__", None)
         if name is None:
@@ -182,7 +177,7 @@ def outputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: boo
         >>> run.record["0"]["output"].shape
         torch.Size([1, 2])
     """
-    flags = _flags("outputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    flags = check_flags("outputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
     return Spec(select(where), "forward", "output", "output", label="outputs", **flags)
 
 
@@ -209,7 +204,7 @@ def inputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool
         >>> args[0].shape, kwargs
         (torch.Size([1, 3]), {})
     """
-    flags = _flags("inputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    flags = check_flags("inputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
     return Spec(select(where), "forward_pre", "input", "input", label="inputs", **flags)
 
 
@@ -236,7 +231,7 @@ def grads(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool 
         >>> run.record["0"]["grad"]
         tensor([[1., 1.]])
     """
-    flags = _flags("grads", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    flags = check_flags("grads", detach=detach, cpu=cpu, gather=gather, clone=clone)
     return Spec(select(where), "backward_pre", "grad", "grad", label="grads", **flags)
 
 
@@ -280,10 +275,10 @@ def observe(
         >>> bool(run.record["0"]["mean"] == y.mean())
         True
     """
-    _check_fn("observe", fn)
+    check_fn("observe", fn)
     _check_event("observe", event)
-    flags = _flags("observe", detach=detach, cpu=cpu, gather=gather, clone=clone)
-    return Spec(select(where), event, "call", _record_name("observe", fn, name), fn, label="observe", **flags)
+    flags = check_flags("observe", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), event, "call", record_name("observe", fn, name), fn, label="observe", **flags)
 
 
 def edit(where: Where, fn: Callable[..., Any], *, event: str = "forward", name: str | None = None) -> Spec:
@@ -310,128 +305,12 @@ def edit(where: Where, fn: Callable[..., Any], *, event: str = "forward", name: 
         >>> y
         tensor([[0., 0.]])
     """
-    _check_fn("edit", fn)
+    check_fn("edit", fn)
     _check_event("edit", event)
     if name is not None and (not isinstance(name, str) or not name):
         raise SpecError(f"edit: `name` is a non-empty str or None, got {name!r}. Pass a label.")
     return Spec(select(where), event, "call", name, fn, is_edit=True, label="edit")
 
 
-_FASTAI_NAME = "stored"
-"""The record name of a fastai ``Hook``/``Hooks`` whose function has no ``__name__``
-(a ``functools.partial`` or a callable object): fastai takes any callable."""
-
-
-def _modules_of(label: str, ms: Any, arg: str = "ms") -> list[nn.Module]:
-    """fastai iterates `ms`: a Sequential or ModuleList means its children."""
-    mods: list[Any] | None = None
-    if not isinstance(ms, nn.Module) or hasattr(ms, "__iter__"):  # a Sequential or ModuleList: its children
-        try:
-            mods = list(cast(Iterable[Any], ms))
-        except TypeError:
-            mods = None
-    if not mods or not all(isinstance(m, nn.Module) for m in mods):
-        raise SpecError(
-            f"{label}: `{arg}` is an iterable of modules (a list, Sequential or ModuleList), "
-            f"got {type(ms).__name__}. Pass a list of the modules to hook."
-        )
-    return mods
-
-
-def Hook(  # noqa: N802 - fastai's spelling
-    m: nn.Module,
-    hook_func: Callable[..., Any],
-    is_forward: bool = True,
-    detach: bool = True,
-    cpu: bool = False,
-    gather: bool = False,
-) -> Spec:
-    """fastai's ``Hook`` as a spec: store ``hook_func(m, input, output)`` for module `m`
-    (or ``hook_func(m, grad_input, grad_output)`` when ``is_forward=False``).
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> from torch import nn
-        >>> tst_model = nn.Linear(5, 3)
-        >>> with fh.with_hooks(tst_model, fh.Hook(tst_model, lambda m, i, o: o)) as h:
-        ...     y = tst_model(torch.randn(4, 5))
-        >>> torch.equal(h.stored[0], y)
-        True
-    """
-    if not isinstance(m, nn.Module):
-        raise SpecError(f"Hook: `m` is an nn.Module, got {type(m).__name__}. Pass the module to hook.")
-    _check_fn("Hook", hook_func, "hook_func")
-    flags = _flags("Hook", is_forward=is_forward, detach=detach, cpu=cpu, gather=gather)
-    event = "forward" if flags.pop("is_forward") else "backward"
-    name = _record_name("Hook", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))
-    return Spec(select(m), event, "call", name, hook_func, label="Hook", **flags)
-
-
-def Hooks(  # noqa: N802 - fastai's spelling
-    ms: Iterable[nn.Module],
-    hook_func: Callable[..., Any],
-    is_forward: bool = True,
-    detach: bool = True,
-    cpu: bool = False,
-) -> Spec:
-    """fastai's ``Hooks`` as a spec: :func:`Hook` on every module of `ms`.
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> from torch import nn
-        >>> layers = [nn.Linear(5, 10), nn.ReLU(), nn.Linear(10, 3)]
-        >>> tst_model = nn.Sequential(*layers)
-        >>> with fh.with_hooks(tst_model, fh.Hooks(layers, lambda m, i, o: o)) as h:
-        ...     y = tst_model(torch.randn(4, 5))
-        >>> len(h.stored), torch.equal(h.stored[2], y)
-        (3, True)
-    """
-    mods = _modules_of("Hooks", ms)
-    _check_fn("Hooks", hook_func, "hook_func")
-    flags = _flags("Hooks", is_forward=is_forward, detach=detach, cpu=cpu)
-    event = "forward" if flags.pop("is_forward") else "backward"
-    name = _record_name("Hooks", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))
-    return Spec(select(mods), event, "call", name, hook_func, label="Hooks", **flags)
-
-
-def hook_output(module: nn.Module, detach: bool = True, cpu: bool = False, grad: bool = False) -> Spec:
-    """fastai's ``hook_output``: store `module`'s output, or with ``grad=True`` its
-    ``grad_output`` tuple (record name ``"grad"``).
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> from torch import nn
-        >>> tst_model = nn.Linear(5, 10)
-        >>> with fh.with_hooks(tst_model, fh.hook_output(tst_model, grad=True)) as h:
-        ...     y = tst_model(torch.randn(4, 5))
-        ...     y.pow(2).mean().backward()
-        >>> torch.allclose(h.stored[0][0], 2 * y / y.numel())
-        True
-    """
-    if not isinstance(module, nn.Module):
-        raise SpecError(
-            f"hook_output: `module` is an nn.Module, got {type(module).__name__}. Pass the module to hook."
-        )
-    flags = _flags("hook_output", detach=detach, cpu=cpu, grad=grad)
-    if flags.pop("grad"):
-        return Spec(select(module), "backward_pre", "grad_output", "grad", label="hook_output", **flags)
-    return Spec(select(module), "forward", "output", "output", label="hook_output", **flags)
-
-
-def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, cpu: bool = False, grad: bool = False) -> Spec:
-    """fastai's ``hook_outputs``: :func:`hook_output` on every module of `modules`.
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> from torch import nn
-        >>> tst_model = nn.Sequential(nn.Linear(5, 10), nn.ReLU(), nn.Linear(10, 3))
-        >>> with fh.with_hooks(tst_model, fh.hook_outputs(tst_model)) as h:
-        ...     y = tst_model(torch.randn(4, 5))
-        >>> [tuple(s.shape) for s in h.stored]
-        [(4, 10), (4, 10), (4, 3)]
-    """
-    mods = _modules_of("hook_outputs", modules, "modules")
-    flags = _flags("hook_outputs", detach=detach, cpu=cpu, grad=grad)
-    if flags.pop("grad"):
-        return Spec(select(mods), "backward_pre", "grad_output", "grad", label="hook_outputs", **flags)
-    return Spec(select(mods), "forward", "output", "output", label="hook_outputs", **flags)
+# fastai's spellings live in `_fastai`; `from funhooks.spec import Hook` keeps working
+from ._fastai import Hook, Hooks, hook_output, hook_outputs  # noqa: E402, F401
