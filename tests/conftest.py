@@ -4,10 +4,12 @@
 """
 
 import os
+from collections.abc import Iterator
 
 import hypothesis
 import pytest
 import torch
+from helpers import assert_no_global_state
 
 hypothesis.settings.register_profile(
     "default", max_examples=25, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow]
@@ -26,3 +28,11 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Every numeric test runs on CPU and, where present, CUDA."""
     return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every test starts and ends with no run entered and no global module hook anywhere."""
+    assert_no_global_state()
+    yield
+    assert_no_global_state()

@@ -12,7 +12,6 @@ import pathlib
 import subprocess
 import sys
 
-
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 SMOKE_TIMEOUT_S = 120
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import gc
-
 import copy
+import gc
 import sys
 
 import attrs

@@ -10,48 +10,16 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import (
+    assert_clean,
+    make_model,
+    output_mean,
+    raise_value_error,
+    wrapped_paths,
+)
 from torch import nn
 
 import funhooks as fh
-
-
-def make_model(device: torch.device | str = "cpu") -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(device)
-
-
-def raise_value_error(module: nn.Module, *args: object) -> None:
-    raise ValueError("boom")
-
-
-def output_mean(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return output.mean()
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks", "_global_module_registration_hooks")
-
-
-def assert_no_global_state() -> None:
-    """Nothing of funhooks anywhere outside the models: no global module hook of any kind,
-    no run entered in this context."""
-    import torch.nn.modules.module as module_hooks
-
-    for name in _GLOBAL_HOOKS:
-        assert not getattr(module_hooks, name), name
-    assert fh._core.scope.active() == ()
-
-
-def assert_clean(model: nn.Module) -> None:
-    """No hook on the model, no mark on it, nothing global left by these tests."""
-    fh.testing.assert_no_hooks(model)
-    assert_no_global_state()
-    assert all(getattr(m, "_is_full_backward_hook", None) is None for m in model.modules())
-
-
-def _wrapped(model: nn.Module) -> list[str]:
-    return [p for p, m in model.named_modules() if "forward" in m.__dict__]
-
 
 # -- lifetime ----------------------------------------------------------------------------
 
@@ -72,7 +40,7 @@ def test_hooks_removed_after_normal_exit(device: torch.device) -> None:
     model = make_model(device)
     with fh.with_hooks(model, ALL_SPECS) as run:
         model(torch.randn(2, 4, device=device)).sum().backward()
-        assert _wrapped(model) == ["0", "1", "2"]  # forward-wrapped; backward events ride on the calls
+        assert wrapped_paths(model) == ["0", "1", "2"]  # forward-wrapped; backward events ride on the calls
         assert not any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
     assert_clean(model)
     rec = run.record

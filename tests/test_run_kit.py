@@ -7,64 +7,21 @@ import copy
 import pickle
 from collections import Counter
 
-import hypothesis
 import pytest
 import torch
+from helpers import (
+    FIXTURE_OK,
+    assert_clean,
+    assert_no_global_hooks,
+    deep_model,
+    forward_backward,
+    wrapped_paths,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import funhooks as fh
-
-FIXTURE_OK = hypothesis.settings(suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks", "_global_module_registration_hooks")
-
-
-def assert_no_global_state() -> None:
-    """Nothing of funhooks anywhere outside the models: no global module hook of any kind,
-    no run entered in this context."""
-    import torch.nn.modules.module as module_hooks
-
-    for name in _GLOBAL_HOOKS:
-        assert not getattr(module_hooks, name), name
-    assert fh._core.scope.active() == ()
-
-
-def assert_no_global_hooks() -> None:
-    """No global module hook of any kind (what would put every module call in the process on
-    PyTorch's slower hooked path)."""
-    import torch.nn.modules.module as module_hooks
-
-    for name in _GLOBAL_HOOKS:
-        assert not getattr(module_hooks, name), name
-
-
-def assert_clean(model: nn.Module) -> None:
-    """No hook on the model, no mark on it, nothing global left by these tests."""
-    fh.testing.assert_no_hooks(model)
-    assert_no_global_state()
-    assert all(getattr(m, "_is_full_backward_hook", None) is None for m in model.modules())
-
-
-def _wrapped(model: nn.Module) -> list[str]:
-    return [p for p, m in model.named_modules() if "forward" in m.__dict__]
-
-
-def forward_backward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    x = x.detach().clone().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    y = model(x)
-    y.pow(2).sum().backward()
-    return y.detach(), x.grad, [p.grad.clone() for p in model.parameters()]
-
-
-def _deep(device: torch.device) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(4, 4), nn.ReLU())]).to(device)
-
 
 # -- the same invariants on the public kit's richer models (conv, norms, forks, kwargs) -------
 
@@ -134,14 +91,14 @@ def test_in_place_change_of_a_nested_stored_tensor_is_caught(device: torch.devic
 def test_an_eager_run_wraps_only_its_modules_forwards_and_registers_no_hook(device: torch.device) -> None:
     """On an eager model a run wraps the forwards of exactly the modules it hooks: no module
     hook, no global hook, so every module keeps PyTorch's hook-free call path."""
-    model = _deep(device)
+    model = deep_model(device)
     with fh.with_hooks(model, [fh.outputs(["2", "8"]), fh.inputs("4")]) as run:
-        assert _wrapped(model) == ["2", "4", "8"]
+        assert wrapped_paths(model) == ["2", "4", "8"]
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
         assert_no_global_hooks()
         y = model(torch.randn(3, 4, device=device))
     assert list(run.record) == ["2", "4", "8"]
-    assert _wrapped(model) == []
+    assert wrapped_paths(model) == []
     assert_clean(model)
     assert y.shape == (3, 4)
 
@@ -150,7 +107,7 @@ def test_records_equal_what_hand_written_hooks_see(device: torch.device) -> None
     """A run with outputs, inputs, forward and forward-pre editors and an observer on every
     module gives the output and values that hand-registered PyTorch hooks give (editors
     registered first, so the hand hooks also see edited values)."""
-    model = _deep(device)
+    model = deep_model(device)
     x = torch.randn(3, 4, device=device)
     specs = [fh.outputs(["0", "6"]), fh.inputs("4"), fh.edit("2", lambda m, a, o: o * 0.5),
              fh.edit("8", lambda m, a: (a[0] + 1,), event="forward_pre"),
@@ -176,7 +133,7 @@ def test_records_equal_what_hand_written_hooks_see(device: torch.device) -> None
 
 def test_nested_runs_with_different_plans_each_record_the_same_call(device: torch.device) -> None:
     """An outer and an inner run on one module (one wrapper, two users) both see the call."""
-    model = _deep(device)
+    model = deep_model(device)
     with fh.with_hooks(model, fh.outputs("0")) as outer:
         with fh.with_hooks(model, fh.outputs("**")) as inner:
             model(torch.randn(2, 4, device=device))
@@ -189,7 +146,7 @@ def test_nested_runs_with_different_plans_each_record_the_same_call(device: torc
 def test_runs_sharing_a_module_exit_in_any_order(device: torch.device) -> None:
     """Two runs wrapping one module: the first to exit leaves the other recording, and the
     last one restores the module."""
-    model = _deep(device)
+    model = deep_model(device)
     x = torch.randn(2, 4, device=device)
     first = fh.with_hooks(model, fh.outputs("0"))
     second = fh.with_hooks(model, [fh.outputs("0"), fh.outputs("2")])
@@ -198,7 +155,7 @@ def test_runs_sharing_a_module_exit_in_any_order(device: torch.device) -> None:
     model(x)
     first.__exit__(None, None, None)  # not the innermost
     model(x)
-    assert _wrapped(model) == ["0", "2"]
+    assert wrapped_paths(model) == ["0", "2"]
     second.__exit__(None, None, None)
     model(x)
     assert len(first.record.calls("0", "output")) == 1
@@ -209,19 +166,19 @@ def test_runs_sharing_a_module_exit_in_any_order(device: torch.device) -> None:
 
 def test_a_wrapped_forward_is_removed_after_an_exception(device: torch.device) -> None:
     """Wrapped forwards go on every exit."""
-    model = _deep(device)
+    model = deep_model(device)
     with pytest.raises(KeyError):
         with fh.with_hooks(model, fh.outputs("4")):
             model(torch.randn(2, 4, device=device))
             raise KeyError("mid-run")
     assert_clean(model)
-    assert _wrapped(model) == []
+    assert wrapped_paths(model) == []
 
 
 def test_a_forward_set_on_the_instance_before_the_run_is_kept(device: torch.device) -> None:
     """A ``forward`` the user (or a library like accelerate) set on the instance runs inside
     the block and is the very same object after it."""
-    model = _deep(device)
+    model = deep_model(device)
     layer = model[0]
     plain = layer.forward
 
@@ -241,7 +198,7 @@ def test_a_forward_set_on_the_instance_before_the_run_is_kept(device: torch.devi
 def test_a_forward_replaced_inside_the_block_stays(device: torch.device) -> None:
     """A forward the user sets on top of funhooks' inside the block is theirs after it:
     it still runs, and funhooks' wrapper under it records nothing any more."""
-    model = _deep(device)
+    model = deep_model(device)
     layer = model[0]
     x = torch.randn(2, 4, device=device)
     with fh.with_hooks(model, fh.outputs("0")) as run:
@@ -262,7 +219,7 @@ def test_a_forward_replaced_inside_the_block_stays(device: torch.device) -> None
 def test_a_model_copied_or_pickled_inside_the_block_is_plain(device: torch.device) -> None:
     """``copy.deepcopy`` and pickling inside a block give models that compute the same and
     record nothing; the run records only its own model."""
-    model = _deep(device)
+    model = deep_model(device)
     x = torch.randn(2, 4, device=device)
     with fh.with_hooks(model, fh.outputs(["", "0"])) as run:
         twin = copy.deepcopy(model)
@@ -281,7 +238,7 @@ def test_a_wrapped_forward_keeps_its_signature(device: torch.device) -> None:
     """Code that inspects ``module.forward`` (signature, name) sees the module's own."""
     import inspect
 
-    model = _deep(device)
+    model = deep_model(device)
     before = inspect.signature(model[0].forward)
     with fh.with_hooks(model, fh.outputs("0")):
         assert inspect.signature(model[0].forward) == before
@@ -317,7 +274,7 @@ def test_a_module_whose_forward_is_a_property_is_wrapped_through_call_impl(devic
 
 def test_a_data_parallel_model_on_one_device_records(device: torch.device) -> None:
     """DataParallel on one device (or the CPU) calls the module itself: runs record through it."""
-    model = _deep(device)
+    model = deep_model(device)
     x = torch.randn(2, 4, device=device)
     for wrapped in (nn.DataParallel(model), nn.Sequential(nn.DataParallel(model))):
         with fh.with_hooks(wrapped, fh.outputs(model[0])) as run:
@@ -330,7 +287,7 @@ def test_a_data_parallel_model_on_one_device_records(device: torch.device) -> No
 def test_data_parallel_over_several_devices_is_refused() -> None:
     """DataParallel over several devices runs replicas (new module objects no run sees): the
     run refuses it up front instead of recording nothing."""
-    model = _deep("cpu")
+    model = deep_model("cpu")
     wrapped = nn.DataParallel(model)
     wrapped.device_ids = [0, 1]  # what DataParallel holds on a machine with two GPUs
     with pytest.raises(fh.TransformError, match=r"`nn.DataParallel` runs replicas.*devices \[0, 1\]"):
@@ -395,5 +352,5 @@ def test_a_run_that_fails_while_wrapping_leaves_no_module_wrapped() -> None:
     with pytest.raises(RuntimeError, match="forward is not readable"):
         with fh.with_hooks(model, fh.outputs("**")):
             pass  # never reached
-    assert _wrapped(model) == []
+    assert wrapped_paths(model) == []
     assert_clean(model)

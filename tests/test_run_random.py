@@ -7,54 +7,20 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import hypothesis
 import pytest
 import torch
+from helpers import (
+    FIXTURE_OK,
+    assert_clean,
+    forward_backward,
+    output_mean,
+    raise_value_error,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import funhooks as fh
-
-FIXTURE_OK = hypothesis.settings(suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
-
-
-def raise_value_error(module: nn.Module, *args: object) -> None:
-    raise ValueError("boom")
-
-
-def output_mean(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return output.mean()
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks", "_global_module_registration_hooks")
-
-
-def assert_no_global_state() -> None:
-    """Nothing of funhooks anywhere outside the models: no global module hook of any kind,
-    no run entered in this context."""
-    import torch.nn.modules.module as module_hooks
-
-    for name in _GLOBAL_HOOKS:
-        assert not getattr(module_hooks, name), name
-    assert fh._core.scope.active() == ()
-
-
-def assert_clean(model: nn.Module) -> None:
-    """No hook on the model, no mark on it, nothing global left by these tests."""
-    fh.testing.assert_no_hooks(model)
-    assert_no_global_state()
-    assert all(getattr(m, "_is_full_backward_hook", None) is None for m in model.modules())
-
-
-def forward_backward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    x = x.detach().clone().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    y = model(x)
-    y.pow(2).sum().backward()
-    return y.detach(), x.grad, [p.grad.clone() for p in model.parameters()]
-
 
 # -- properties on random models ---------------------------------------------------------------
 

@@ -6,36 +6,10 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_clean, make_model
 from torch import nn
 
 import funhooks as fh
-
-
-def make_model(device: torch.device | str = "cpu") -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(device)
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks", "_global_module_registration_hooks")
-
-
-def assert_no_global_state() -> None:
-    """Nothing of funhooks anywhere outside the models: no global module hook of any kind,
-    no run entered in this context."""
-    import torch.nn.modules.module as module_hooks
-
-    for name in _GLOBAL_HOOKS:
-        assert not getattr(module_hooks, name), name
-    assert fh._core.scope.active() == ()
-
-
-def assert_clean(model: nn.Module) -> None:
-    """No hook on the model, no mark on it, nothing global left by these tests."""
-    fh.testing.assert_no_hooks(model)
-    assert_no_global_state()
-    assert all(getattr(m, "_is_full_backward_hook", None) is None for m in model.modules())
-
 
 # -- what each spec stores -------------------------------------------------------------------
 

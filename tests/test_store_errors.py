@@ -7,65 +7,20 @@ import sys
 
 import pytest
 import torch
-from torch import nn
+from store_helpers import (
+    FEATURES,
+    Two,
+    contents,
+    expected_rows,
+    feed,
+    record_of,
+    same_rows,
+    writer_for,
+)
 
 import funhooks as fh
 
 pytest.importorskip("safetensors")
-
-FEATURES, VOCAB = 3, 20
-
-
-class Two(nn.Module):
-    """Modules `a` (features) and `b`, whose hand-built records give the columns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(FEATURES, FEATURES), nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
-
-
-def _record(a: torch.Tensor, b: torch.Tensor) -> fh.Record:
-    return fh.Record({"a": {"output": (a,)}, "b": {"output": (b,)}})
-
-
-def _expected(stream: dict) -> dict[str, torch.Tensor]:
-    """The rows the store must hold: flattened, masked, floats cast."""
-    cols: dict[str, list[torch.Tensor]] = {"a/output": [], "b/output": []}
-    for a, b, mask in stream["batches"]:
-        if stream["flatten"]:
-            a, b, mask = a.flatten(0, 1), b.flatten(0, 1), None if mask is None else mask.flatten(0, 1)
-        if mask is not None:
-            a, b = a[mask], b[mask]
-        cols["a/output"].append(a if stream["dtype"] is None else a.to(stream["dtype"]))
-        cols["b/output"].append(b)
-    return {k: torch.cat(v) for k, v in cols.items()}
-
-
-def _writer(directory, stream: dict, **kw) -> fh.ActivationWriter:
-    return fh.ActivationWriter(Two(), fh.outputs(["a", "b"]), directory, flatten=stream["flatten"],
-                               dtype=stream["dtype"], rows_per_shard=stream["rows_per_shard"], fsync=False, **kw)
-
-
-def _feed(writer: fh.ActivationWriter, stream: dict, stop: int | None = None) -> fh.ActivationDataset | None:
-    """Write the stream's batches; stop with an exception before batch `stop`."""
-    state = writer.init()
-    for i, (a, b, mask) in enumerate(stream["batches"]):
-        if i == stop:
-            raise RuntimeError("interrupted")
-        state = writer.write(state, i, _record(a, b), mask=mask)
-    return writer.result(state)
-
-
-def _contents(directory) -> dict[str, torch.Tensor]:
-    ds = fh.ActivationDataset(directory)
-    return ds[:] if len(ds) else {}
-
-
-def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
-    return set(got) == set(want) and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
 
 
 # -- bad input: one-line errors, committed shards intact ---------------------------------------
@@ -81,13 +36,13 @@ def test_a_store_continued_with_other_specs_or_options_is_refused(tmp_path):
     """`init` compares the directory's header with the writer's: other specs, `flatten`,
     `dtype` or `rows_per_shard` are one-line errors before anything runs."""
     stream = _stream()
-    _feed(_writer(tmp_path, stream), stream)
+    feed(writer_for(tmp_path, stream), stream)
     cases = {
         "specs": (fh.ActivationWriter(Two(), fh.outputs("a"), tmp_path),
                   "the specs that started it, got [\"outputs('a')\"] for {d}, written with [\"outputs(['a', 'b'])\"]"),
-        "dtype": (_writer(tmp_path, {**stream, "dtype": torch.float16}),
+        "dtype": (writer_for(tmp_path, {**stream, "dtype": torch.float16}),
                   "the `dtype` that started it, got 'float16' for {d}, written with None"),
-        "rows": (_writer(tmp_path, {**stream, "rows_per_shard": 5}),
+        "rows": (writer_for(tmp_path, {**stream, "rows_per_shard": 5}),
                  "the `rows_per_shard` that started it, got 5 for {d}, written with 3. Pass that, or None."),
     }
     for writer, middle in cases.values():
@@ -96,19 +51,19 @@ def test_a_store_continued_with_other_specs_or_options_is_refused(tmp_path):
         end = "" if middle.endswith("None.") else ". Pass those, or write to a new directory."
         where = middle.format(d=repr(str(tmp_path)))
         assert str(info.value) == f"ActivationWriter: a store is continued with {where}{end}"
-    assert _equal(_contents(tmp_path), _expected(stream))
+    assert same_rows(contents(tmp_path), expected_rows(stream))
 
 
 def test_another_format_version_is_refused_by_writer_and_reader(tmp_path):
     """A manifest of format version 2 is named, with the release that wrote it."""
     stream = _stream()
-    _feed(_writer(tmp_path, stream), stream)
+    feed(writer_for(tmp_path, stream), stream)
     manifest = tmp_path / "manifest.rank0.jsonl"
     lines = manifest.read_text().splitlines(keepends=True)
     header = json.loads(lines[0])
     header.update(version=2, versions={**header["versions"], "funhooks": "9.0"})
     manifest.write_text(json.dumps(header) + "\n" + "".join(lines[1:]))
-    for open_it, caller in ((lambda: _writer(tmp_path, stream).init(), "ActivationWriter"),
+    for open_it, caller in ((lambda: writer_for(tmp_path, stream).init(), "ActivationWriter"),
                             (lambda: fh.ActivationDataset(tmp_path), "ActivationDataset")):
         with pytest.raises(fh.StoreError) as info:
             open_it()
@@ -123,9 +78,9 @@ def test_shape_or_dtype_changes_between_batches_are_refused(tmp_path):
     the store keeps what was committed and a fixed restart completes it."""
     stream = _stream(rows_per_shard=2)
     bad = [stream["batches"][0], (torch.randn(2, FEATURES + 1), torch.arange(2), None)]
-    writer = _writer(tmp_path, stream)
+    writer = writer_for(tmp_path, stream)
     with pytest.raises(fh.StoreError) as info:
-        _feed(writer, {**stream, "batches": bad})
+        feed(writer, {**stream, "batches": bad})
     assert str(info.value) == (
         "ActivationWriter: every batch gives column 'a/output' float32 rows of shape (3,), got float32 rows of shape "
         "(4,) in batch 1. Give every batch one shape (with flatten=True a row is one position, and a mask drops "
@@ -133,19 +88,19 @@ def test_shape_or_dtype_changes_between_batches_are_refused(tmp_path):
     )
     wrong_dtype = [stream["batches"][0], (torch.randn(2, FEATURES, dtype=torch.float64), torch.arange(2), None)]
     with pytest.raises(fh.StoreError, match="got float64 rows of shape \\(3,\\) in batch 1"):
-        _feed(writer, {**stream, "batches": wrong_dtype})
-    assert _equal(_contents(tmp_path), {k: v[:2] for k, v in _expected(stream).items()})
-    assert _equal(_feed(writer, stream)[:], _expected(stream))
+        feed(writer, {**stream, "batches": wrong_dtype})
+    assert same_rows(contents(tmp_path), {k: v[:2] for k, v in expected_rows(stream).items()})
+    assert same_rows(feed(writer, stream)[:], expected_rows(stream))
 
 
 def test_a_deleted_shard_is_named_with_the_fix(tmp_path):
     """A shard deleted by hand: reader and writer name it and the fix; cutting the manifest
     as told makes the writer rewrite it, and the later shards, exactly."""
     stream = _stream(n=5)
-    _feed(_writer(tmp_path, stream), stream)
+    feed(writer_for(tmp_path, stream), stream)
     (tmp_path / "shard.rank0.000001.safetensors").unlink()
     for open_it, caller in ((lambda: fh.ActivationDataset(tmp_path), "ActivationDataset"),
-                            (lambda: _writer(tmp_path, stream).init(), "ActivationWriter")):
+                            (lambda: writer_for(tmp_path, stream).init(), "ActivationWriter")):
         with pytest.raises(fh.StoreError) as info:
             open_it()
         assert str(info.value) == (
@@ -155,22 +110,22 @@ def test_a_deleted_shard_is_named_with_the_fix(tmp_path):
         )
     manifest = tmp_path / "manifest.rank0.jsonl"
     manifest.write_text("".join(manifest.read_text().splitlines(keepends=True)[:2]))
-    assert _equal(_feed(_writer(tmp_path, stream), stream)[:], _expected(stream))
+    assert same_rows(feed(writer_for(tmp_path, stream), stream)[:], expected_rows(stream))
 
 
 def test_a_torn_manifest_line_and_stray_files_are_not_part_of_the_store(tmp_path):
     """What a killed writer can leave (half a manifest line, a shard renamed but not listed,
     a temporary) is ignored by the reader and cleaned by the next writer."""
     stream = _stream()
-    _feed(_writer(tmp_path, stream), stream)
-    want = _expected(stream)
+    feed(writer_for(tmp_path, stream), stream)
+    want = expected_rows(stream)
     with (tmp_path / "manifest.rank0.jsonl").open("a") as f:
         f.write('{"shard": 3, "file": "shard.rank0.0000')
     (tmp_path / "shard.rank0.000003.safetensors").write_bytes(b"half")
     (tmp_path / ".shard.rank0.000003.safetensors.0a1b2c3d.tmp").write_bytes(b"half")
-    assert _equal(_contents(tmp_path), want)
+    assert same_rows(contents(tmp_path), want)
     more = {**stream, "batches": stream["batches"] + _stream(2)["batches"]}
-    assert _equal(_feed(_writer(tmp_path, more), more)[:], _expected(more))
+    assert same_rows(feed(writer_for(tmp_path, more), more)[:], expected_rows(more))
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -186,7 +141,7 @@ def test_a_manifest_that_is_not_a_store_is_named(tmp_path):
     )
     manifest.write_text('{"format": "funhooks.activations", "version": 1}\n[1, 2]\n')
     with pytest.raises(fh.StoreError) as info:
-        _writer(tmp_path, _stream()).init()
+        writer_for(tmp_path, _stream()).init()
     assert str(info.value) == (
         f"ActivationWriter: each line of a manifest is one JSON object, got line 2 of {str(manifest)!r} unreadable "
         "(a JSON list). Restore the file, or write the store again in a new directory."
@@ -196,13 +151,13 @@ def test_a_manifest_that_is_not_a_store_is_named(tmp_path):
 def test_a_corrupted_shard_is_refused_when_read(tmp_path):
     """A shard of the right size whose bytes were overwritten fails at its first read, named."""
     stream = _stream()
-    _feed(_writer(tmp_path, stream), stream)
+    feed(writer_for(tmp_path, stream), stream)
     shard = tmp_path / "shard.rank0.000001.safetensors"
     data = bytearray(shard.read_bytes())
     data[:8] = b"\xff" * 8
     shard.write_bytes(bytes(data))
     ds = fh.ActivationDataset(tmp_path)
-    assert torch.equal(ds[0]["b/output"], _expected(stream)["b/output"][0])  # shard 0 is fine
+    assert torch.equal(ds[0]["b/output"], expected_rows(stream)["b/output"][0])  # shard 0 is fine
     with pytest.raises(fh.StoreError) as info:
         ds[3]
     assert str(info.value).startswith("ActivationDataset: a shard holds the rows its manifest line says, got "
@@ -215,10 +170,10 @@ def test_a_restarted_batch_with_fewer_rows_is_refused(tmp_path):
     """After a restart, the batch a shard ended in must give at least the rows written of it."""
     stream = _stream(rows_per_shard=3)
     with pytest.raises(RuntimeError):
-        _feed(_writer(tmp_path, stream), stream, stop=2)  # shard 0 ends one row into batch 1
+        feed(writer_for(tmp_path, stream), stream, stop=2)  # shard 0 ends one row into batch 1
     shorter = {**stream, "batches": [stream["batches"][0], (torch.randn(0, FEATURES), torch.arange(0), None)]}
     with pytest.raises(fh.StoreError) as info:
-        _feed(_writer(tmp_path, stream), shorter)
+        feed(writer_for(tmp_path, stream), shorter)
     assert str(info.value) == (
         "ActivationWriter: a restarted batch gives the rows it gave before, got 0 rows in batch 1 of which 1 were "
         "written before the restart. Feed the same inputs, or write to a new directory."
@@ -248,9 +203,9 @@ def test_bad_batches_name_the_column_and_the_rule(tmp_path):
          "from a tuple)."),
         (fh.Record({"a": {"output": (a, a)}, "b": {"output": (b,)}}), None, "got 2 calls for 'a/output'"),
         (fh.Record({"a": {"output": ((a,),)}, "b": {"output": (b,)}}), None, "got a tuple for 'a/output'"),
-        (_record(a, torch.arange(3)), None, "the columns of a batch share their leading batch dimensions, got "
+        (record_of(a, torch.arange(3)), None, "the columns of a batch share their leading batch dimensions, got "
          "{'a/output': (2,), 'b/output': (3,)} in batch 0. Write modules with other shapes to another store."),
-        (_record(a, b), torch.ones(3, dtype=torch.bool),
+        (record_of(a, b), torch.ones(3, dtype=torch.bool),
          "a mask has the columns' leading shape (2,), got (3,) in batch 0. Pass a (batch,) mask of the same batch."),
     ]
     for record, mask, message in cases:
@@ -258,15 +213,15 @@ def test_bad_batches_name_the_column_and_the_rule(tmp_path):
             writer.write(state, 0, record, mask=mask)
         assert str(info.value).startswith("ActivationWriter: ") and message in str(info.value)
     with pytest.raises(fh.StoreError) as info:
-        writer.write(state, 1, _record(a, b))
+        writer.write(state, 1, record_of(a, b))
     assert str(info.value) == (
         f"ActivationWriter: batches come in order, each once, got batch 1 where batch 0 was next in {str(tmp_path)!r}. "
         "Feed every batch (a restart feeds them all from the first; the written ones are skipped), or fh.collect the "
         "inputs."
     )
-    writer.write(state, 0, _record(a, b))
+    writer.write(state, 0, record_of(a, b))
     with pytest.raises(fh.StoreError) as info:
-        writer.write(state, 1, _record(a, b))
+        writer.write(state, 1, record_of(a, b))
     assert str(info.value) == (
         "ActivationWriter: a state is used once, each step taking the one the last returned, got a state that is stale "
         "(it was used already). Start again from `writer.init()`: committed shards are kept."

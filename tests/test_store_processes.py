@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from torch import nn
+from store_helpers import contents, same_rows, store_inputs, store_model
 
 import funhooks as fh
 
@@ -22,36 +22,6 @@ pytest.importorskip("safetensors")
 CHILD_TIMEOUT_S = 120
 COLLECTIVE_TIMEOUT_S = 60
 FEATURES, VOCAB = 3, 20
-
-
-class Two(nn.Module):
-    """Modules `a` (features) and `b`, whose hand-built records give the columns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(FEATURES, FEATURES), nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
-
-
-def _contents(directory) -> dict[str, torch.Tensor]:
-    ds = fh.ActivationDataset(directory)
-    return ds[:] if len(ds) else {}
-
-
-def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
-    return set(got) == set(want) and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
-
-
-def _inputs(n: int = 7, batch: int = 5) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(batch, 4, generator=gen) for _ in range(n)]
 
 
 # -- subprocess scenarios ----------------------------------------------------------------------
@@ -64,16 +34,16 @@ def _child(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 
 def _child_batches() -> list[torch.Tensor]:
-    return [x * (i + 1) for i, x in enumerate(_inputs(40, 3))]
+    return [x * (i + 1) for i, x in enumerate(store_inputs(40, 3))]
 
 
 def _child_writer(directory: str, rows_per_shard: int, **kw) -> fh.ActivationWriter:
-    return fh.ActivationWriter(_model(), [fh.outputs("0"), fh.outputs("2")], directory, rows_per_shard=rows_per_shard,
+    return fh.ActivationWriter(store_model(), [fh.outputs("0"), fh.outputs("2")], directory, rows_per_shard=rows_per_shard,
                                dtype=torch.bfloat16, **kw)
 
 
 def _child_want() -> dict[str, torch.Tensor]:
-    model = _model()
+    model = store_model()
     with torch.no_grad():
         xs = _child_batches()
         return {"0/output": torch.cat([model[0](x) for x in xs]).bfloat16(),
@@ -113,11 +83,11 @@ def test_a_killed_writer_resumes_without_duplicates_or_losses(tmp_path):
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
-        got = _contents(directory)
+        got = contents(directory)
         n = len(got["0/output"])
-        assert 0 < n < len(want["0/output"]) and _equal(got, {k: v[:n] for k, v in want.items()})
+        assert 0 < n < len(want["0/output"]) and same_rows(got, {k: v[:n] for k, v in want.items()})
         ds = fh.collect(_child_writer(directory, 4), _child_batches())
-        assert _equal(ds[:], want)
+        assert same_rows(ds[:], want)
         assert sorted(p.name for p in directory.iterdir() if not p.name.startswith("shard.")) == [
             ".lock.rank0", "manifest.rank0.jsonl"]
 
@@ -154,9 +124,9 @@ def test_a_full_disk_keeps_what_was_committed(tmp_path):
         shards = [f"shard.rank0.{k:06d}.safetensors" for k in range(kept)]
         assert names == [".lock.rank0", "manifest.rank0.jsonl", *shards]
         if kept:
-            assert _equal(_contents(directory), {k: v[:4 * kept] for k, v in want.items()})
+            assert same_rows(contents(directory), {k: v[:4 * kept] for k, v in want.items()})
         ds = fh.collect(_child_writer(directory, rows), _child_batches())
-        assert _equal(ds[:], want)
+        assert same_rows(ds[:], want)
 
 
 def test_ranks_write_their_own_shards_and_read_as_one_dataset(tmp_path):
@@ -176,7 +146,7 @@ def test_ranks_write_their_own_shards_and_read_as_one_dataset(tmp_path):
                 proc.kill()
                 proc.wait()
     ds = fh.ActivationDataset(tmp_path / "store", columns="2/output")
-    model = _model()
+    model = store_model()
     with torch.no_grad():
         want = torch.cat([model(x).bfloat16() for rank in range(2) for x in _rank_batches(rank)])
     assert ds.metadata["ranks"] == [0, 1] and ds.shards == -(-30 // 4) + -(-24 // 4)
