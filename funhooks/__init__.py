@@ -42,7 +42,8 @@ from .loop import Step, evaluate, train
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .selector import Selector, select
-from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
+from ._fastai import Hook, Hooks, hook_output, hook_outputs
+from .spec import EVENTS, Spec, edit, grads, inputs, observe, outputs
 from .stats import ActivationStats, ActivationStatsResult, HookCallback
 from .store import ActivationWriter, WriterState
 from .summary import (

@@ -310,7 +310,3 @@ def edit(where: Where, fn: Callable[..., Any], *, event: str = "forward", name: 
     if name is not None and (not isinstance(name, str) or not name):
         raise SpecError(f"edit: `name` is a non-empty str or None, got {name!r}. Pass a label.")
     return Spec(select(where), event, "call", name, fn, is_edit=True, label="edit")
-
-
-# fastai's spellings live in `_fastai`; `from funhooks.spec import Hook` keeps working
-from ._fastai import Hook, Hooks, hook_output, hook_outputs  # noqa: E402, F401
