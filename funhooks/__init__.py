@@ -17,7 +17,7 @@ Example:
 import sys as _sys
 from importlib import metadata as _metadata
 
-from . import activation, distributed, plot, progress, pure, selector, testing
+from . import activation, distributed, intervene, ops, plot, progress, pure, selector, testing
 from .dataset import ActivationDataset
 from .collect import collect
 from .distributed import merge_across_ranks
@@ -25,6 +25,7 @@ from .errors import (
     ExtraError,
     FrozenError,
     HookError,
+    InterventionError,
     LoopError,
     RecordError,
     RecordKeyError,
@@ -36,6 +37,9 @@ from .errors import (
     TransformError,
 )
 from .fold import Reducer, fit, fold, fold_all, running
+from .intervene import Arg, ablate, arg, patch, scale, steer
+from .mean import OutputMeans
+from .ops import Op, op, op_edit, op_inputs, op_outputs
 from .pure import capture, functional
 from .activation import activation_grads
 from .loop import Step, evaluate, train
@@ -70,11 +74,14 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
     __version__ = "0.0.0"
 
 __all__ = [
+    "ablate",
     "activation_grads",
     "ActivationDataset",
     "ActivationStats",
     "ActivationStatsResult",
     "ActivationWriter",
+    "Arg",
+    "arg",
     "capture",
     "collect",
     "distributed",
@@ -98,6 +105,7 @@ __all__ = [
     "HookError",
     "Hooks",
     "inputs",
+    "InterventionError",
     "layer_info",
     "LayerRow",
     "LoopError",
@@ -107,7 +115,14 @@ __all__ = [
     "ModuleSummary",
     "num_features_model",
     "observe",
+    "Op",
+    "op",
+    "op_edit",
+    "op_inputs",
+    "op_outputs",
+    "OutputMeans",
     "outputs",
+    "patch",
     "plot",
     "progress",
     "Record",
@@ -118,12 +133,14 @@ __all__ = [
     "ReducerError",
     "Run",
     "running",
+    "scale",
     "select",
     "Selector",
     "SelectorError",
     "Spec",
     "SpecError",
     "StaleTensorError",
+    "steer",
     "Step",
     "StoreError",
     "testing",

@@ -28,7 +28,6 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -234,9 +233,9 @@ def call(module: nn.Module, inner: Callable[..., Any], users: tuple, path: str, 
                 for entry in entries:
                     if not entry.deep:
                         raise TransformError(
-                            f"{frame.caller}: an op spec inside `torch.compile`d code counts its submodules' ops too "
-                            f"(frames cannot be walked there), got {entry.spec!r} on module {where(path)}. Pass "
-                            f"`fh.op({entry.name!r}, deep=True)`, or run it eagerly."
+                            f"{frame.caller}: inside `torch.compile`d code an op spec also takes its module's "
+                            f"submodules' ops, as frames cannot be walked there, got {entry.spec!r} on module "
+                            f"{where(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
                         )
     mode = _Mode(module, users, None if compiling else sys._getframe(), replay)
     with mode:
