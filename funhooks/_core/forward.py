@@ -113,7 +113,7 @@ def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple
         if full or pre_hooks:
             backward = _torch.backward_hook(module, full, pre_hooks)
             args = backward.setup_input_hook(args)
-    around = tuple([u for u in users if u[1].around])
+    around = (users if users[0][1].around else ()) if len(users) == 1 else tuple([u for u in users if u[1].around])
     if around:
         output = ops.call(module, inner, around, around[0][1].path, args, kwargs, replay)
     else:
