@@ -5,6 +5,7 @@ selector that matches nothing says which ops were called."""
 
 from __future__ import annotations
 
+import hypothesis
 import pytest
 import torch
 from torch import nn
@@ -93,6 +94,20 @@ def test_the_residual_stream_after_each_add_of_a_block() -> None:
     with torch.no_grad(), fh.with_hooks(model, deep) as run:
         model(TOKENS)
     assert len(run.record.calls("transformer.h.0", "add")) > 2
+
+
+@hypothesis.given(fh.testing.models_and_inputs())
+def test_op_recordings_are_transparent_and_equal_what_the_module_returns(model_and_input: tuple) -> None:
+    """Property: on any model, recording the one op a `Linear` / `Conv2d` calls changes no
+    output and no gradient, and stores exactly what the module returns, call by call."""
+    model, x = model_and_input
+    kind, op = (nn.Linear, "linear") if x.ndim == 2 else (nn.Conv2d, "conv2d")
+    hypothesis.assume(any(isinstance(m, kind) for m in model.modules()))
+    fh.testing.assert_transparent(model, fh.op_outputs(kind, op), x)
+    with fh.with_hooks(model, [fh.op_outputs(kind, op, clone=True), fh.outputs(kind, clone=True)]) as run:
+        model(x)
+    for _, node in run.record.items():
+        assert all(torch.equal(a, b) for a, b in zip(node.calls(op), node.calls("output"), strict=True))
 
 
 def test_every_spelling_of_an_op_matches_and_call_picks_one() -> None:
