@@ -106,7 +106,7 @@ def test_op_recordings_are_transparent_and_equal_what_the_module_returns(model_a
     fh.testing.assert_transparent(model, fh.op_outputs(kind, op), x)
     with fh.with_hooks(model, [fh.op_outputs(kind, op, clone=True), fh.outputs(kind, clone=True)]) as run:
         model(x)
-    for _, node in run.record.items():
+    for node in run.record.values():
         assert all(torch.equal(a, b) for a, b in zip(node.calls(op), node.calls("output"), strict=True))
 
 
