@@ -25,6 +25,7 @@ from .errors import (
     ExtraError,
     FrozenError,
     HookError,
+    InterventionError,
     LoopError,
     RecordError,
     RecordKeyError,
@@ -36,6 +37,9 @@ from .errors import (
     TransformError,
 )
 from .fold import Reducer, fit, fold, fold_all, running
+from .intervene import Arg, ablate, arg, patch, scale, steer
+from .mean import OutputMeans
+from .ops import Op, op, op_edit, op_inputs, op_outputs
 from .pure import capture, functional
 from .activation import activation_grads
 from .loop import Step, evaluate, train
@@ -71,11 +75,14 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
     __version__ = "0.0.0"
 
 __all__ = [
+    "ablate",
     "activation_grads",
     "ActivationDataset",
     "ActivationStats",
     "ActivationStatsResult",
     "ActivationWriter",
+    "Arg",
+    "arg",
     "capture",
     "collect",
     "distributed",
@@ -99,6 +106,7 @@ __all__ = [
     "HookError",
     "Hooks",
     "inputs",
+    "InterventionError",
     "layer_info",
     "LayerRow",
     "LoopError",
@@ -108,7 +116,14 @@ __all__ = [
     "ModuleSummary",
     "num_features_model",
     "observe",
+    "Op",
+    "op",
+    "op_edit",
+    "op_inputs",
+    "op_outputs",
+    "OutputMeans",
     "outputs",
+    "patch",
     "plot",
     "progress",
     "Record",
@@ -119,12 +134,14 @@ __all__ = [
     "ReducerError",
     "Run",
     "running",
+    "scale",
     "select",
     "Selector",
     "SelectorError",
     "Spec",
     "SpecError",
     "StaleTensorError",
+    "steer",
     "Step",
     "StoreError",
     "testing",

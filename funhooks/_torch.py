@@ -111,6 +111,10 @@ def transform_level() -> int:
     return 0 if interpreter is None else interpreter.level()
 
 
+MODULE_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+"""The code objects of ``Module.__call__``'s frames: a frame running one of them is a module call."""
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward pass in this thread: a module called now is being
     recomputed (activation checkpointing), not called by the user's forward."""

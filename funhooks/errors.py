@@ -10,6 +10,7 @@ __all__ = [
     "FrozenError",
     "ExtraError",
     "HookError",
+    "InterventionError",
     "LoopError",
     "RecordError",
     "RecordKeyError",
@@ -60,6 +61,14 @@ class StaleTensorError(RuntimeError):
 class HookError(RuntimeError):
     """Raised when a spec's function raised inside a run. The original exception is the
     ``__cause__``; the message names the spec and the module path. Hooks are removed."""
+
+
+class InterventionError(ValueError):
+    """Raised when an intervention (``patch``, ``steer``, ``scale``, ``ablate``) cannot apply
+    at a module call as asked: a value whose shape does not broadcast to what it edits (a
+    batch size that differs, a value still batched outside ``vmap``), a Record without the
+    module it patches, an ``index`` past the positions, a per-call value not given. The run
+    stops and its hooks are removed: the model is left as it was."""
 
 
 class TransformError(RuntimeError):

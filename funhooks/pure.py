@@ -20,6 +20,7 @@ tensors do not keep), so stored values stay right when an in-place op follows.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch import nn
 
 from . import _torch
 from ._core import Attached, Frame, Plan, scope, trace
-from .errors import SpecError, TransformError
+from .errors import InterventionError, SpecError, TransformError
 from .record import Record
 from .run import _as_specs, _check_model
 from .spec import Spec
@@ -77,6 +78,22 @@ class _Recorder:
         self.plan = Plan.get(self.inner, specs, caller)
         self.plan.traced()  # built now: building it while dynamo traces a call would be traced too
         self.backward = _backward_error(specs, caller)
+        self.args = self.plan.args  # the keyword arguments that are per-call values, not the model's
+        _check_args(self.inner, self.args, specs, caller)
+
+    def split(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`kwargs` as (the model's, the per-call values); every per-call value must be there."""
+        if not self.args:
+            return kwargs, {}
+        missing = [name for name in self.args if name not in kwargs]
+        if missing:
+            spec = next(s for s in self.specs if missing[0] in s.args)
+            raise InterventionError(
+                f"{self.caller}: every `fh.arg` of the specs is a keyword argument of the call, got none for "
+                f"{missing} (read by {spec!r}). Call it as `f(..., {missing[0]}=value)`."
+            )
+        values = {name: kwargs.pop(name) for name in self.args}
+        return kwargs, values
 
     def current(self) -> Plan:
         """The plan for the model as it is now (rebuilt after a structure change)."""
@@ -84,13 +101,14 @@ class _Recorder:
             self.plan = Plan.get(self.inner, self.specs, self.caller)
         return self.plan
 
-    def __call__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Record]:
+    def __call__(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                 values: dict[str, Any] | None = None) -> tuple[Any, Record]:
         if self.backward is not None:
             raise self.backward
         if _torch.is_compiling():
-            return self._traced(fn, args, kwargs)
+            return self._traced(fn, args, kwargs, values)
         plan = self.current()
-        frame = Frame(plan, self.caller)
+        frame = Frame(plan, self.caller, values=values)
         attached = Attached(plan, frame, copies=bool(frame.level))
         try:
             with scope.only((frame,)):
@@ -103,8 +121,9 @@ class _Recorder:
             _check_leaves(record, self.caller)
         return out, record
 
-    def _traced(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Record]:
-        frame = Frame(self.plan, self.caller, 0)
+    def _traced(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                values: dict[str, Any] | None) -> tuple[Any, Record]:
+        frame = Frame(self.plan, self.caller, 0, values)
         groups = [(ref(), attr, ((0, hooked),)) for ref, attr, hooked in self.plan.traced()]
         out = trace.record(fn, groups, [frame], args, kwargs)
         frame.buffer = [(key, value, None) for key, value, _ in frame.buffer]  # copies: nothing to check
@@ -112,6 +131,22 @@ class _Recorder:
         if _torch.is_functorch_active():
             _check_leaves(record, self.caller)
         return out, record
+
+
+def _check_args(model: nn.Module, names: tuple[str, ...], specs: tuple[Spec, ...], caller: str) -> None:
+    """A per-call value may not take a keyword argument the model's forward takes."""
+    try:
+        taken = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: nothing to compare
+        return
+    for name in names:
+        param = taken.get(name)
+        if param is not None and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            spec = next(s for s in specs if name in s.args)
+            raise SpecError(
+                f"{caller}: an `fh.arg` name is a keyword argument for the specs alone, got {name!r} in {spec!r}, "
+                f"which {type(model).__name__}.forward takes too. Rename it, e.g. `fh.arg({name + '_value'!r})`."
+            )
 
 
 def _prepare(model: Any, specs: Spec | Iterable[Spec], caller: str) -> _Recorder:
@@ -135,13 +170,17 @@ def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tup
 
     Returns:
         ``f(*args, **kwargs)`` calling ``model(*args, **kwargs)`` and returning
-        ``(output, Record)``.
+        ``(output, Record)``. Keyword arguments named by the specs' ``fh.arg``
+        placeholders are the specs' per-call values, not the model's: ``f(x, pos=3)``
+        (``vmap`` over them, through a function taking them positionally, runs a sweep).
 
     Raises:
         TransformError: (when called) for backward-event specs, or a non-tensor stored value
             under a ``torch.func`` transform; (at once) for a TorchScript model or modules
             whose hooks would never fire (inside TorchScript, inlined by fx).
-        SpecError: for things that are not specs; SelectorError for a selector matching nothing.
+        SpecError: for things that are not specs, or an ``fh.arg`` name the model's
+            ``forward`` takes too; SelectorError for a selector matching nothing.
+        InterventionError: (when called) for a per-call value not given.
 
     Example:
         >>> import torch, funhooks as fh
@@ -159,7 +198,8 @@ def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tup
     target = recorder.inner
 
     def captured(*args: Any, **kwargs: Any) -> tuple[Any, Record]:
-        return recorder(target, args, kwargs)
+        kwargs, values = recorder.split(kwargs)
+        return recorder(target, args, kwargs, values)
 
     return captured
 
@@ -223,6 +263,7 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
         ``f(params, *args, **kwargs) -> (output, Record)``. `params` maps names of
         ``model.named_parameters()`` (all of them) and optionally of
         ``model.named_buffers()`` to tensors; buffers not given are the model's own.
+        Per-call values (``fh.arg``) are keyword arguments, as for :func:`capture`.
 
     Raises:
         SpecError: (when called) when `params` misses parameters or has unknown names; the
@@ -246,6 +287,7 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
         return torch.func.functional_call(recorder.inner, params, args, kwargs, tie_weights=False, strict=False)
 
     def functionally(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Record]:
+        kwargs, values = recorder.split(kwargs)
         merged = _merge_params(params, "functional")
         plan = recorder.current()
         if names[0][0] is not plan:  # the model's structure changed: its names may have too
@@ -263,6 +305,6 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
                     f"(buffers optional) and nothing else, got missing {missing} and unexpected "
                     f"{unexpected}. Build it from `dict(model.named_parameters())`."
                 )
-        return recorder(call, (slotted, args, kwargs), {})
+        return recorder(call, (slotted, args, kwargs), {}, values)
 
     return functionally

@@ -59,6 +59,16 @@ def _check_model(model: Any, caller: str) -> nn.Module:
     return model
 
 
+def _per_call_error(specs: tuple[Spec, ...], caller: str) -> SpecError:
+    spec = next(s for s in specs if s.args)
+    name = spec.args[0]
+    return SpecError(
+        f"{caller}: `fh.arg` values come from the keyword arguments of a call of `fh.capture` or "
+        f"`fh.functional`, got `fh.arg({name!r})` in {spec!r}. Put the value itself in the spec, or call "
+        f"`fh.capture(model, specs)(x, {name}=value)`."
+    )
+
+
 class Run(Frozen):
     """A context-scoped run of specs on a model. Use it through :func:`with_hooks`.
 
@@ -106,6 +116,8 @@ class Run(Frozen):
         set_(self, "_model", _check_model(model, caller))
         set_(self, "_specs", _as_specs(specs, caller))
         set_(self, "_plan", Plan.get(model, self._specs, caller))
+        if self._plan.args:
+            raise _per_call_error(self._specs, caller)
         set_(self, "_frame", None)
         set_(self, "_attached", None)
         set_(self, "_state", "new")

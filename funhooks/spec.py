@@ -32,16 +32,20 @@ EVENTS = ("forward_pre", "forward", "backward_pre", "backward", "param_grad")
 ``backward_pre`` ``fn(module, grad_output)``, ``backward`` ``fn(module, grad_input,
 grad_output)``, ``param_grad`` ``fn(param, grad)``."""
 
-ROLES = ("output", "input", "grad", "grad_output", "call")
+ROLES = ("output", "input", "grad", "grad_output", "call", "intervene", "op")
 """What a spec stores: the built-in stores (``output``, ``input``, ``grad`` and fastai's
-``grad_output`` tuple) have fast paths; ``call`` runs the spec's function."""
+``grad_output`` tuple) have fast paths; ``call`` runs the spec's function; ``intervene`` is an
+editor whose function is an intervention value that also reads the call's per-call values
+(``funhooks.intervene``); ``op`` acts on the operations called inside the module's forward
+(``funhooks.ops``)."""
 
-HOOKS = ("forward_pre", "forward", "output_grad", "backward_pre", "backward", "param_grad")
-_BACKWARD_HOOKS = frozenset(HOOKS[2:])
+HOOKS = ("forward_pre", "forward", "around", "output_grad", "backward_pre", "backward", "param_grad")
+_BACKWARD_HOOKS = frozenset(HOOKS[3:])
 """How a run reaches a spec, the one field it dispatches on: ``forward_pre`` / ``forward``
-around the module's own forward; ``output_grad``, tensor hooks on the outputs (``grads``,
-whose event is ``backward_pre``, are set up during the forward); ``backward_pre`` /
-``backward``, PyTorch's per-call backward hook; ``param_grad``, hooks on the parameters."""
+around the module's own forward; ``around``, during the module's own forward (the ops it
+calls); ``output_grad``, tensor hooks on the outputs (``grads``, whose event is
+``backward_pre``, are set up during the forward); ``backward_pre`` / ``backward``, PyTorch's
+per-call backward hook; ``param_grad``, hooks on the parameters."""
 
 
 @attrs.frozen(repr=False)
@@ -78,7 +82,14 @@ class Spec:
 
     @hook.default
     def _hook(self) -> str:
+        if self.role == "op":
+            return "around"
         return "output_grad" if self.role in ("grad", "grad_output") else self.event
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The per-call values the spec reads: the names of its ``fh.arg`` placeholders."""
+        return self.fn.args if self.role in ("intervene", "op") else ()  # type: ignore[union-attr]
 
     @property
     def needs_backward(self) -> bool:
@@ -93,6 +104,10 @@ class Spec:
             if self.event != "forward":
                 parts.append(f"event={self.event!r}")
             if self.name is not None and self.name != getattr(self.fn, "__name__", None):
+                parts.append(f"name={self.name!r}")
+        if self.role in ("intervene", "op") and str(self.fn):  # the value renders its own arguments
+            parts.append(str(self.fn))
+            if self.role == "op" and self.name is not None and self.name != self.fn.default_name:  # type: ignore[union-attr]
                 parts.append(f"name={self.name!r}")
         if self.role == "grad_output":
             parts.append("grad=True")

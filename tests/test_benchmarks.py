@@ -114,3 +114,18 @@ def test_store_smoke(tmp_path: pathlib.Path) -> None:
     assert all(set(c) == {"MB/s", "ratio_to_faster_plain_loop"} for c in write.values())
     assert set(result["results"]["read"]) == {"ds[indices]", "DataLoader(shuffle=True)"}
     assert len(result["results"]["rss"]["sizes"]) == 2 and result["results"]["rss"]["peak_max_over_min"] >= 1.0
+
+
+def test_patch_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_patch's vmapped sweep equals the Python loop (and every peer that imports), and
+    its recorded attention patterns equal HF's `output_attentions`."""
+    proc, result = run_quick("bench_patch.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "patch")
+    assert result["correct"] is True
+    sweep = result["results"]["sweep"]
+    assert {"python loop", "fh vmap"} <= set(sweep["cases"]) and sweep["speedup"] > 0
+    assert sweep["cases"]["python loop"]["ratio"]["median"] == 1.0
+    assert {"bare", "fh.with_hooks op_outputs(attn, softmax)", "fh.capture op_outputs(attn, softmax)"} <= set(
+        result["results"]["record"]["cases"])
+    assert set(result["results"]["unselected"]["cases"]) == {"mlp of block 0, bare", "mlp of block 0, inside an open op run"}

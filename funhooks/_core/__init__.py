@@ -1,8 +1,9 @@
 """The run core: how specs reach the module calls they hook.
 
 A **plan** (``plan``) resolves specs against a model once: per hooked module, a ``Hooked``
-table of **entries** (``entries``), the small functions that store, observe or edit one
-spec's values. Plans are cached per model and spec tuple while the model's structure holds.
+table (``hooked``) of **entries** (``entries``), the small functions that store, observe or
+edit one spec's values, and of **op entries** (``ops``), which run during the module's own
+forward on the torch ops it calls. Plans are cached per model and spec tuple while the model's structure holds.
 
 A **frame** (``frame``) is one run's mutable state: the buffer its entries append to, the
 tensor hooks they registered, the ``torch.func`` level it was opened at. The Record is built
@@ -18,8 +19,9 @@ thread's ``contextvars`` context. Every hooked call goes through one hot loop::
 
     module(x) -> PyTorch's _call_impl (fast path) -> Forward.__call__
         users in scope?  no -> the module's own forward
-        yes -> forward-pre editors, forward-pre observers, the module's forward,
-               editors, gradient watchers, observers (recordings see edited values)
+        yes -> forward-pre editors, forward-pre observers, the module's forward (inside
+               an op mode when op specs select it), editors, gradient watchers,
+               observers (recordings see edited values)
 
 Public code uses three names: ``Plan.get``, ``Frame`` and ``Attached``, plus ``scope``.
 """

@@ -41,7 +41,7 @@ from ..spec import Spec
 if TYPE_CHECKING:
     from .frame import Frame
 
-__all__ = ["GradSlot", "Hooked", "backward_hook", "param_hook", "post_entry", "pre_entry", "snapshot"]
+__all__ = ["GradSlot", "backward_hook", "param_hook", "post_entry", "pre_entry", "snapshot"]
 
 Tensor = torch.Tensor
 Key = tuple[str, str]
@@ -409,39 +409,3 @@ def param_hook(spec: Spec, key: Key, param: Tensor, frame: Frame) -> Callable[[T
         return None
 
     return on_grad
-
-
-class Hooked:
-    """One plan's entries for one module, sorted by when the hot loop runs them: forward-pre
-    editors, then forward-pre observers; the module; editors, then gradient watchers, then
-    observers (so a recording sees the value after every editor); backward hooks around it."""
-
-    __slots__ = ("backward", "backward_pre", "edits", "grads", "obs", "path", "plain", "pre_edits", "pre_obs")
-
-    def __init__(self, path: str, specs: list[tuple[Spec, Key]], *, copies: bool = False) -> None:
-        """Args: `copies`: the specs store copies (inside compiled graphs and transforms)."""
-        self.path = path
-        pre_edits: list[PreEntry] = []
-        pre_obs: list[PreEntry] = []
-        edits: list[PostEntry] = []
-        grads: list[PostEntry] = []
-        obs: list[PostEntry] = []
-        backward: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
-        backward_pre: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
-        for spec, key in specs:  # `param_grad` specs never reach here: they hook parameters
-            if spec.hook == "forward_pre":
-                (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key, copies))
-            elif spec.hook == "output_grad":
-                grads.append(post_entry(spec, key, copies))
-            elif spec.hook == "forward":
-                (edits if spec.is_edit else obs).append(post_entry(spec, key, copies))
-            elif spec.hook == "backward":
-                backward.append((spec.is_edit, backward_hook(spec, key)))
-            else:
-                backward_pre.append((spec.is_edit, backward_hook(spec, key)))
-        self.pre_edits, self.pre_obs = tuple(pre_edits), tuple(pre_obs)
-        self.edits, self.grads, self.obs = tuple(edits), tuple(grads), tuple(obs)
-        # editors first, so backward observers see the edited gradients too
-        self.backward = tuple(f for _, f in sorted(backward, key=lambda e: not e[0]))
-        self.backward_pre = tuple(f for _, f in sorted(backward_pre, key=lambda e: not e[0]))
-        self.plain = not (pre_edits or pre_obs or edits or grads or backward or backward_pre)

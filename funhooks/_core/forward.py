@@ -36,7 +36,8 @@ from .. import _torch
 from ..selector import path_label as where
 from ..errors import TransformError
 from . import scope
-from .entries import Hooked
+from . import ops
+from .hooked import Hooked
 
 __all__ = ["Forward", "attribute", "call", "install", "uninstall"]
 
@@ -75,8 +76,9 @@ def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple
          checked: bool = True) -> Any:
     """One call of a hooked module for the runs in `users` (``(frame, hooked)`` pairs).
 
-    Forward-pre editors, then forward-pre observers; the module; editors, then gradient
-    watchers, then observers: a recording sees the values after every editor of the call.
+    Forward-pre editors, then forward-pre observers; the module (inside the op mode of
+    ``ops`` when a user's table has op entries); editors, then gradient watchers, then
+    observers: a recording sees the values after every editor of the call.
     A call made while autograd runs a backward pass is a recomputation (activation
     checkpointing): editors and gradient watchers run, nothing is stored again.
     `checked` is False inside a dynamo trace, which runs neither check.
@@ -111,7 +113,11 @@ def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple
         if full or pre_hooks:
             backward = _torch.backward_hook(module, full, pre_hooks)
             args = backward.setup_input_hook(args)
-    output = inner(*args, **kwargs)
+    around = (users if users[0][1].around else ()) if len(users) == 1 else tuple([u for u in users if u[1].around])
+    if around:
+        output = ops.call(module, inner, around, around[0][1].path, args, kwargs, replay)
+    else:
+        output = inner(*args, **kwargs)
     for frame, hooked in users:
         for post in hooked.edits:
             new = post(frame, module, args, kwargs, output)

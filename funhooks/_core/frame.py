@@ -3,8 +3,9 @@
 A frame holds the buffer its entries append ``(key, value, check)`` to, the tensor hooks its
 ``grads`` entries registered (removed when the frame closes, so nothing stays on a
 persistent tensor such as a parameter a module returns), the backward events that arrived
-after it closed, and the ``torch.func`` level it was opened at (a call at another level
-would store values that escape their transform).
+after it closed, the ``torch.func`` level it was opened at (a call at another level
+would store values that escape their transform), and for interventions the call's per-call
+values (``fh.arg`` placeholders) and how often each intervention has applied.
 
 Building the Record groups the buffer by module path in module order and compares each
 stored tensor's version counter with the one read when it was stored: a difference means a
@@ -32,10 +33,13 @@ __all__ = ["Frame"]
 class Frame:
     """One run's mutable state: what its entries stored, and the hooks they registered."""
 
-    __slots__ = ("buffer", "caller", "calling", "grad_hooks", "late", "level", "open", "plan")
+    __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "open", "plan", "values")
 
-    def __init__(self, plan: Plan, caller: str, level: int | None = None) -> None:
+    def __init__(self, plan: Plan, caller: str, level: int | None = None,
+                 values: dict[str, Any] | None = None) -> None:
         self.plan = plan
+        self.values: dict[str, Any] = {} if values is None else values  # `fh.arg` name -> this call's value
+        self.counts: dict[Any, int] = {}  # intervention entry -> how often it applied in this frame
         self.caller = caller
         self.buffer: list[tuple[Any, Any, Any]] = []
         self.grad_hooks: list[Any] = []

@@ -37,7 +37,7 @@ from ..selector import path_label as where
 from ..selector import resolve
 from ..spec import Spec
 from . import forward, trace
-from .entries import Hooked
+from .hooked import Hooked
 
 __all__ = ["Plan", "as_copy", "never_called"]
 
@@ -179,7 +179,7 @@ class Plan:
         modules = [(p, m) for p, m, _ in walk]
         owner = {id(m): w for _, m, w in walk}
         rank = {id(m): i for i, (_, m) in enumerate(modules)}
-        hooked: dict[int, tuple[str, weakref.ref, list[tuple[Spec, tuple[str, str]]]]] = {}
+        hooked: dict[int, tuple[str, weakref.ref, list[tuple[Spec, tuple[str, str], int]]]] = {}
         self.params: list[tuple[Spec, tuple[str, str], weakref.ref]] = []
         self.slots: list[tuple[str, str]] = []  # `run.stored`'s order: spec, then module (or given) order
         self.notes: dict[tuple[str, str | None], str] = {}
@@ -187,7 +187,7 @@ class Plan:
         names: dict[tuple[str, str], Spec] = {}
         for spec in specs:
             found = self._select(spec, model, modules, caller)
-            for path, module in found:
+            for nth, (path, module) in enumerate(found):  # nth: the module's index in the spec's selection
                 key = (path, spec.name)
                 if not spec.is_edit:
                     clash = names.get(key)  # type: ignore[arg-type]
@@ -209,11 +209,12 @@ class Plan:
                         f"events never reach a run, got {spec!r}. Run on the model before compiling it, or "
                         "compile `fh.capture(...)` for forward values."
                     )
-                hooked.setdefault(id(module), (path, weakref.ref(module), []))[2].append((spec, key))  # type: ignore[arg-type]
+                hooked.setdefault(id(module), (path, weakref.ref(module), []))[2].append((spec, key, nth))  # type: ignore[arg-type]
         self.params.sort(key=lambda p: not p[0].is_edit)  # editors first: observers see edited gradients
         self.spec_of = names
         self.name_rank = {spec.name: i for i, spec in reversed(list(enumerate(specs))) if spec.name is not None}
         self.specs = specs
+        self.args = tuple(dict.fromkeys(name for spec in specs for name in spec.args))  # per-call values read
         self.paths = sorted(self.order, key=self.order.__getitem__)  # every path, in module order
         self._hooked = hooked
         self.items: list[tuple[weakref.ref, forward.Forward, Hooked]] = []
@@ -298,5 +299,5 @@ class Plan:
         return plan
 
 
-def _copies(entries: list[tuple[Spec, tuple[str, str]]]) -> list[tuple[Spec, tuple[str, str]]]:
-    return [(as_copy(spec), key) for spec, key in entries]
+def _copies(entries: list[tuple[Spec, tuple[str, str], int]]) -> list[tuple[Spec, tuple[str, str], int]]:
+    return [(as_copy(spec), key, rank) for spec, key, rank in entries]

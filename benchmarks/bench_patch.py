@@ -1,0 +1,249 @@
+"""Interventions: an activation-patching sweep as one vmapped call, and op-level recording.
+
+**Sweep.** Patch the residual stream before each layer (``resid_pre``: the outputs of
+``transformer.drop`` and ``transformer.h.*``) of a small HF GPT-2 (random weights from a
+config) at each position, from a clean run into a corrupted one, and read the logit
+difference of two tokens: ``LAYERS x POSITIONS = 32`` patches. Cases, each returning the
+``(layer, position)`` table, checked equal before timing:
+
+- ``python loop``: ``f(corrupt, layer=l, pos=p)`` once per patch, with
+  ``f = fh.capture(model, fh.patch(resid_pre, clean_record, nth=fh.arg("layer"),
+  index=fh.arg("pos")))``: the baseline of the ratios;
+- ``fh vmap``: ``torch.func.vmap`` of the same function over the 32 (layer, position)
+  pairs: one call;
+- peers, each only when importable (``pip install funhooks[bench]``): TransformerLens'
+  ``patching.get_act_patch_resid_pre`` on a ``TransformerBridge`` wrapping a copy of the HF
+  model (same weights), and nnsight, one ``trace`` per patch setting the module's output.
+
+**Op-level recording.** Store the attention pattern (the ``softmax`` inside every
+``transformer.h.*.attn``, eager attention) on each forward, against the bare forward:
+``fh.with_hooks`` and ``fh.capture`` with ``fh.op_outputs``, and the module-level
+``fh.outputs`` of the same modules for scale. *Unselected modules unchanged*: the MLP of
+block 0 called alone, bare and inside an open op run on the attention modules.
+
+Models: GPT-2 with 4 layers, width 128, 4 heads, vocabulary 512; the sweep on one prompt of
+8 tokens, the recording on a batch of 8 x 32 tokens; eval mode, ``torch.no_grad()``.
+
+Run: ``python benchmarks/bench_patch.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # TransformerLens' patching shows a progress bar per call
+
+import torch
+
+import _common
+import funhooks as fh
+
+NAME = "patch"
+LAYERS, WIDTH, HEADS, VOCAB = 4, 128, 4, 512
+POSITIONS = 8
+RECORD_BATCH, RECORD_LENGTH = 8, 32
+QUICK = {"layers": 2, "width": 16, "heads": 2, "positions": 3, "batch": 2, "length": 5}
+TOKENS = (7, 8)
+"""The logit difference read at the last position: token 7 minus token 8."""
+ATOL = 1e-4
+RESID_PRE = ["transformer.drop", "transformer.h.*"]
+ATTN = "transformer.h.*.attn"
+
+
+def gpt2(layers: int, width: int, heads: int) -> torch.nn.Module:
+    """A small GPT-2 from a config: random weights, eager attention, no download."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=VOCAB, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def logit_diff(logits: torch.Tensor) -> torch.Tensor:
+    return logits[..., -1, TOKENS[0]] - logits[..., -1, TOKENS[1]]
+
+
+# -- the sweep --------------------------------------------------------------------------------
+
+
+def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
+                positions: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> a call of no arguments returning the ``(layers, positions)`` table."""
+    _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
+    f = fh.capture(model, fh.patch(RESID_PRE, rec, nth=fh.arg("layer"), index=fh.arg("pos")))
+
+    def one(layer: Any, pos: Any) -> torch.Tensor:
+        return logit_diff(f(corrupt, layer=layer, pos=pos, use_cache=False)[0].logits[0])
+
+    def loop() -> torch.Tensor:
+        return torch.stack([torch.stack([one(layer, pos) for pos in range(positions)]) for layer in range(layers)])
+
+    pairs = (torch.arange(layers).repeat_interleave(positions), torch.arange(positions).repeat(layers))
+    swept = torch.func.vmap(one)
+
+    def vmapped() -> torch.Tensor:
+        return swept(*pairs).reshape(layers, positions)
+
+    cases = {"python loop": loop, "fh vmap": vmapped}
+    for name, (module, build) in PEERS.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        try:
+            cases[name] = build(model, clean, corrupt, layers, positions)
+        except Exception as err:  # a peer that imports but fails here is reported, not fatal
+            print(f"{name} skipped: {type(err).__name__}: {err}")
+    return cases
+
+
+def _transformer_lens(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
+                      positions: int) -> Callable[[], torch.Tensor]:
+    """``get_act_patch_resid_pre`` on a bridge around a copy of the HF model, same weights (the
+    bridge re-registers the model's modules, which would change the other cases' model); no
+    tokenizer download: a word-level one made in memory."""
+    import copy
+
+    import tokenizers
+    import transformer_lens
+    import transformers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")))
+    bridge = transformer_lens.TransformerBridge.boot_transformers("gpt2", hf_model=copy.deepcopy(model), tokenizer=tok)
+    _, cache = bridge.run_with_cache(clean)
+
+    def call() -> torch.Tensor:
+        return transformer_lens.patching.get_act_patch_resid_pre(bridge, corrupt, cache, lambda lg: logit_diff(lg[0]))
+
+    return call
+
+
+def _nnsight(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
+             positions: int) -> Callable[[], torch.Tensor]:
+    """One nnsight ``trace`` per patch, setting the module's output at the position."""
+    import nnsight
+
+    wrapped = nnsight.NNsight(model)
+    envoys = [wrapped.transformer.drop] + [wrapped.transformer.h[i] for i in range(layers - 1)]
+    _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
+    sources = [rec[p]["output"] for p in ["transformer.drop"] + [f"transformer.h.{i}" for i in range(layers - 1)]]
+
+    def call() -> torch.Tensor:
+        table = torch.empty(layers, positions)
+        for layer in range(layers):
+            for pos in range(positions):
+                with wrapped.trace(corrupt):
+                    envoys[layer].output[:, pos] = sources[layer][:, pos]
+                    logits = wrapped.lm_head.output.save()
+                table[layer, pos] = logit_diff(logits[0])
+        return table
+
+    return call
+
+
+PEERS = {
+    "TransformerLens get_act_patch_resid_pre": ("transformer_lens", _transformer_lens),
+    "nnsight, one trace per patch": ("nnsight", _nnsight),
+}
+
+
+# -- op-level recording -----------------------------------------------------------------------
+
+
+class _OpenRun:
+    """A call of `fn` while a ``with_hooks`` block on `model` is open (entered per round)."""
+
+    def __init__(self, model: torch.nn.Module, specs: Any, fn: Callable[[], Any]) -> None:
+        self.run = fh.with_hooks(model, specs)
+        self.run.__enter__()
+        self.fn = fn
+
+    def __call__(self) -> Any:
+        return self.fn()
+
+    def close(self) -> None:
+        self.run.__exit__(None, None, None)
+
+
+def record_cases(model: torch.nn.Module, x: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The forward cases (name -> call) and the unselected-module cases."""
+    pattern = fh.op_outputs(ATTN, "softmax")
+
+    def in_run(spec: fh.Spec) -> Callable[[], Any]:
+        def call() -> Any:
+            with fh.with_hooks(model, spec) as run:
+                model(x, use_cache=False)
+            return run.record
+
+        return call
+
+    forward = {"bare": lambda: model(x, use_cache=False),
+               "fh.with_hooks op_outputs(attn, softmax)": in_run(pattern),
+               "fh.capture op_outputs(attn, softmax)": _common.PerRound(lambda: _bound(fh.capture(model, pattern), x)),
+               "fh.with_hooks outputs(attn), for scale": in_run(fh.outputs(ATTN))}
+    mlp = model.transformer.h[0].mlp
+    h = torch.randn(*x.shape, model.config.n_embd)
+    unselected = {"mlp of block 0, bare": lambda: mlp(h),
+                  "mlp of block 0, inside an open op run": _common.PerRound(lambda: _OpenRun(model, pattern, lambda: mlp(h)))}
+    return forward, unselected
+
+
+def _bound(f: Callable[..., Any], x: torch.Tensor) -> Callable[[], Any]:
+    return lambda: f(x, use_cache=False)
+
+
+def check_records(model: torch.nn.Module, x: torch.Tensor) -> bool:
+    """The recorded patterns are the attention weights HF returns with ``output_attentions``."""
+    out = model(x, output_attentions=True, use_cache=False)
+    with fh.with_hooks(model, fh.op_outputs(ATTN, "softmax")) as run:
+        model(x, use_cache=False)
+    _, rec = fh.capture(model, fh.op_outputs(ATTN, "softmax"))(x, use_cache=False)
+    return all(torch.equal(run.record[f"transformer.h.{i}.attn"]["softmax"], a)
+               and torch.equal(rec[f"transformer.h.{i}.attn"]["softmax"], a) for i, a in enumerate(out.attentions))
+
+
+def main() -> None:
+    args = _common.parse_args(__doc__.splitlines()[0])
+    conditions = _common.setup(args.clock)
+    size = QUICK if args.quick else {"layers": LAYERS, "width": WIDTH, "heads": HEADS, "positions": POSITIONS,
+                                     "batch": RECORD_BATCH, "length": RECORD_LENGTH}
+    torch.manual_seed(0)
+    model = gpt2(size["layers"], size["width"], size["heads"])
+    clean = torch.randint(0, VOCAB, (1, size["positions"]))
+    corrupt = clean.clone()
+    corrupt[0, size["positions"] // 2] = (corrupt[0, size["positions"] // 2] + 1) % VOCAB
+    x = torch.randint(0, VOCAB, (size["batch"], size["length"]))
+    timing = {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner, "clock": args.clock}
+    with torch.no_grad():
+        sweeps = sweep_cases(model, clean, corrupt, size["layers"], size["positions"])
+        reference = sweeps["python loop"]()
+        checks = {name: bool(torch.allclose(case().float(), reference, atol=ATOL)) for name, case in sweeps.items()}
+        _common.check(all(checks.values()), f"sweep tables differ: {checks}")
+        swept = _common.time_cases(sweeps, baseline="python loop", **timing)
+        checks["op recording == output_attentions"] = check_records(model, x)
+        _common.check(checks["op recording == output_attentions"], "recorded patterns != HF attention weights")
+        forward, unselected = record_cases(model, x)
+        recorded = _common.time_cases(forward, baseline="bare", **timing)
+        alone = _common.time_cases(unselected, baseline="mlp of block 0, bare", **timing)
+    patches = size["layers"] * size["positions"]
+    print(_common.format_table(f"patching sweep, {patches} patches (ratio: time / python loop)", swept))
+    speedup = 1 / swept["fh vmap"]["ratio"]["median"]
+    print(f"vmap speed-up over the python loop: {speedup:.1f}x")
+    print(_common.format_table(f"attention pattern on every forward, batch {tuple(x.shape)}", recorded))
+    print(_common.format_table("an unselected module while an op run is open", alone))
+    path = _common.write(NAME, args.out, {
+        "quick": args.quick, "conditions": conditions, "rounds": args.rounds, "warmup": args.warmup,
+        "model": size, "correct": all(checks.values()), "checks": checks,
+        "results": {"sweep": {"patches": patches, "cases": swept, "speedup": speedup},
+                    "record": {"batch": list(x.shape), "cases": recorded},
+                    "unselected": {"cases": alone}},
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
