@@ -696,6 +696,8 @@ def _tuple_type(kind: type) -> tuple[str, str, tuple[str, ...]] | None:
 
 
 def _conversion(value: Any) -> str:
+    if _torch.is_dtensor(value):  # a shard (FSDP2): its data is in its local tensor
+        return "Store `value.full_tensor()` (the whole, a collective) or `value.to_local()` (this rank's part) instead."
     if isinstance(value, torch.Tensor):
         return "Store `value.as_subclass(torch.Tensor)` instead."
     if _is_namedtuple(type(value)):

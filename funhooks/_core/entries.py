@@ -129,6 +129,10 @@ def _copies_of(spec: Spec, key: Key, pre: bool) -> Any:
 
 
 def _gather(t: Tensor) -> Tensor:
+    if _torch.is_dtensor(t):  # a shard (FSDP2's gradients): the full tensor it is part of
+        return t.full_tensor()
+    if not is_distributed():
+        return t
     dist = torch.distributed
     if t.ndim == 0:
         t = t.clone()
@@ -145,7 +149,7 @@ def _preparer(spec: Spec) -> Callable[[Any], Any] | None:
     if spec.detach:
         steps.append(Tensor.detach)
     if spec.gather:
-        steps.append(lambda t: _gather(t) if is_distributed() else t)
+        steps.append(_gather)
     if spec.cpu:
         steps.append(Tensor.cpu)
     if spec.clone:
@@ -419,10 +423,14 @@ class Hooked:
 
     __slots__ = ("backward", "backward_pre", "edits", "grads", "obs", "path", "plain", "pre_edits", "pre_obs")
 
-    def __init__(self, path: str, specs: list[tuple[Spec, Key]], *, copies: bool = False) -> None:
-        """Args: `copies`: the specs store copies (inside compiled graphs and transforms)."""
+    def __init__(self, path: str, specs: list[tuple[Spec, Key]], *, copies: bool = False,
+                 watch: PreEntry | None = None) -> None:
+        """Args: `copies`: the specs store copies (inside compiled graphs and transforms);
+        `watch`: the entry hooking the FSDP-sharded parameters this module manages (``sharded``)."""
         self.path = path
         pre_edits, pre_obs, edits, grads, obs, backward, backward_pre = [], [], [], [], [], [], []
+        if watch is not None:
+            pre_obs.append(watch)
         for spec, key in specs:  # `param_grad` specs never reach here: they hook parameters
             if spec.hook == "forward_pre":
                 (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key, copies))
