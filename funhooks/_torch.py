@@ -7,6 +7,7 @@ in PyTorch is fixed here once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -241,6 +242,40 @@ def is_fsdp_module(module: nn.Module) -> bool:
     ``FSDPModule`` made for it, with FSDP's forward hooks around every call."""
     cls = _loaded(_FSDP_HOMES, "FSDPModule")
     return cls is not None and isinstance(module, cls)
+
+
+def own_class(module: nn.Module) -> type:
+    """The class of `module` before ``fully_shard`` made it a subclass of ``FSDPModule``
+    (``FSDPLinear`` -> ``Linear``); its class for any other module."""
+    fsdp = _loaded(_FSDP_HOMES, "FSDPModule")
+    if fsdp is None or not isinstance(module, fsdp):
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, fsdp))
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when `model` holds an FSDP2 module or a ``DTensor`` parameter (tensor parallelism)."""
+    if _loaded(_DTENSOR_HOMES, "DTensor") is None:
+        return False
+    return any(is_fsdp_module(m) for m in model.modules()) or any(is_dtensor(p) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def sharding_kept(model: nn.Module) -> Iterator[None]:
+    """A block after which `model`'s FSDP2 modules are sharded as before it: a forward without
+    backward (under ``no_grad``) leaves the root's parameters unsharded, which ``reshard()``
+    (FSDP's public method) undoes."""
+    if _loaded(_FSDP_HOMES, "FSDPModule") is None:
+        yield
+        return
+    before = [id(p) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        if [id(p) for p in model.parameters()] != before:
+            for module in model.modules():
+                if is_fsdp_module(module):
+                    module.reshard()  # type: ignore[operator]
 
 
 def fsdp_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:

@@ -122,8 +122,11 @@ def _worker(out_dir: str) -> None:
         out["plain stats"] = stats.result(state).stats
         out["plain norms"] = [_norms(step.record) for step in plain_steps]
 
+        # summaries count full parameters; the model still works afterwards
+        out["layer_info"] = (fh.layer_info(sharded, x), fh.layer_info(plain, x))
+        out["summary"] = (str(fh.module_summary(sharded, x)), str(fh.module_summary(plain, x)))
         with torch.no_grad():
-            assert torch.allclose(sharded(x), plain(x))  # the model still works afterwards
+            assert torch.allclose(sharded(x), plain(x))
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -198,6 +201,15 @@ def test_gradient_statistics_equal_one_process_on_the_whole_batch(ranks):
             assert list(mine) == ["0.weight", "0.bias", "2.weight", "2.bias"]
             for path, value in mine.items():
                 torch.testing.assert_close(value, whole[path])
+
+
+def test_summaries_of_a_sharded_model_count_full_parameters(ranks):
+    """`layer_info` and `module_summary` rows and totals are the plain model's, not a shard's."""
+    for r in ranks:
+        sharded, plain = r["layer_info"]
+        assert sharded == plain and [row.params for row in sharded] == [16, "", 10]
+        assert r["summary"][0] == r["summary"][1]
+        assert "Total params: 26" in r["summary"][0]
 
 
 # -- one rank, in this process ----------------------------------------------------------------
@@ -296,12 +308,15 @@ def test_a_plan_made_before_sharding_is_not_reused_after(one_rank):
     assert type(run.record["0.weight"]["shard"]).__name__ == "DTensor"
 
 
-def test_a_root_left_unsharded_is_watched(one_rank):
+def test_a_root_left_unsharded_is_watched_and_summaries_leave_it_sharded(one_rank):
     """A forward without backward leaves the root's parameters unsharded: `param_grad` specs still
-    see shards."""
+    see shards, and `module_summary` / `dummy_eval` shard them again as they found them."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     fsdp.fully_shard(model)  # the root manages every parameter
+    assert fh.module_summary(model, _input(0)).total == 26
+    fh.dummy_eval(model)
+    assert type(model[0].weight).__name__ == "DTensor"
     with torch.no_grad():
         model(_input(0))
     assert type(model[0].weight).__name__ == "Parameter"
