@@ -253,6 +253,12 @@ def own_class(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if not issubclass(c, fsdp))
 
 
+def is_fsdp_hook(hook: Any) -> bool:
+    """True for a hook FSDP itself registered (its function lives in ``torch.distributed.fsdp``)."""
+    fn = getattr(hook, "__func__", hook)
+    return (getattr(fn, "__module__", None) or "").startswith(_FSDP_HOMES)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """True when `model` holds an FSDP2 module or a ``DTensor`` parameter (tensor parallelism)."""
     if _loaded(_DTENSOR_HOMES, "DTensor") is None:

@@ -127,6 +127,7 @@ def _worker(out_dir: str) -> None:
         out["summary"] = (str(fh.module_summary(sharded, x)), str(fh.module_summary(plain, x)))
         with torch.no_grad():
             assert torch.allclose(sharded(x), plain(x))
+        fh.testing.assert_no_hooks(sharded)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -397,6 +398,28 @@ def test_param_grad_on_a_compiled_sharded_model_is_refused(one_rank):
         "which runs inside a `torch.compile`d module here, got module '0'. Run the specs on the sharded model before "
         "compiling it."
     )
+
+
+def test_checks_tell_fsdp_hooks_from_funhooks(one_rank):
+    """`assert_no_hooks` passes on a sharded model after a run, fails inside one, and still reports
+    hooks that are neither FSDP's nor funhooks'; `assert_transparent` holds on a sharded model."""
+    sharded, _ = _models()
+    assert sharded._forward_pre_hooks and sharded._forward_hooks  # FSDP's own
+    with fh.with_hooks(sharded, [GRAD_SPECS[0], fh.outputs("0")]):
+        sharded(_input(0)).sum().backward()
+        with pytest.raises(AssertionError, match="still has its `forward` wrapped by funhooks"):
+            fh.testing.assert_no_hooks(sharded)
+    fh.testing.assert_no_hooks(sharded)
+    fh.testing.assert_transparent(sharded, [fh.outputs("**"), fh.grads("**"), GRAD_SPECS[0]], _input(0))
+    handle = sharded[0].register_forward_hook(_grad)
+    with pytest.raises(AssertionError, match="installed by \\['test_fsdp._grad'\\], not by funhooks"):
+        fh.testing.assert_no_hooks(sharded)
+    handle.remove()
+    (_, _, unsharded), _ = fh._torch.fsdp_parameters(sharded[0])
+    handle = unsharded.register_hook(fh._torch.is_dtensor)  # a stand-in for a funhooks hook left behind
+    with pytest.raises(AssertionError, match="tensor 'weight \\(unsharded by FSDP\\)' of module '0' has 1 funhooks"):
+        fh.testing.assert_no_hooks(sharded)
+    handle.remove()
 
 
 if __name__ == "__main__":
