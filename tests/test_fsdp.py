@@ -422,6 +422,19 @@ def test_checks_tell_fsdp_hooks_from_funhooks(one_rank):
     handle.remove()
 
 
+def test_check_gradients_reach_refuses_a_sharded_model(one_rank):
+    """Autograd never sees FSDP's shards: the check says so instead of blaming every module."""
+    sharded, plain = _models()
+    fh.testing.check_gradients_reach(plain, _input(0))
+    with pytest.raises(fh.TransformError) as info:
+        fh.testing.check_gradients_reach(sharded, _input(0))
+    assert str(info.value) == (
+        "check_gradients_reach: the parameters checked are those autograd differentiates, got FSDPSequential, "
+        "sharded by FSDP2, whose parameter shards autograd never sees (FSDP fills their `.grad` after the "
+        "backward). Check the model before `fully_shard`."
+    )
+
+
 if __name__ == "__main__":
     # Import this file under its module name, so what it saves unpickles in pytest.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
