@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import torch
 
+from . import _torch
 from ._compare import DICTS as _DICTS
 from ._compare import PLAIN as _PLAIN
 from ._compare import TENSORS as _TENSORS
@@ -143,6 +144,8 @@ def _tuple_type(kind: type) -> tuple[str, str, tuple[str, ...]] | None:
 
 
 def _conversion(value: Any) -> str:
+    if _torch.is_dtensor(value):  # a shard (FSDP2): its data is in its local tensor
+        return "Store `value.full_tensor()` (the whole, a collective) or `value.to_local()` (this rank's part) instead."
     if isinstance(value, torch.Tensor):
         return "Store `value.as_subclass(torch.Tensor)` instead."
     if _is_namedtuple(type(value)):

@@ -7,9 +7,11 @@ in PyTorch is fixed here once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -126,6 +128,15 @@ def backward_pass() -> int:
     return graph_task_id()
 
 
+def after_backward(fn: Callable[[], None]) -> None:
+    """Run `fn` when the backward pass running now has finished: after every callback queued
+    during it (FSDP's, which completes the reduce-scatters, is one), whatever the order of
+    queueing, since a callback queued by a callback runs after all of them. Call it from a hook
+    that fires during the backward pass."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(lambda: queue(fn))
+
+
 def backward_hook(module: nn.Module, hooks: list, pre_hooks: list) -> Any:
     """PyTorch's per-call full backward hook machinery (``setup_input_hook`` /
     ``setup_output_hook``), what ``Module._call_impl`` builds for registered backward hooks."""
@@ -204,3 +215,95 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     return [t for t in flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+# -- FSDP2 and DTensor: looked up only where torch.distributed has loaded them ----------------
+
+_FSDP_HOMES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+"""Where ``FSDPModule`` lives: public since torch 2.6, ``_composable`` in torch 2.4 and 2.5."""
+_DTENSOR_HOMES = ("torch.distributed.tensor", "torch.distributed._tensor")
+"""Where ``DTensor`` lives: public since torch 2.5, ``_tensor`` in torch 2.4."""
+
+
+def _loaded(homes: tuple[str, ...], name: str) -> type | None:
+    """Class `name` from the first of `homes` already imported, else None: a module nobody
+    imported defines no object anywhere, so nothing is imported here (FSDP takes seconds)."""
+    for home in homes:
+        cls = getattr(sys.modules.get(home), name, None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def is_dtensor(t: Any) -> bool:
+    """True for a ``torch.distributed`` ``DTensor`` (a sharded or replicated tensor)."""
+    cls = _loaded(_DTENSOR_HOMES, "DTensor")
+    return cls is not None and isinstance(t, cls)
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """True for a module ``fully_shard`` (FSDP2) has sharded: its class is then a subclass of
+    ``FSDPModule`` made for it, with FSDP's forward hooks around every call."""
+    cls = _loaded(_FSDP_HOMES, "FSDPModule")
+    return cls is not None and isinstance(module, cls)
+
+
+def own_class(module: nn.Module) -> type:
+    """The class of `module` before ``fully_shard`` made it a subclass of ``FSDPModule``
+    (``FSDPLinear`` -> ``Linear``); its class for any other module."""
+    fsdp = _loaded(_FSDP_HOMES, "FSDPModule")
+    if fsdp is None or not isinstance(module, fsdp):
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, fsdp))
+
+
+def is_fsdp_hook(hook: Any) -> bool:
+    """True for a hook FSDP itself registered (its function lives in ``torch.distributed.fsdp``)."""
+    fn = getattr(hook, "__func__", hook)
+    return (getattr(fn, "__module__", None) or "").startswith(_FSDP_HOMES)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when `model` holds an FSDP2 module or a ``DTensor`` parameter (tensor parallelism)."""
+    if _loaded(_DTENSOR_HOMES, "DTensor") is None:
+        return False
+    return any(is_fsdp_module(m) for m in model.modules()) or any(is_dtensor(p) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def sharding_kept(model: nn.Module) -> Iterator[None]:
+    """A block after which `model`'s FSDP2 modules are sharded as before it: a forward without
+    backward (under ``no_grad``) leaves the root's parameters unsharded, which ``reshard()``
+    (FSDP's public method) undoes."""
+    if _loaded(_FSDP_HOMES, "FSDPModule") is None:
+        yield
+        return
+    before = [id(p) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        if [id(p) for p in model.parameters()] != before:
+            for module in model.modules():
+                if is_fsdp_module(module):
+                    module.reshard()  # type: ignore[operator]
+
+
+def fsdp_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """``(path, sharded, unsharded)`` of each parameter an FSDP module manages: its path below
+    the module, its ``DTensor`` shard, and the tensor FSDP all-gathers it into for a forward
+    (None before the first). Read from FSDP's private state: empty where this torch keeps it
+    elsewhere."""
+    try:
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+        paths = {id(m): p for p, m in module.named_modules()}
+        found = []
+        for group in groups:
+            for param in getattr(group, "fsdp_params", ()):
+                info = param._module_info
+                prefix = paths.get(id(info.module), "?")
+                path = f"{prefix}.{info.param_name}" if prefix else info.param_name
+                found.append((path, param.sharded_param, getattr(param, "_unsharded_param", None)))
+        return found
+    except (AttributeError, TypeError):
+        return []

@@ -7,12 +7,16 @@ Two pieces make hooks work where training spans processes:
   rank order, so each rank's Record holds the global batch. It is a no-op without an
   initialised group of more than one process. Every rank must run the same modules the
   same number of times with tensors of equal shape (a ``DistributedSampler`` ensures it).
+  A ``DTensor`` (an FSDP2 gradient shard) gathers to its ``full_tensor()``, the whole
+  tensor, the same on every rank.
 - :func:`merge_across_ranks` combines a mergeable reducer state (one with
   ``reducer.merge(a, b)``) from every rank, so each rank, rank 0 included, holds the
   statistics of all of them.
 
 Selectors and Record paths on a ``DistributedDataParallel``-wrapped model are those of the
-inner model: the ``module.`` prefix never appears.
+inner model: the ``module.`` prefix never appears. On an FSDP2 (``fully_shard``) model they
+are the model's own, and ``param_grad`` specs see each sharded parameter's gradient shard
+(``_core/sharded.py``; ``docs/distributed.md`` says what each rank records).
 
 Cost: ``gather=True`` runs one collective per stored tensor, inside the forward pass;
 ``merge_across_ranks`` pickles each rank's state (tensors moved to the CPU) and runs one

@@ -24,6 +24,8 @@ from torch import nn
 
 from . import _invariant as inv
 from . import _probe as probe
+from . import _torch
+from .errors import TransformError
 
 __all__ = ["check_finite", "check_gradients_reach"]
 
@@ -181,6 +183,7 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
         AssertionError: first line ``check_gradients_reach: ...`` naming what the first
             failing parameter got and the module that cut its path; then the reason, every
             failing parameter and the shrunk input.
+        TransformError: for a model sharded by FSDP2, whose shards autograd never sees.
 
     Example:
         >>> import torch, funhooks as fh
@@ -189,6 +192,12 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
         >>> fh.testing.check_gradients_reach(model, torch.randn(8, 3))
     """
     caller = "check_gradients_reach"
+    if any(_torch.is_fsdp_module(m) for m in model.modules()):
+        raise TransformError(
+            f"{caller}: the parameters checked are those autograd differentiates, got {type(model).__name__}, "
+            "sharded by FSDP2, whose parameter shards autograd never sees (FSDP fills their `.grad` after the "
+            "backward). Check the model before `fully_shard`."
+        )
     loss_fn = probe.projection_loss if loss_fn is None else loss_fn
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 

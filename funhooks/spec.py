@@ -177,7 +177,8 @@ def outputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: boo
         where: a selector (see :func:`funhooks.select`).
         detach: store ``output.detach()`` (no autograd graph kept alive).
         cpu: move stored tensors to the CPU.
-        gather: all-gather stored tensors across a ``torch.distributed`` group.
+        gather: all-gather stored tensors across a ``torch.distributed`` group (a ``DTensor``,
+            such as an FSDP2 gradient shard: its ``full_tensor()``).
         clone: store a copy, safe from later in-place ops (costs one copy per call).
 
     Returns:

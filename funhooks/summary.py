@@ -10,6 +10,14 @@ inside ``forward``, Python control flow on tensor values) falls back to one real
 plain module attribute during the meta pass is put back as it was; caches kept elsewhere
 (in a list or dict, outside the model) can keep a meta tensor.
 
+A sharded model (FSDP2's ``fully_shard``, ``DTensor`` parameters of tensor parallelism) skips
+the meta pass, which would swap parameters under FSDP's own swapping, and runs one real pass:
+it all-gathers parameters, so every rank must call the function together; afterwards the
+parameters are sharded again, as they were. Parameter counts are those of the full
+parameters, not of this rank's shards (a ``DTensor``'s ``numel()`` is its global size), and
+types are the modules' own (``Linear``, not FSDP's ``FSDPLinear``), so the rows equal those
+of the model before sharding.
+
 Unlike fastai, nothing here changes the model: every module's train/eval flag is restored
 (passes run in eval mode, as fastai's do), buffers are not updated, and the dummy batch is
 drawn from a private generator, so the global random state does not move either.
@@ -274,6 +282,7 @@ def total_params(m: nn.Module) -> tuple[int, bool]:
     Returns:
         ``(count, trainable)``: `trainable` is True when some parameter requires grad
         (fastai looked at the first parameter only), False for a module without parameters.
+        A sharded parameter (FSDP2) counts in full, not as this rank's shard.
 
     Example:
         >>> import funhooks as fh
@@ -363,7 +372,7 @@ def dummy_eval(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> Any:
         (torch.Size([1, 3]), True, True)
     """
     x = dummy_batch(m, size)
-    with in_mode(m, False), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
+    with in_mode(m, False), torch.no_grad(), scope.isolated(), _torch.sharding_kept(m):  # funhooks' own pass
         return m(x)
 
 
@@ -438,8 +447,10 @@ def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record
     specs = () if where is None else (observe(where, _track, name="shape", detach=False),)
     with_hooks(model, specs)  # validates the selector before anything runs
     lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
-    with in_mode(model, False), torch.no_grad(), scope.isolated():  # funhooks' own pass: no user run sees it
-        if not lazy:
+    # a sharded model (FSDP2) swaps its own parameters in and out around each call: it runs for real
+    meta = not lazy and not _torch.is_sharded(model)
+    with in_mode(model, False), torch.no_grad(), scope.isolated(), _torch.sharding_kept(model):  # funhooks' own pass
+        if meta:
             try:
                 with _on_meta(model), with_hooks(model, specs) as run:
                     out = model(*_meta(args))
@@ -533,7 +544,7 @@ def _row(path: str, module: nn.Module, track: tuple[Any, bool]) -> LayerRow:
     """fastai 2.8's ``_track`` row: parameter count and trainable only for a module with a
     ``weight`` attribute (``hasattr``, so a BatchNorm without affine gives ``0, False``)."""
     params, trainable = total_params(module) if hasattr(module, "weight") else (NO_WEIGHT, NO_WEIGHT)
-    return LayerRow(path, type(module).__name__, params, trainable, *track)
+    return LayerRow(path, _torch.own_class(module).__name__, params, trainable, *track)
 
 
 def _rows(model: nn.Module, args: tuple[Any, ...]) -> tuple[LayerRow, ...]:
@@ -600,7 +611,7 @@ def module_summary(model: nn.Module, *xb: Any) -> ModuleSummary:
     inner = _torch.unwrap(model)
     params = list(inner.parameters())
     return ModuleSummary(
-        model=type(inner).__name__,
+        model=_torch.own_class(inner).__name__,
         input_shapes=tuple(_shape_tree(x) for x in xb),
         rows=_rows(model, xb),
         total=sum(p.numel() for p in params),

@@ -141,8 +141,11 @@ def assert_no_hooks(model: nn.Module, *, funhooks_only: bool = False) -> None:
     funhooks itself registers no module hook; a run wraps the hooked modules' ``forward`` and
     sets hooks on watched tensors only while its block is open. Other libraries keep hooks on
     purpose (HF ``transformers`` installs output-capturing hooks after an
-    ``output_hidden_states=True`` call, FSDP its own): the message names their owner, and
-    ``funhooks_only=True`` checks only what funhooks attaches.
+    ``output_hidden_states=True`` call): the message names their owner, and
+    ``funhooks_only=True`` checks only what funhooks attaches. The hooks FSDP2's
+    ``fully_shard`` puts on the modules it shards are part of the sharded model, as its class
+    is, and are never counted; the unsharded parameters it all-gathers for a forward are
+    checked with the module's own tensors.
 
     Args:
         model: the model to inspect (DDP / ``torch.compile`` wrappers included).
@@ -180,9 +183,13 @@ def assert_no_hooks(model: nn.Module, *, funhooks_only: bool = False) -> None:
                 f"assert_no_hooks: {where} still has a `__reduce_ex__` set by a funhooks run, got {reducer!r}. "
                 "Exit every `with_hooks` block."
             )
+        fsdp = _torch.is_fsdp_module(module)
         for attr in _HOOK_DICTS:
-            _left(where, attr, list(getattr(module, attr, {}).values()), funhooks_only)
+            hooks = list(getattr(module, attr, {}).values())
+            _left(where, attr, [h for h in hooks if not _torch.is_fsdp_hook(h)] if fsdp else hooks, funhooks_only)
         tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        if fsdp:
+            tensors += [(f"{path} (unsharded by FSDP)", t) for path, _, t in _torch.fsdp_parameters(module) if t is not None]
         for name, tensor in tensors:
             for attr in _TENSOR_HOOK_DICTS:
                 _left(f"tensor {name!r} of {where}", attr, list((getattr(tensor, attr, None) or {}).values()),

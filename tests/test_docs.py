@@ -2,9 +2,11 @@
 example in its docstring (the examples themselves run as doctests)."""
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import funhooks as fh
 
@@ -36,3 +38,20 @@ def test_docs_pages_are_linked_from_the_index() -> None:
     for page in sorted((ROOT / "docs").glob("*.md")):
         if page.name != "index.md":
             assert f"({page.name})" in index, page.name
+
+
+RANKS_PAGE = ROOT / "docs" / "distributed.md"
+SCRIPT = re.compile(r"<!-- run on 2 ranks: (\S+) -->\n```python\n(.*?)```\n\n```text\n(.*?)```", re.S)
+
+
+@pytest.mark.parametrize("name", [m.group(1) for m in SCRIPT.finditer(RANKS_PAGE.read_text())])
+def test_distributed_page_scripts_run_on_two_gloo_ranks(name: str, tmp_path: Path) -> None:
+    """Each script of docs/distributed.md runs as two gloo ranks and rank 0 prints what the page shows."""
+    import _ranks
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    (match,) = [m for m in SCRIPT.finditer(RANKS_PAGE.read_text()) if m.group(1) == name]
+    (tmp_path / name).write_text(match.group(2))
+    first, _ = _ranks.spawn([str(tmp_path / name)], 2, cwd=str(tmp_path))
+    assert first == match.group(3)

@@ -128,6 +128,10 @@ def _copies_of(spec: Spec, key: Key, pre: bool) -> Any:
 
 
 def _gather(t: Tensor) -> Tensor:
+    if _torch.is_dtensor(t):  # a shard (FSDP2's gradients): the full tensor it is part of
+        return t.full_tensor()
+    if not is_distributed():
+        return t
     dist = torch.distributed
     if t.ndim == 0:
         t = t.clone()
@@ -144,7 +148,7 @@ def _preparer(spec: Spec) -> Callable[[Any], Any] | None:
     if spec.detach:
         steps.append(Tensor.detach)
     if spec.gather:
-        steps.append(lambda t: _gather(t) if is_distributed() else t)
+        steps.append(_gather)
     if spec.cpu:
         steps.append(Tensor.cpu)
     if spec.clone:

@@ -33,7 +33,8 @@ __all__ = ["Frame"]
 class Frame:
     """One run's mutable state: what its entries stored, and the hooks they registered."""
 
-    __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "open", "plan", "values")
+    __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "open", "plan", "values",
+                 "watches")
 
     def __init__(self, plan: Plan, caller: str, level: int | None = None,
                  values: dict[str, Any] | None = None) -> None:
@@ -50,6 +51,7 @@ class Frame:
             level = 0 if interpreter is None else interpreter.level()
         self.level = level
         self.open = True
+        self.watches: dict[int, Any] | None = None  # FSDP-sharded parameters watched (``sharded``)
 
     def close(self) -> None:
         """Stop storing and remove the tensor hooks (gradients arriving later are noted)."""
@@ -57,6 +59,7 @@ class Frame:
         for handle in self.grad_hooks:
             handle.remove()
         self.grad_hooks = []
+        self.watches = None
 
     def record(self) -> Record:
         """The Record of everything stored so far (a snapshot)."""

@@ -11,12 +11,13 @@ Cost: built once per plan and module; reading it is attribute loads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ..spec import Spec
-from .entries import backward_hook, post_entry, pre_entry
+from .entries import PostEntry, PreEntry, backward_hook, post_entry, pre_entry
 from .ops import OpEntry, op_entry
 
 if TYPE_CHECKING:
@@ -50,12 +51,20 @@ class Hooked:
     __slots__ = ("around", "backward", "backward_pre", "edits", "grads", "obs", "ops", "path", "plain", "pre_edits",
                  "pre_obs")
 
-    def __init__(self, path: str, specs: list[tuple[Spec, Key, int]], *, copies: bool = False) -> None:
+    def __init__(self, path: str, specs: list[tuple[Spec, Key, int]], *, copies: bool = False,
+                 watch: PreEntry | None = None) -> None:
         """Args: `specs`: ``(spec, key, rank)``, `rank` the module's index among those the
         spec's selector matched; `copies`: the specs store copies (inside compiled graphs and
-        transforms)."""
+        transforms); `watch`: the entry hooking the FSDP-sharded parameters this module
+        manages (``sharded``)."""
         self.path = path
-        pre_edits, pre_obs, edits, grads, obs, backward, backward_pre = [], [], [], [], [], [], []
+        pre_edits: list[PreEntry] = []
+        pre_obs: list[PreEntry] = [] if watch is None else [watch]
+        edits: list[PostEntry] = []
+        grads: list[PostEntry] = []
+        obs: list[PostEntry] = []
+        backward: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
+        backward_pre: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
         ops: dict[str, list[OpEntry]] = {}
         for spec, key, rank in specs:  # `param_grad` specs never reach here: they hook parameters
             if spec.hook == "forward_pre":

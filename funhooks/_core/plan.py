@@ -3,15 +3,18 @@
 A plan walks the model once (wrappers looked through: ``module.`` of DDP/DataParallel,
 ``_orig_mod.`` of ``torch.compile``), resolves every spec's selector, and keeps per hooked
 module a ``Hooked`` table of entries and the ``Forward`` that will wrap it; modules inside a
-``torch.compile`` wrapper are recorded by the wrapper's compiled recorder instead. Everything
-is validated here, before anything is attached: selectors must match, record names must
-not clash, a spec may not select only containers that never run.
+``torch.compile`` wrapper are recorded by the wrapper's compiled recorder instead. A
+``param_grad`` spec hooks parameters, except FSDP2-sharded ones (``DTensor`` parameters under
+an ``FSDPModule``), which the forward of the FSDP module managing them watches (``sharded``).
+Everything is validated here, before anything is attached: selectors must match, record
+names must not clash, a spec may not select only containers that never run.
 
 Plans are cached per model (held weakly) and spec tuple. A cached plan is reused only while
 the model's structure is what it was (every ``_modules`` dict holds the same children, so
-``ModuleList.insert``/``del``/``pop`` and attribute assignment are seen), and only if no
-spec can reach the model itself (a function closing over the model would otherwise keep it
-alive forever): those plans are rebuilt per run.
+``ModuleList.insert``/``del``/``pop`` and attribute assignment are seen, and so is the
+replacement of a parameter a ``param_grad`` spec watches, as ``fully_shard`` does), and only
+if no spec can reach the model itself (a function closing over the model would otherwise keep
+it alive forever): those plans are rebuilt per run.
 
 Cost: building walks the model once (a few µs per module); reusing compares each module's
 children (about 0.1 µs per module).
@@ -23,7 +26,7 @@ import functools
 import threading
 import types
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -36,7 +39,7 @@ from ..errors import SelectorError, SpecError, TransformError
 from ..selector import path_label as where
 from ..selector import resolve
 from ..spec import Spec
-from . import forward, trace
+from . import forward, sharded, trace
 from .hooked import Hooked
 
 __all__ = ["Plan", "as_copy", "never_called"]
@@ -131,17 +134,18 @@ def as_copy(spec: Spec) -> Spec:
     return attrs.evolve(spec, clone=True) if not spec.is_edit and spec.role != "call" else spec
 
 
-def _parameters(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tensor]]:
+def _parameters(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tensor, nn.Module, str]]:
     """A module's own parameters, and the originals behind its parametrized tensors
-    (``parametrize``, ``weight_norm``), each under its own path."""
+    (``parametrize``, ``weight_norm``), each under its own path: ``(path, parameter, the
+    module holding it, its name there)``."""
     prefix = f"{path}." if path else ""
     for name, param in module.named_parameters(recurse=False):
-        yield prefix + name, param
+        yield prefix + name, param, module, name
     if parametrize.is_parametrized(module):
         parametrizations: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
         for tensor, plist in parametrizations.items():
             for name, param in plist.named_parameters(recurse=False):
-                yield f"{prefix}parametrizations.{tensor}.{name}", param
+                yield f"{prefix}parametrizations.{tensor}.{name}", param, plist, name
 
 
 _PER_CALL_BACKWARD = ("output_grad", "backward", "backward_pre")
@@ -181,10 +185,13 @@ class Plan:
         rank = {id(m): i for i, (_, m) in enumerate(modules)}
         hooked: dict[int, tuple[str, weakref.ref, list[tuple[Spec, tuple[str, str], int]]]] = {}
         self.params: list[tuple[Spec, tuple[str, str], weakref.ref]] = []
+        self._watches: dict[int, tuple[str, weakref.ref, sharded.Watch]] = {}  # by FSDP module
+        self._held: list[tuple[dict, tuple]] = []  # the parameters `param_grad` specs watch, by module
         self.slots: list[tuple[str, str]] = []  # `run.stored`'s order: spec, then module (or given) order
         self.notes: dict[tuple[str, str | None], str] = {}
         self.order: dict[str, tuple[int, int]] = {}
         names: dict[tuple[str, str], Spec] = {}
+        manager = sharded.managers(modules)
         for spec in specs:
             found = self._select(spec, model, modules, caller)
             for nth, (path, module) in enumerate(found):  # nth: the module's index in the spec's selection
@@ -201,7 +208,7 @@ class Plan:
                         self.slots.append(key)  # type: ignore[arg-type]
                 self.order.setdefault(path, (rank[id(module)], 0))
                 if spec.hook == "param_grad":
-                    self._parameters(spec, module, path, rank[id(module)], caller)
+                    self._parameters(spec, module, path, rank[id(module)], manager)
                     continue
                 if owner[id(module)] is not None and spec.hook in _PER_CALL_BACKWARD:
                     raise TransformError(
@@ -211,7 +218,17 @@ class Plan:
                     )
                 hooked.setdefault(id(module), (path, weakref.ref(module), []))[2].append((spec, key, nth))  # type: ignore[arg-type]
         self.params.sort(key=lambda p: not p[0].is_edit)  # editors first: observers see edited gradients
-        self.spec_of = names
+        for mid, (mpath, ref, _) in self._watches.items():
+            if owner[mid] is not None:
+                raise TransformError(
+                    f"{caller}: `param_grad` specs on FSDP-sharded parameters watch them in the forward of the FSDP "
+                    f"module, which runs inside a `torch.compile`d module here, got module {where(mpath)}. Run the "
+                    "specs on the sharded model before compiling it."
+                )
+            hooked.setdefault(mid, (mpath, ref, []))
+        self.spec_of = {**names, **{key: spec for spec, key, _ in self.params}}  # parameters' keys too
+        for _, _, watch in self._watches.values():
+            self.spec_of.update((key, spec) for param in watch.params.values() for spec, key in param.specs)
         self.name_rank = {spec.name: i for i, spec in reversed(list(enumerate(specs))) if spec.name is not None}
         self.specs = specs
         self.args = tuple(dict.fromkeys(name for spec in specs for name in spec.args))  # per-call values read
@@ -224,7 +241,7 @@ class Plan:
             attr = forward.attribute(type(target))
             wrapper = owner[mid]
             if wrapper is None:
-                self.items.append((ref, forward.Forward(target, attr), Hooked(path, entries)))
+                self.items.append((ref, forward.Forward(target, attr), Hooked(path, entries, watch=self._watch(mid))))
             else:  # recorded by the wrapper's compiled recorder, storing copies
                 inside.setdefault(id(wrapper), (wrapper, []))[1].append((ref, attr, Hooked(path, _copies(entries), copies=True)))
         self.wrappers = [(weakref.ref(w), forward.Forward(w, "forward", trace.compiled_call), trace.Compiled(group, caller))
@@ -255,16 +272,43 @@ class Plan:
             )
         return [(p, m) for p, m in found if not never_called(m)]
 
-    def _parameters(self, spec: Spec, module: nn.Module, path: str, rank: int, caller: str) -> None:
-        for i, (ppath, param) in enumerate(_parameters(module, path)):
+    def _parameters(self, spec: Spec, module: nn.Module, path: str, rank: int,
+                    manager: Callable[[str], tuple[str, nn.Module] | None]) -> None:
+        holders: dict[int, dict] = {}
+        for i, (ppath, param, holder, name) in enumerate(_parameters(module, path)):
+            holders[id(holder)] = holder._parameters
             self.order.setdefault(ppath, (rank, i + 1))
-            self.params.append((spec, (ppath, spec.name), weakref.ref(param)))  # type: ignore[arg-type]
+            key = (ppath, spec.name)
+            found = manager(path)
+            shard = None if found is None else sharded.shard_of(found[1], param)
+            if shard is None:
+                self.params.append((spec, key, weakref.ref(param)))  # type: ignore[arg-type]
+                continue
+            mpath, fsdp_module = found  # type: ignore[misc]
+            watch = self._watches.get(id(fsdp_module))
+            if watch is None:
+                watch = self._watches[id(fsdp_module)] = (mpath, weakref.ref(fsdp_module), sharded.Watch(mpath))
+            watch[2].param(ppath, holder, name, shard).add(spec, key)  # type: ignore[arg-type]
+            self.notes.setdefault(key, (  # type: ignore[arg-type]
+                f"{where(ppath)} is an FSDP-sharded parameter: its gradient is seen when the forward and the "
+                "backward both run inside the block, at the backward that reduces gradients"
+            ))
+        self._held += [(d, tuple(d.items())) for d in holders.values()]
+
+    def _watch(self, mid: int) -> Any:
+        found = self._watches.get(mid)
+        return None if found is None else found[2].entry
 
     def copy_items(self) -> list[tuple[weakref.ref, forward.Forward, Hooked]]:
         """The eager items with entries that store copies (runs inside ``torch.func`` transforms)."""
         if self._copy_items is None:
-            self._copy_items = [(ref, forward.Forward(module, fwd.attr), Hooked(h.path, _copies(self._hooked[id(module)][2]), copies=True))
-                                for ref, fwd, h in self.items if (module := ref()) is not None]
+            items = []
+            for ref, fwd, h in self.items:
+                if (module := ref()) is not None:
+                    entries = _copies(self._hooked[id(module)][2])
+                    hooked = Hooked(h.path, entries, copies=True, watch=self._watch(id(module)))
+                    items.append((ref, forward.Forward(module, fwd.attr), hooked))
+            self._copy_items = items
         return self._copy_items
 
     def traced(self) -> list[tuple[weakref.ref, str, Hooked]]:
@@ -278,7 +322,10 @@ class Plan:
         """Whether the model still has the structure this plan was built for."""
         if any(self._empty):
             return False
-        return all(len(d) == len(items) and tuple(d.items()) == items for d, items in self._full)
+        if not all(len(d) == len(items) and tuple(d.items()) == items for d, items in self._full):
+            return False
+        return all(len(d) == len(items) and all(k == n and v is p for (k, v), (n, p) in zip(d.items(), items))
+                   for d, items in self._held)  # a parameter replaced (`fully_shard` replaces them all)
 
     @staticmethod
     def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> Plan:

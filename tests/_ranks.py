@@ -1,0 +1,55 @@
+"""Running a script as several `torch.distributed` ranks on the CPU, bounded in time.
+
+Each rank is a subprocess with the environment `torchrun` would give it (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so the same script runs
+under ``torchrun --nproc-per-node 2``. Every wait is bounded: a rank stuck in a collective
+fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+SPAWN_TIMEOUT_S = 180
+"""The whole run, start-up included, on a loaded CPU."""
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: list[str], world: int = 2, *, timeout: float = SPAWN_TIMEOUT_S, cwd: str | None = None) -> list[str]:
+    """Run ``python *argv`` as `world` ranks; return each rank's standard output, failing the
+    test (with the rank's standard error) when a rank fails or the run outlasts `timeout` s."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    procs = [
+        subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=cwd)
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for proc in procs:
+            try:
+                logs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {world} gloo ranks of {argv} did not finish within {timeout} s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, (out, err)) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} of {argv} failed:\n{out}\n{err}"
+    return [out for out, _ in logs]
