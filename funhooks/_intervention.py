@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -201,8 +201,9 @@ class _At:
 def _item(output: Any, element: int | str, at: _At) -> Tensor:
     """The edited item of a module's tuple, list or dict output."""
     try:
+        container: Any = output
         if isinstance(output, (tuple, list)) and isinstance(element, int) or isinstance(output, Mapping):
-            item = output[element]
+            item = container[element]
         else:
             item = None
     except (IndexError, KeyError):
@@ -217,9 +218,11 @@ def _item(output: Any, element: int | str, at: _At) -> Tensor:
 def _replace(output: Any, element: int | str, new: Tensor) -> Any:
     """`output` with its item `element` replaced: the rest passes on untouched."""
     if isinstance(output, tuple):
-        if hasattr(output, "_fields"):  # a namedtuple
-            return output._replace(**{output._fields[element]: new})  # type: ignore[index]
-        return output[:element] + (new,) + output[element + 1:]  # type: ignore[operator]
+        items: Any = output
+        position = cast(int, element)  # a tuple's element is an index (checked by `_item`)
+        if hasattr(items, "_fields"):  # a namedtuple
+            return items._replace(**{items._fields[position]: new})
+        return items[:position] + (new,) + items[position + 1:]
     if type(output) is dict:
         return {**output, element: new}
     out = copy.copy(output)  # a list, or a dict subclass such as transformers' ModelOutput

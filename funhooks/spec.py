@@ -70,7 +70,7 @@ class Spec:
     event: str = attrs.field(validator=lambda spec, _, event: _check_event(spec.label, event))
     role: str
     name: str | None
-    fn: Callable[..., Any] | None = None
+    fn: Any = None  # the spec's function; for an intervention spec, its `Intervention`
     is_edit: bool = False
     detach: bool = True
     cpu: bool = False
@@ -89,7 +89,7 @@ class Spec:
     @property
     def args(self) -> tuple[str, ...]:
         """The per-call values the spec reads: the names of its ``fh.arg`` placeholders."""
-        return self.fn.args if self.role in ("intervene", "op") else ()  # type: ignore[union-attr]
+        return self.fn.args if self.role in ("intervene", "op") else ()
 
     @property
     def needs_backward(self) -> bool:
@@ -107,7 +107,7 @@ class Spec:
                 parts.append(f"name={self.name!r}")
         if self.role in ("intervene", "op") and str(self.fn):  # the value renders its own arguments
             parts.append(str(self.fn))
-            if self.role == "op" and self.name is not None and self.name != self.fn.default_name:  # type: ignore[union-attr]
+            if self.role == "op" and self.name is not None and self.name != self.fn.default_name:
                 parts.append(f"name={self.name!r}")
         if self.role == "grad_output":
             parts.append("grad=True")

@@ -297,7 +297,9 @@ def total_params(m: nn.Module) -> tuple[int, bool]:
 # -- dummy passes --------------------------------------------------------------------------------
 
 
-def _first_layer(caller: str, m: nn.Module) -> nn.Module:
+def _first_layer(caller: str, m: nn.Module) -> Any:
+    """The first Linear or ConvNd of `m` (typed Any: its `weight`, `in_features` and
+    `in_channels` are what callers read)."""
     for _, layer in _torch.named_modules(m):
         if isinstance(layer, _FIRST_LAYERS):
             return layer
@@ -390,7 +392,7 @@ def _same(args: tuple[Any, ...], output: Any) -> bool:
     if isinstance(output, torch.Tensor):
         if output.ndim == 0:
             return False
-        outs = [output.shape[1:]] * min(len(args), output.shape[0])
+        outs: list[torch.Size | None] = [output.shape[1:]] * min(len(args), output.shape[0])
     elif isinstance(output, (tuple, list)):
         outs = [o.shape if isinstance(o, torch.Tensor) else None for o in output]
     else:
@@ -418,7 +420,8 @@ def _on_meta(model: nn.Module) -> Iterator[None]:
     attributes = [(m, dict(vars(m))) for m in model.modules()]
     try:
         for module in model.modules():
-            for table in (module._parameters, module._buffers):
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for table in tables:
                 for name, t in list(table.items()):
                     if t is None:
                         continue

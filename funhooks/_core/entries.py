@@ -129,7 +129,7 @@ def _copies_of(spec: Spec, key: Key, pre: bool) -> Any:
 
 def _gather(t: Tensor) -> Tensor:
     if _torch.is_dtensor(t):  # a shard (FSDP2's gradients): the full tensor it is part of
-        return t.full_tensor()
+        return t.full_tensor()  # type: ignore[attr-defined]
     if not is_distributed():
         return t
     dist = torch.distributed
@@ -188,7 +188,7 @@ def _call(frame: Frame, spec: Spec, path: str, args: tuple) -> Any:
     module call (``frame.calling``), so a function calling the model cannot recurse."""
     frame.calling += 1
     try:
-        return spec.fn(*args)  # type: ignore[misc]
+        return spec.fn(*args)
     except HookError:
         raise
     except Exception as err:
@@ -331,7 +331,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
             args, output = prep(args), prep(output)
         frame.calling += 1  # `_call`, inlined: this entry runs on every call of every observed module
         try:
-            value = fn(module, args, output)  # type: ignore[misc]
+            value = fn(module, args, output)
         except HookError:
             raise
         except Exception as err:

@@ -32,7 +32,7 @@ def intervene_entry(spec: Spec, key: Key, rank: int) -> Any:
     """The entry of an intervention on a module's output (``spec.fn`` an intervention value):
     it applies with the frame's per-call values, counting the calls it applied to in the frame
     (a Record source holding several calls gives call k to the module's k-th call)."""
-    apply, path = spec.fn.apply, key[0]  # type: ignore[union-attr]
+    apply, path = spec.fn.apply, key[0]
 
     def intervene(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         count = frame.counts.get(intervene, 0)

@@ -100,9 +100,9 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
     """The entry of an ``around`` spec on the module at ``key[0]``, the `rank`-th module its
     selector matched. `copies`: store copies (inside compiled graphs and transforms)."""
     action, path = spec.fn, key[0]
-    op = action.op  # type: ignore[union-attr]
+    op = action.op
     entry = OpEntry(spec, op.name, op.call, op.deep)
-    kind = action.kind  # type: ignore[union-attr]
+    kind = action.kind
     if kind == "output":
         entry.store_out = _store(spec, key, copies)
     elif kind == "input":
@@ -115,7 +115,7 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
 
         entry.edit = edit_op
     else:  # an intervention: counted per frame, so a Record with several calls gives call k to the k-th
-        apply = action.fn.apply  # type: ignore[union-attr]
+        apply = action.fn.apply
 
         def intervene_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             count = frame.counts.get(entry, 0)

@@ -289,7 +289,7 @@ class Plan:
             if watch is None:
                 watch = self._watches[id(fsdp_module)] = (mpath, weakref.ref(fsdp_module), sharded.Watch(mpath))
             watch[2].param(ppath, holder, name, shard).add(spec, key)  # type: ignore[arg-type]
-            self.notes.setdefault(key, (  # type: ignore[arg-type]
+            self.notes.setdefault(key, (
                 f"{where(ppath)} is an FSDP-sharded parameter: its gradient is seen when the forward and the "
                 "backward both run inside the block, at the backward that reduces gradients"
             ))

@@ -165,7 +165,7 @@ class Watch:
                 pending = state.pending
                 _torch.after_backward(lambda: self._finish(frame, pending))
             if param not in state.pending:
-                sharded = param.sharded()
+                sharded: Any = param.sharded()
                 old = None if sharded is None else sharded.grad
                 if old is not None:  # FSDP will add to `.grad` in place: let it add to a copy, and keep `old`
                     sharded.grad = copy = old.clone()
@@ -183,7 +183,7 @@ class Watch:
             if param not in pending:
                 continue
             before = pending[param]
-            sharded = param.sharded()
+            sharded: Any = param.sharded()
             grad = None if sharded is None else sharded.grad
             if grad is None:
                 continue
@@ -215,11 +215,12 @@ def _versions(value: Any) -> tuple | None:
     for t in _torch.tensor_leaves(value):
         tensors.append(t)
         if _torch.is_dtensor(t):
-            tensors.append(t.to_local())
+            tensors.append(t.to_local())  # type: ignore[attr-defined]
     return tuple([(t, t._version) for t in tensors]) if tensors else None
 
 
-def _check_sharded(frame: Frame, spec: Spec, path: str, old: torch.Tensor, new: Any) -> None:
+def _check_sharded(frame: Frame, spec: Spec, path: str, old: Any, new: Any) -> None:
+    """`old` and `new` are DTensors (or `new` is what the editor returned)."""
     if _torch.is_dtensor(new) and new.placements == old.placements and new.device_mesh == old.device_mesh:
         return
     got = f"DTensor with placements {tuple(new.placements)}" if _torch.is_dtensor(new) else type(new).__name__
