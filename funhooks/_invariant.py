@@ -41,8 +41,8 @@ def hypothesis() -> Any:
         import hypothesis
     except ImportError:
         raise ImportError(
-            "funhooks.testing: the invariant checks need Hypothesis, got no module named "
-            "'hypothesis'. Install the test extra: `pip install funhooks[test]`."
+            "funhooks.testing: the property-testing kit (strategies, `check_invariant`, the invariant checks) "
+            "needs Hypothesis, got no module named 'hypothesis'. Install the test extra: `pip install funhooks[test]`."
         ) from None
     return hypothesis
 

@@ -190,6 +190,7 @@ def test_tuple_outputs_are_edited_on_one_element_and_the_rest_passes_on() -> Non
         assert type(y) is kind and torch.equal(a, torch.ones(2)) and torch.equal(b, 2 * torch.ones(2))
 
 
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # dynamo's own
 @pytest.mark.parametrize("route", ["with_hooks", "capture", "functional", "vmap", "compile"])
 def test_a_recording_on_an_edited_module_sees_the_edited_value_on_every_route(route: str) -> None:
     """The documented rule holds for interventions: a recording of the same call sees the

@@ -34,141 +34,20 @@ from ..errors import (
     StaleTensorError,
     TransformError,
 )
-from ..distributed import is_distributed
 from ..selector import path_label as where
 from ..spec import Spec
+from .values import copies_of, preparer, snapshot, unchecked
 
 if TYPE_CHECKING:
     from .frame import Frame
 
-__all__ = ["GradSlot", "backward_hook", "param_hook", "post_entry", "pre_entry", "snapshot"]
+__all__ = ["GradSlot", "backward_hook", "call_spec", "checked_edit", "param_hook", "post_entry", "pre_entry"]
 
 Tensor = torch.Tensor
 Key = tuple[str, str]
-_SCALARS = (bool, int, float, complex, str)
 _OWN_ERRORS = (ExtraError, LoopError, RecordError, ReducerError, SelectorError, SpecError, StaleTensorError,
                TransformError)
 """funhooks' own errors, raised by its own spec functions: their message already says what to do."""
-
-
-# -- stored values ----------------------------------------------------------------------------
-
-
-def _own_copy(t: Tensor) -> Tensor:
-    return t.clone() if t.is_inference() else t
-
-
-def snapshot(value: Any) -> tuple[Any, Any]:
-    """`value`, and what the Record needs to tell later whether it was changed in place.
-
-    Inference tensors (made under ``torch.inference_mode``) keep no version counter, so the
-    change could never be seen: they are stored as copies, which no later op can change.
-    """
-    if isinstance(value, Tensor):
-        try:
-            return value, value._version
-        except RuntimeError:  # an inference tensor
-            return value.clone(), None
-    if value is None or isinstance(value, _SCALARS):
-        return value, None
-    tensors = value if type(value) is tuple and all(isinstance(t, Tensor) for t in value) else _torch.tensor_leaves(value)
-    if not tensors:
-        return value, None
-    try:
-        return value, tuple([(t, t._version) for t in tensors])
-    except RuntimeError:  # an inference tensor among them
-        value = _torch.map_tensors(_own_copy, value)
-        return value, tuple([(t, t._version) for t in _torch.tensor_leaves(value) if not t.is_inference()])
-
-
-def _unchecked(value: Any) -> tuple[Any, None]:
-    """For entries that store copies (inside compiled graphs and transforms): nothing can
-    change a private copy, and a version read inside a dynamo trace becomes an op."""
-    return value, None
-
-
-def _copy(t: Tensor) -> Tensor:
-    return t.clone()
-
-
-def _copy_detached(t: Tensor) -> Tensor:
-    return t.detach().clone()
-
-
-def _copy_cpu(t: Tensor) -> Tensor:
-    return t.cpu().clone()
-
-
-def _copy_detached_cpu(t: Tensor) -> Tensor:
-    return t.detach().cpu().clone()
-
-
-_COPIERS = {(False, False): _copy, (True, False): _copy_detached, (False, True): _copy_cpu,
-            (True, True): _copy_detached_cpu}
-"""The copy a storing spec makes inside compiled graphs and transforms, by (detach, cpu):
-plain module functions, so a dynamo trace guards one function, not a chain of closures."""
-
-
-def _copies_of(spec: Spec, key: Key, pre: bool) -> Any:
-    """A lean entry storing copies of the inputs (`pre`) or outputs, for `outputs`/`inputs`
-    specs inside compiled graphs and transforms (what a dynamo trace reads is what it guards)."""
-    copy = _COPIERS[spec.detach, spec.cpu]
-    if pre:
-
-        def store_input_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
-            frame.buffer.append((key, _torch.map_tensors(copy, (args, kwargs)), None))
-
-        return store_input_copy
-
-    def store_output_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        value = copy(output) if isinstance(output, Tensor) else _torch.map_tensors(copy, output)
-        frame.buffer.append((key, value, None))
-
-    return store_output_copy
-
-
-def _gather(t: Tensor) -> Tensor:
-    if _torch.is_dtensor(t):  # a shard (FSDP2's gradients): the full tensor it is part of
-        return t.full_tensor()  # type: ignore[attr-defined]
-    if not is_distributed():
-        return t
-    dist = torch.distributed
-    if t.ndim == 0:
-        t = t.clone()
-        dist.all_reduce(t)
-        return t / dist.get_world_size()
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim=0)
-
-
-def _preparer(spec: Spec) -> Callable[[Any], Any] | None:
-    """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone)."""
-    steps: list[Callable[[Tensor], Tensor]] = []
-    if spec.detach:
-        steps.append(Tensor.detach)
-    if spec.gather:
-        steps.append(_gather)
-    if spec.cpu:
-        steps.append(Tensor.cpu)
-    if spec.clone:
-        steps.append(Tensor.clone)
-    if not steps:
-        return None
-
-    def prep_tensor(t: Tensor) -> Tensor:
-        for step in steps:
-            t = step(t)
-        return t
-
-    def prep(value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return prep_tensor(value)
-        if type(value) is tuple and all(isinstance(x, Tensor) for x in value):
-            return tuple([prep_tensor(x) for x in value])  # the usual `args`, without a tree walk
-        return _torch.map_tensors(prep_tensor, value)
-
-    return prep
 
 
 # -- calling a spec's function ------------------------------------------------------------------
@@ -183,7 +62,7 @@ def _hook_error(caller: str, spec: Spec, path: str, err: Exception) -> HookError
     )
 
 
-def _call(frame: Frame, spec: Spec, path: str, args: tuple) -> Any:
+def call_spec(frame: Frame, spec: Spec, path: str, args: tuple) -> Any:
     """``spec.fn(*args)``, its errors as one HookError. While it runs, its own frame sees no
     module call (``frame.calling``), so a function calling the model cannot recurse."""
     frame.calling += 1
@@ -216,7 +95,7 @@ def _fits(old: Any, new: Any) -> bool:
     return all(_fits(x, y) if isinstance(x, Tensor) or isinstance(y, Tensor) else True for x, y in zip(a, b))
 
 
-def _checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: Any, new: Any) -> Any:
+def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: Any, new: Any) -> Any:
     if new is None or _fits(old, new):
         return new
     raise HookError(
@@ -235,9 +114,9 @@ PostEntry = Callable[["Frame", nn.Module, tuple, dict, Any], Any]
 def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
     """The entry of a ``forward_pre`` spec: store the inputs, observe, or edit the args.
     `copies`: the spec stores copies, with no version to check."""
-    prep, path, store = _preparer(spec), key[0], _unchecked if copies else snapshot
+    prep, path, store = preparer(spec), key[0], unchecked if copies else snapshot
     if copies and spec.role == "input" and not spec.gather:
-        return _copies_of(spec, key, pre=True)
+        return copies_of(spec, key, pre=True)
     if spec.role == "input":
 
         def store_input(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -250,15 +129,15 @@ def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
     if spec.is_edit:
 
         def edit_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            new = _call(frame, spec, path, (module, args))
+            new = call_spec(frame, spec, path, (module, args))
             if new is not None and not isinstance(new, tuple):
                 new = (new,)
-            return _checked_edit(frame, spec, path, "args", args, new)
+            return checked_edit(frame, spec, path, "args", args, new)
 
         return edit_args
 
     def observe_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        value = _call(frame, spec, path, (module, args if prep is None else prep(args)))
+        value = call_spec(frame, spec, path, (module, args if prep is None else prep(args)))
         frame.buffer.append((key, *store(value)))
 
     return observe_args
@@ -267,9 +146,9 @@ def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
 def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     """The entry of a ``forward`` spec (store the output, observe, edit it) or of a ``grads``
     spec (watch the output's gradient). `copies`: as for :func:`pre_entry`."""
-    prep, path, store = _preparer(spec), key[0], _unchecked if copies else snapshot
+    prep, path, store = preparer(spec), key[0], unchecked if copies else snapshot
     if copies and spec.role == "output" and not spec.gather:
-        return _copies_of(spec, key, pre=False)
+        return copies_of(spec, key, pre=False)
     if spec.role == "output":
         if spec.detach and not (spec.cpu or spec.gather or spec.clone or copies):
 
@@ -319,8 +198,8 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     if spec.is_edit:
 
         def edit_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            new = _call(frame, spec, path, (module, args, output))
-            return _checked_edit(frame, spec, path, "output", output, new)
+            new = call_spec(frame, spec, path, (module, args, output))
+            return checked_edit(frame, spec, path, "output", output, new)
 
         return edit_output
 
@@ -329,7 +208,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     def observe_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if prep is not None:
             args, output = prep(args), prep(output)
-        frame.calling += 1  # `_call`, inlined: this entry runs on every call of every observed module
+        frame.calling += 1  # `call_spec`, inlined: this entry runs on every call of every observed module
         try:
             value = fn(module, args, output)
         except HookError:
@@ -378,7 +257,7 @@ class GradSlot:
 def backward_hook(spec: Spec, key: Key) -> Callable[[Frame], Callable[..., Any]]:
     """For a ``backward`` / ``backward_pre`` spec: given a frame, the hook PyTorch's
     ``BackwardHook`` calls with ``(module, grad_input, grad_output)`` or ``(module, grad_output)``."""
-    prep, path = _preparer(spec), key[0]
+    prep, path = preparer(spec), key[0]
     what = "grad_input" if spec.event == "backward" else "grad_output"
 
     def for_frame(frame: Frame) -> Callable[..., Any]:
@@ -387,11 +266,11 @@ def backward_hook(spec: Spec, key: Key) -> Callable[[Frame], Callable[..., Any]]
                 frame.late.add(key)
                 return None
             if spec.is_edit:
-                new = _call(frame, spec, path, (module, *grads))
-                return _checked_edit(frame, spec, path, what, grads[0], new)
+                new = call_spec(frame, spec, path, (module, *grads))
+                return checked_edit(frame, spec, path, what, grads[0], new)
             if prep is not None:
                 grads = tuple([prep(g) for g in grads])
-            frame.buffer.append((key, *snapshot(_call(frame, spec, path, (module, *grads)))))
+            frame.buffer.append((key, *snapshot(call_spec(frame, spec, path, (module, *grads)))))
             return None
 
         return on_backward
@@ -401,14 +280,14 @@ def backward_hook(spec: Spec, key: Key) -> Callable[[Frame], Callable[..., Any]]
 
 def param_hook(spec: Spec, key: Key, param: Tensor, frame: Frame) -> Callable[[Tensor], Any]:
     """A gradient hook on `param` for `frame`: ``fn(param, grad)``."""
-    prep, path = _preparer(spec), key[0]
+    prep, path = preparer(spec), key[0]
 
     def on_grad(grad: Tensor) -> Any:
         if not frame.open:
             return None
         if spec.is_edit:
-            return _checked_edit(frame, spec, path, "gradient", grad, _call(frame, spec, path, (param, grad)))
-        value = _call(frame, spec, path, (param, grad if prep is None else prep(grad)))
+            return checked_edit(frame, spec, path, "gradient", grad, call_spec(frame, spec, path, (param, grad)))
+        value = call_spec(frame, spec, path, (param, grad if prep is None else prep(grad)))
         frame.buffer.append((key, *snapshot(value)))
         return None
 

@@ -33,10 +33,9 @@ import torch
 from torch import nn
 
 from .. import _torch
-from ..selector import path_label as where
 from ..errors import TransformError
-from . import scope
-from . import ops
+from ..selector import path_label as where
+from . import ops, scope
 from .hooked import Hooked
 
 __all__ = ["Forward", "attribute", "call", "install", "uninstall"]

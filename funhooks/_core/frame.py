@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .. import _torch
-from ..selector import path_label as where
 from ..errors import StaleTensorError
 from ..record import Record
+from ..selector import path_label as where
 from .entries import GradSlot
 
 if TYPE_CHECKING:

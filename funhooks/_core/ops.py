@@ -35,7 +35,8 @@ from .. import _torch
 from ..errors import SelectorError, TransformError
 from ..selector import path_label as where
 from ..spec import Spec
-from .entries import _call, _checked_edit, _preparer, _unchecked, snapshot
+from .entries import call_spec, checked_edit
+from .values import preparer, snapshot, unchecked
 
 if TYPE_CHECKING:
     from .frame import Frame
@@ -88,7 +89,7 @@ class OpEntry:
 
 
 def _store(spec: Spec, key: Key, copies: bool) -> Callable[[Frame, Any], None]:
-    prep, keep = _preparer(spec), _unchecked if copies else snapshot
+    prep, keep = preparer(spec), unchecked if copies else snapshot
 
     def store(frame: Frame, value: Any) -> None:
         frame.buffer.append((key, *keep(value if prep is None else prep(value))))
@@ -110,8 +111,8 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
     elif kind == "edit":
 
         def edit_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            new = _call(frame, spec, path, (module, args, kwargs, output))
-            return _checked_edit(frame, spec, path, f"output of `{op.name}`", output, new)
+            new = call_spec(frame, spec, path, (module, args, kwargs, output))
+            return checked_edit(frame, spec, path, f"output of `{op.name}`", output, new)
 
         entry.edit = edit_op
     else:  # an intervention: counted per frame, so a Record with several calls gives call k to the k-th

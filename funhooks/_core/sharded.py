@@ -44,7 +44,8 @@ from .. import _torch
 from ..errors import HookError, TransformError
 from ..selector import path_label as where
 from ..spec import Spec
-from .entries import _call, _checked_edit, _preparer
+from .entries import call_spec, checked_edit
+from .values import preparer
 
 if TYPE_CHECKING:
     from .frame import Frame
@@ -101,7 +102,7 @@ class Param:
         self.specs.insert(at, (spec, key))
         # a gradient has no autograd history to detach from, and a DTensor's `detach()` would
         # give a local tensor whose version counter the Record's in-place check cannot follow
-        self.preps.insert(at, _preparer(attrs.evolve(spec, detach=False)))
+        self.preps.insert(at, preparer(attrs.evolve(spec, detach=False)))
 
 
 class _State:
@@ -195,13 +196,13 @@ class Watch:
             edited = False
             for (spec, key), prep in zip(param.specs, param.preps):
                 if spec.is_edit:
-                    new = _call(frame, spec, param.path, (sharded, grad))
-                    new = _checked_edit(frame, spec, param.path, "gradient", grad, new)
+                    new = call_spec(frame, spec, param.path, (sharded, grad))
+                    new = checked_edit(frame, spec, param.path, "gradient", grad, new)
                     if new is not None:
                         _check_sharded(frame, spec, param.path, grad, new)
                         grad, edited = new, True
                     continue
-                value = _call(frame, spec, param.path, (sharded, grad if prep is None else prep(grad)))
+                value = call_spec(frame, spec, param.path, (sharded, grad if prep is None else prep(grad)))
                 frame.buffer.append((key, value, _versions(value)))
             if edited:
                 sharded.grad = grad if before is None else before[0] + grad
