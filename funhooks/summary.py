@@ -25,22 +25,17 @@ drawn from a private generator, so the global random state does not move either.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
 from . import _torch
-from ._frozen import Frozen
-from .record import Record
 from ._core import scope
 from ._modes import in_mode
-from .run import with_hooks
-from .spec import observe
+from ._shapes import is_leaf, last_shape, last_track, record_shapes
+from ._table import NO_WEIGHT, LayerRow, ModuleSummary, Shape, shape_tree
 
 __all__ = [
     "NO_WEIGHT",
@@ -65,191 +60,6 @@ _DUMMY_SEED = 0  # the private generator's seed: dummy batches are reproducible
 _FEATURE_SIZE_FIRST = 32  # num_features_model tries square inputs of this side...
 _FEATURE_SIZE_LAST = 2048  # ...doubling up to this one, for models that need big inputs
 _FIRST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_COLUMNS = (("Layer (type)", 20), ("Output Shape", 20), ("Param #", 10), ("Trainable", 10))
-
-
-# -- values ---------------------------------------------------------------------------------
-
-
-class Shape(tuple):
-    """A tensor shape that also compares equal to a list, as fastai's tests write shapes.
-
-    Example:
-        >>> from funhooks.summary import Shape
-        >>> Shape((1, 50)) == [1, 50], Shape((1, 50)) == (1, 50), Shape((1, 50)) != [1, 50]
-        (True, True, False)
-    """
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (list, torch.Size)):
-            other = tuple(other)
-        return tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = tuple.__hash__
-
-
-def _shape_tree(value: Any) -> Any:
-    """`value` with every tensor replaced by its :class:`Shape` and anything else by None."""
-    if isinstance(value, torch.Tensor):
-        return Shape(value.shape)
-    return _torch.tree_map(lambda x: Shape(x.shape) if isinstance(x, torch.Tensor) else None, value)
-
-
-def _plain(shape: Any) -> Any:
-    """A shape tree as plain lists (JSON-ready)."""
-    if isinstance(shape, Shape):
-        return list(shape)
-    if isinstance(shape, (tuple, list)):
-        return [_plain(s) for s in shape]
-    if isinstance(shape, dict):
-        return {k: _plain(v) for k, v in shape.items()}
-    return shape
-
-
-NO_WEIGHT = ""
-"""fastai 2.8's params and trainable of a module without a ``weight`` (an activation, a pool)."""
-
-
-class LayerRow(tuple, Frozen):
-    """One leaf module of :func:`layer_info`: fastai 2.8's five-item tuple ``(type, params,
-    trainable, shape, same)``, with the module's ``path`` attached.
-
-    A row *is* that tuple: it unpacks into five values and compares equal to fastai's
-    documented rows such as ``('Linear', 100, True, [1, 50], False)`` or ``('ReLU', '', '',
-    [1, 50], True)``. The path is extra information, not part of equality or hashing. Rows
-    are frozen.
-
-    Example:
-        >>> from funhooks.summary import LayerRow
-        >>> row = LayerRow("0", "Linear", 100, True, (1, 50), False)
-        >>> row == ("Linear", 100, True, [1, 50], False), row.path, row.params
-        (True, '0', 100)
-        >>> row.to_dict()
-        {'path': '0', 'type': 'Linear', 'params': 100, 'trainable': True, 'shape': [1, 50], 'same': False}
-    """
-
-    path: str
-    """The module's path in the model (``""`` for a model that is itself a leaf)."""
-
-    def __new__(cls, path: str, type: str, params: int | str, trainable: bool | str, shape: Any,  # noqa: A002
-                same: bool) -> LayerRow:
-        if isinstance(shape, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in shape):
-            shape = Shape(shape)
-        row = super().__new__(cls, (type, params, trainable, shape, same))
-        object.__setattr__(row, "path", path)
-        return row
-
-    @property
-    def type(self) -> str:
-        """The module's class name."""
-        return self[0]
-
-    @property
-    def params(self) -> int | str:
-        """The number of parameters of the module; ``''`` for a module without a ``weight``
-        attribute (fastai's rule: activations, pools)."""
-        return self[1]
-
-    @property
-    def trainable(self) -> bool | str:
-        """True when the module has parameters and one of them requires grad; ``''`` for a
-        module without a ``weight`` attribute."""
-        return self[2]
-
-    @property
-    def shape(self) -> Any:
-        """The output's :class:`Shape` (a tree of them for tuple or dict outputs; None when
-        the module did not run or returned no tensor)."""
-        return self[3]
-
-    @property
-    def same(self) -> bool:
-        """fastai's "size unchanged": an input's shape without its batch dimension equals
-        the matching output's (False when the module did not run)."""
-        return self[4]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The row as plain Python values (shapes as lists), ready for ``json.dumps``."""
-        return {"path": self.path, "type": self.type, "params": self.params, "trainable": self.trainable,
-                "shape": _plain(self.shape), "same": self.same}
-
-    def __repr__(self) -> str:
-        return (f"LayerRow(path={self.path!r}, type={self.type!r}, params={self.params!r}, "
-                f"trainable={self.trainable!r}, shape={self.shape!r}, same={self.same})")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (LayerRow, (self.path, *self))
-
-
-def _format_shape(shape: Any) -> str:
-    if isinstance(shape, Shape):
-        return " x ".join(str(d) for d in shape) if shape else "scalar"
-    if isinstance(shape, (tuple, list)):
-        return "[" + ", ".join(_format_shape(s) for s in shape) + "]"
-    if isinstance(shape, dict):
-        return "{" + ", ".join(f"{k}: {_format_shape(v)}" for k, v in shape.items()) + "}"
-    return ""
-
-
-@attrs.frozen
-class ModuleSummary:
-    """The result of :func:`module_summary`: ``str()`` is fastai's table with totals,
-    :meth:`to_dict` the same as plain data.
-
-    Attributes:
-        model: the model's class name.
-        input_shapes: the shape of each input (a tree of :class:`Shape`).
-        rows: one :class:`LayerRow` per leaf module, in module order.
-        total: parameters of the model, each shared parameter counted once.
-        trainable: how many of them require grad.
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> from torch import nn
-        >>> summary = fh.module_summary(nn.Sequential(nn.Linear(1, 50), nn.ReLU()), torch.randn(16, 1))
-        >>> summary.total, summary.trainable, summary.non_trainable, len(summary.rows)
-        (100, 100, 0, 2)
-    """
-
-    model: str
-    input_shapes: tuple[Any, ...]
-    rows: tuple[LayerRow, ...]
-    total: int
-    trainable: int
-
-    @property
-    def non_trainable(self) -> int:
-        """Parameters that do not require grad."""
-        return self.total - self.trainable
-
-    def to_dict(self) -> dict[str, Any]:
-        """The summary as plain Python values, ready for ``json.dumps``."""
-        return {"model": self.model, "input_shapes": [_plain(s) for s in self.input_shapes],
-                "rows": [r.to_dict() for r in self.rows], "total": self.total,
-                "trainable": self.trainable, "non_trainable": self.non_trainable}
-
-    def __str__(self) -> str:
-        cells = [(r.type, _format_shape(r.shape), f"{r.params:,}" if r.params != NO_WEIGHT else "", str(r.trainable))
-                 for r in self.rows]
-        widths = [max([w, *(len(c[i]) + 1 for c in cells)]) for i, (_, w) in enumerate(_COLUMNS)]
-
-        def line(values: Sequence[str]) -> str:
-            return " ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
-
-        rule = sum(widths) + len(widths)
-        inputs = [_format_shape(s) for s in self.input_shapes]
-        out = [f"{self.model} (Input shape: {inputs})", "=" * rule, line([t for t, _ in _COLUMNS]), "=" * rule]
-        for c in cells:
-            out += [line(c), "_" * rule]
-        out += ["", f"Total params: {self.total:,}", f"Total trainable params: {self.trainable:,}",
-                f"Total non-trainable params: {self.non_trainable:,}"]
-        return "\n".join(out)
 
 
 # -- parameters --------------------------------------------------------------------------------
@@ -378,101 +188,7 @@ def dummy_eval(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> Any:
         return m(x)
 
 
-# -- shapes via hooks -------------------------------------------------------------------------
-
-
-def _is_leaf(path: str, module: nn.Module) -> bool:
-    return not any(c is not None for c in module._modules.values())
-
-
-def _same(args: tuple[Any, ...], output: Any) -> bool:
-    """fastai's ``any(i.shape[1:] == o.shape for i, o in zip(args, output))`` on shapes: a
-    tensor output iterates over its first dimension, a tuple or list over its items (an
-    item that is no tensor, or a dict or 0-d output, where fastai raises, gives False)."""
-    if isinstance(output, torch.Tensor):
-        if output.ndim == 0:
-            return False
-        outs: list[torch.Size | None] = [output.shape[1:]] * min(len(args), output.shape[0])
-    elif isinstance(output, (tuple, list)):
-        outs = [o.shape if isinstance(o, torch.Tensor) else None for o in output]
-    else:
-        return False
-    return any(isinstance(a, torch.Tensor) and o is not None and a.shape[1:] == o for a, o in zip(args, outs))
-
-
-def _track(module: nn.Module, args: tuple[Any, ...], output: Any) -> tuple[Any, bool]:
-    """What a row needs of one call: the output's shape tree, and fastai's `same`."""
-    return _shape_tree(output), _same(args, output)
-
-
-def _meta(value: Any) -> Any:
-    return _torch.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, value)
-
-
-@contextlib.contextmanager
-def _on_meta(model: nn.Module) -> Iterator[None]:
-    """Inside the block every parameter and buffer of `model` is a meta tensor of its shape;
-    the originals are put back after, however the block exits. Each module is visited
-    once, so a module shared under several paths is swapped and restored once. A plain
-    tensor attribute that ``forward`` set to a meta tensor (a cache) is put back as it was,
-    or removed when it is new."""
-    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    attributes = [(m, dict(vars(m))) for m in model.modules()]
-    try:
-        for module in model.modules():
-            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-            for table in tables:
-                for name, t in list(table.items()):
-                    if t is None:
-                        continue
-                    meta = torch.empty_like(t, device="meta")
-                    saved.append((table, name, t))
-                    table[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-        yield
-    finally:
-        for table, name, t in reversed(saved):
-            table[name] = t
-        for module, before in attributes:
-            for key, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor) and value.is_meta and value is not before.get(key):
-                    if key in before:
-                        vars(module)[key] = before[key]
-                    else:
-                        del vars(module)[key]
-
-
-def _shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record, Any]:
-    """Run `model` on `args` in eval mode, storing the output shape of the modules `where`
-    selects (none when `where` is None). Returns ``(record, output shape)``: on the meta
-    device when it can, else with one real pass. Lazy modules always get the real pass
-    (it initialises them, as users of fastai's ``dummy_eval`` expect)."""
-    model = _torch.unwrap(model)
-    specs = () if where is None else (observe(where, _track, name="shape", detach=False),)
-    with_hooks(model, specs)  # validates the selector before anything runs
-    lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
-    # a sharded model (FSDP2) swaps its own parameters in and out around each call: it runs for real
-    meta = not lazy and not _torch.is_sharded(model)
-    with in_mode(model, False), torch.no_grad(), scope.isolated(), _torch.sharding_kept(model):  # funhooks' own pass
-        if meta:
-            try:
-                with _on_meta(model), with_hooks(model, specs) as run:
-                    out = model(*_meta(args))
-                return run.record, _shape_tree(out)
-            except Exception:  # noqa: BLE001 - no meta kernel, real tensors made in forward, data-dependent ops
-                pass
-        with with_hooks(model, specs) as run:
-            out = model(*args)
-        return run.record, _shape_tree(out)
-
-
-def _last_track(rec: Any, path: str) -> tuple[Any, bool]:
-    """``(shape, same)`` of the module's last call; ``(None, False)`` when it did not run."""
-    calls = rec.calls(path, "shape") if path in rec else ()
-    return calls[-1] if calls else (None, False)
-
-
-def _last_shape(rec: Any, path: str) -> Any:
-    return _last_track(rec, path)[0]
+# -- shapes ------------------------------------------------------------------------------------
 
 
 def model_sizes(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> list[Shape]:
@@ -500,8 +216,8 @@ def model_sizes(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> list[Shape]
     children = list(_torch.unwrap(m).named_children())
     if not children:
         return []
-    rec, _ = _shapes(m, [c for _, c in children], (x,))
-    return [_last_shape(rec, name) for name, _ in children]
+    rec, _ = record_shapes(m, [c for _, c in children], (x,))
+    return [last_shape(rec, name) for name, _ in children]
 
 
 def num_features_model(m: nn.Module) -> int:
@@ -529,7 +245,7 @@ def num_features_model(m: nn.Module) -> int:
     side = _FEATURE_SIZE_FIRST
     while True:
         try:
-            _, out = _shapes(m, None, (dummy_batch(m, (side,) * dims),))
+            _, out = record_shapes(m, None, (dummy_batch(m, (side,) * dims),))
             break
         except (RuntimeError, ValueError):
             if side >= _FEATURE_SIZE_LAST or dims == 0:
@@ -551,9 +267,9 @@ def _row(path: str, module: nn.Module, track: tuple[Any, bool]) -> LayerRow:
 
 
 def _rows(model: nn.Module, args: tuple[Any, ...]) -> tuple[LayerRow, ...]:
-    rec, _ = _shapes(model, _is_leaf, args)
-    return tuple(_row(path, mod, _last_track(rec, path))
-                 for path, mod in _torch.named_modules(_torch.unwrap(model)) if _is_leaf(path, mod))
+    rec, _ = record_shapes(model, is_leaf, args)
+    return tuple(_row(path, mod, last_track(rec, path))
+                 for path, mod in _torch.named_modules(_torch.unwrap(model)) if is_leaf(path, mod))
 
 
 def _first_example(value: Any) -> Any:
@@ -615,7 +331,7 @@ def module_summary(model: nn.Module, *xb: Any) -> ModuleSummary:
     params = list(inner.parameters())
     return ModuleSummary(
         model=_torch.own_class(inner).__name__,
-        input_shapes=tuple(_shape_tree(x) for x in xb),
+        input_shapes=tuple(shape_tree(x) for x in xb),
         rows=_rows(model, xb),
         total=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),

@@ -29,7 +29,24 @@ def free_port() -> int:
 
 def spawn(argv: list[str], world: int = 2, *, timeout: float = SPAWN_TIMEOUT_S, cwd: str | None = None) -> list[str]:
     """Run ``python *argv`` as `world` ranks; return each rank's standard output, failing the
-    test (with the rank's standard error) when a rank fails or the run outlasts `timeout` s."""
+    test (with the rank's standard error) when a rank fails or the run outlasts `timeout` s.
+
+    The port comes free from the OS but is only bound later by rank 0's store, so another
+    process can take it in between (other test runs on the machine): a run whose ranks fail
+    with "address already in use" is started again on a new port, up to three times."""
+    for _ in range(3):
+        logs, codes = _spawn_once(argv, world, timeout, cwd)
+        if not any(code and _PORT_TAKEN in err.lower() for code, (_, err) in zip(codes, logs)):
+            break
+    for rank, (code, (out, err)) in enumerate(zip(codes, logs)):
+        assert code == 0, f"rank {rank} of {argv} failed:\n{out}\n{err}"
+    return [out for out, _ in logs]
+
+
+_PORT_TAKEN = "address already in use"
+
+
+def _spawn_once(argv: list[str], world: int, timeout: float, cwd: str | None) -> tuple[list[tuple[str, str]], list[int]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     procs = [
@@ -50,6 +67,4 @@ def spawn(argv: list[str], world: int = 2, *, timeout: float = SPAWN_TIMEOUT_S, 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for rank, (proc, (out, err)) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} of {argv} failed:\n{out}\n{err}"
-    return [out for out, _ in logs]
+    return logs, [proc.returncode for proc in procs]
