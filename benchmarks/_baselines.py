@@ -1,0 +1,255 @@
+"""What bench_capture.py measures funhooks against: hand-written hooks (registered once, or
+per call), fastai's ``hook_outputs`` or an emulation of it, one no-op global hook (PyTorch's
+hooked call path), and peers (nnsight, TransformerLens, torchlens) when importable. Each
+builds ``f(x) -> (output, captured outputs in module order)``."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.modules.module as global_hooks
+from torch import nn
+
+import _common
+
+def hand_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """Hooks registered once on a private copy; a call resets their dict and runs the model."""
+    model = copy.deepcopy(model)
+    modules = _common.hooked_modules(model)
+    store: dict[nn.Module, torch.Tensor] = {}
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        store[module] = out.detach()
+
+    for m in modules:
+        m.register_forward_hook(hook)
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        store.clear()
+        y = model(x)
+        return y, [store[m] for m in modules]
+
+    return call
+
+
+def hand_per_call(model: nn.Module, modules: list[nn.Module] | None = None) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """Hooks on `modules` (default: every module below the root) registered before and
+    removed after every call."""
+    modules = _common.hooked_modules(model) if modules is None else modules
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        store: dict[nn.Module, torch.Tensor] = {}
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            store[module] = out.detach()
+
+        handles = [m.register_forward_hook(hook) for m in modules]
+        try:
+            y = model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        return y, [store[m] for m in modules]
+
+    return call
+
+
+def _detached(value: Any) -> Any:
+    """Detach every tensor in a nested structure (what fastai-style hooks do per value)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+class _OneHook:
+    """A registration object per module, keeping the last stored value (fastai's shape)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.stored: Any = None
+        self.handle = module.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module: nn.Module, args: tuple, out: Any) -> None:
+        self.stored = _detached(out)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class _ManyHooks:
+    """A context manager over one ``_OneHook`` per module, removed on exit."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.hooks = [_OneHook(m) for m in modules]
+
+    @property
+    def stored(self) -> list[Any]:
+        return [h.stored for h in self.hooks]
+
+    def __enter__(self) -> _ManyHooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def fastai_per_call(model: nn.Module) -> tuple[str, Callable[[torch.Tensor], tuple[Any, list]]]:
+    modules = _common.hooked_modules(model)
+    if importlib.util.find_spec("fastai") is not None:
+        try:
+            from fastai.callback.hook import hook_outputs
+        except Exception:  # fastai installed but broken beside this torch build
+            hook_outputs = None
+        if hook_outputs is not None:
+
+            def call_fastai(x: torch.Tensor) -> tuple[Any, list]:
+                with hook_outputs(modules) as hooks:
+                    y = model(x)
+                return y, hooks.stored
+
+            return "fastai hook_outputs, per call", call_fastai
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        with _ManyHooks(modules) as hooks:
+            y = model(x)
+        return y, hooks.stored
+
+    return "fastai-style Hooks emulation", call
+
+
+class NoOpGlobalHook:
+    """The bare forward with a global forward hook that does nothing: the part of any hook's
+    cost that is PyTorch's own hooked call path, the floor under every capture case."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.handle = global_hooks.register_module_forward_hook(self._noop, with_kwargs=True)
+
+    @staticmethod
+    def _noop(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        return None
+
+    def __call__(self, x: torch.Tensor) -> tuple[Any, None]:
+        return self.model(x), None
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+# -- peers, only when importable --------------------------------------------------------------
+
+
+def _call_order(model: nn.Module, x: torch.Tensor) -> list[int]:
+    """Indices into ``hooked_modules(model)`` in the order their outputs become available."""
+    modules = _common.hooked_modules(model)
+    index = {id(m): i for i, m in enumerate(modules)}
+    order: list[int] = []
+    handles = [m.register_forward_hook(lambda m, a, o: order.append(index[id(m)])) for m in modules]
+    try:
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+def _nnsight(model: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """nnsight: one trace per call saving every module's output (asked for in call order)."""
+    import nnsight
+
+    wrapped = nnsight.NNsight(model)
+    paths = [n for n, _ in model.named_modules() if n]
+    order = _call_order(model, x)
+
+    def envoy(path: str) -> Any:
+        node = wrapped
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
+
+    envoys = [envoy(paths[i]) for i in order]
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        saved: list[Any] = []
+        with wrapped.trace(x):
+            for e in envoys:
+                saved.append(e.output.save())
+            out = wrapped.output.save()
+        by_module = dict(zip(order, saved))
+        return out, [by_module[i] for i in range(len(paths))]
+
+    return call
+
+
+def _transformer_lens(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """TransformerLens ``run_with_cache`` on a copy whose every module ends in a ``HookPoint``
+    (as a model written for TransformerLens would call one after each layer)."""
+    from transformer_lens import HookedRootModule
+    from transformer_lens.hook_points import HookPoint
+
+    inner = copy.deepcopy(model)
+    modules = _common.hooked_modules(inner)
+
+    class Hooked(HookedRootModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+            self.points = nn.ModuleList(HookPoint() for _ in modules)
+            for m, point in zip(modules, self.points):
+                m.register_forward_hook(lambda m, a, o, point=point: point(o))
+            self.setup()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    hooked = Hooked()
+    names = [f"points.{i}" for i in range(len(modules))]
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        y, cache = hooked.run_with_cache(x)
+        return y, [cache[n] for n in names]
+
+    return call
+
+
+def _torchlens(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, None]]:
+    """torchlens ``trace`` saving every layer (it logs ops, not modules); torch functions are
+    unwrapped after each call so the other cases are not slowed down."""
+    import torchlens
+    from torchlens.options import CaptureOptions
+
+    options = CaptureOptions(unwrap_when_done=True)
+
+    def call(x: torch.Tensor) -> tuple[Any, None]:
+        log = torchlens.trace(model, x, capture=options)
+        return log[log.output_layers[0]].tensor, None
+
+    return call
+
+
+PEERS = {
+    "nnsight trace + save": ("nnsight", lambda model, x: _nnsight(model, x)),
+    "TransformerLens run_with_cache": ("transformer_lens", lambda model, x: _transformer_lens(model)),
+    "torchlens trace": ("torchlens", lambda model, x: _torchlens(model)),
+}
+
+
+def peers(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], tuple[Any, Any]]]:
+    """The peer libraries that import here (``pip install funhooks[bench]``); others are skipped."""
+    found: dict[str, Callable[[torch.Tensor], tuple[Any, Any]]] = {}
+    for name, (module, build) in PEERS.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        try:
+            found[name] = build(model, x)
+        except Exception as err:  # a peer that imports but fails here is reported, not fatal
+            print(f"{name} skipped: {type(err).__name__}: {err}")
+    return found
