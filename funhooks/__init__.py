@@ -43,7 +43,8 @@ from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .selector import Selector, select
 from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
-from .stats import ActivationStats, ActivationStatsResult, HookCallback
+from .callback import HookCallback
+from .stats import ActivationStats, ActivationStatsResult
 from .store import ActivationWriter, WriterState
 from .summary import (
     LayerRow,
