@@ -38,10 +38,11 @@ from .errors import (
 from .fold import Reducer, fit, fold, fold_all, running
 from .pure import capture, functional
 from .activation import activation_grads
-from .loop import Step, evaluate, train
+from .loop import evaluate, train
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .selector import Selector, select
+from .step import Step
 from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
 from .callback import HookCallback
 from .stats import ActivationStats, ActivationStatsResult

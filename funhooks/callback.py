@@ -20,7 +20,7 @@ import attrs
 
 from . import _reducing as red
 from .errors import ReducerError
-from .loop import Step
+from .step import Step
 from .selector import Selector
 from .spec import Spec, observe
 

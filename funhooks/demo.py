@@ -25,7 +25,7 @@ from torch import nn
 from . import plot
 from .errors import ExtraError
 from .fold import fit
-from .loop import Step
+from .step import Step
 from .spec import Spec
 from .stats import ActivationStats, ActivationStatsResult, unroll
 from .summary import ModuleSummary, module_summary

@@ -28,8 +28,9 @@ from torch import nn
 
 from . import progress as _progress
 from .errors import ReducerError
-from .loop import Step, _total, train_steps
+from .loop import _total, train_steps
 from .spec import Spec
+from .step import Step
 
 __all__ = ["Reducer", "fit", "fold", "fold_all", "running"]
 
@@ -42,13 +43,18 @@ PROTOCOL = ("specs", "init", "step", "result")
 class Reducer(Protocol):
     """The reducer protocol (for type hints): ``specs``, ``init``, ``step``, ``result``.
 
+    ``specs`` is read-only: a field, a class attribute or a property all satisfy it. The
+    optional members (``merge``, ``records``, ``watches``) are not part of the protocol;
+    :mod:`funhooks.fold` says what each adds.
+
     Example:
         >>> import funhooks as fh
         >>> isinstance(fh.ActivationStats(), fh.Reducer)
         True
     """
 
-    specs: tuple[Spec, ...]
+    @property
+    def specs(self) -> tuple[Spec, ...]: ...
 
     def init(self) -> Any: ...
 

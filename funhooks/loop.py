@@ -23,67 +23,18 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
 from . import progress as _progress
 from ._modes import in_mode
-from .errors import FrozenError, LoopError
+from .errors import LoopError
 from .record import Record
 from .run import Run
 from .spec import Spec
+from .step import EMPTY_RECORD, Step
 
 __all__ = ["Step", "evaluate", "train"]
-
-EMPTY_RECORD = Record()
-"""The Record of a step that ran with the hooks paused (or without specs)."""
-
-
-@attrs.frozen(eq=False)
-class Step:
-    """One batch of a training or evaluation run, as a frozen value.
-
-    Attributes:
-        epoch: the epoch, from 0 (always 0 for :func:`evaluate`).
-        iteration: the global train-batch index from 0, counted across epochs (for
-            :func:`evaluate`, the batch index within the evaluation).
-        loss: the batch's loss, a detached 0-d tensor on the model's device (``None`` for an
-            evaluation without a loss function). Call ``float(step.loss)`` to read it: that
-            syncs a GPU, so do it only where you need the number.
-        record: what the specs stored during this batch (forward and backward).
-        training: True for :func:`train` steps, False for :func:`evaluate` steps.
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> step = fh.Step(epoch=0, iteration=3, loss=torch.tensor(0.5), record=fh.Record(), training=True)
-        >>> step.iteration, float(step.loss)
-        (3, 0.5)
-        >>> step.iteration = 4
-        Traceback (most recent call last):
-        ...
-        funhooks.errors.FrozenError: Step: a step cannot be assigned to, got `.iteration = ...`. Build a new one with `attrs.evolve(step, iteration=...)`.
-    """
-
-    epoch: int
-    iteration: int
-    loss: torch.Tensor | None
-    record: Record
-    training: bool
-
-
-def _frozen_setattr(self: Step, key: str, value: Any) -> None:
-    raise FrozenError(
-        f"Step: a step cannot be assigned to, got `.{key} = ...`. Build a new one with `attrs.evolve(step, {key}=...)`."
-    )
-
-
-def _frozen_delattr(self: Step, key: str) -> None:
-    raise FrozenError(f"Step: a step cannot be changed, got `del .{key}`. Build a new one with `attrs.evolve`.")
-
-
-Step.__setattr__ = _frozen_setattr  # type: ignore[method-assign,assignment]
-Step.__delattr__ = _frozen_delattr  # type: ignore[method-assign,assignment]
 
 Records = Callable[[int, bool], bool]
 """``records(iteration, training) -> bool``: whether a step's record is read by anyone."""

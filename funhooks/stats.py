@@ -41,7 +41,7 @@ from ._exact import REDUCE_IN_HOOK_NUMEL
 from ._reducing import LeafModules, OwnParams, roll, unroll
 from .callback import HookCallback
 from .errors import ReducerError
-from .loop import Step
+from .step import Step
 from .selector import Selector
 from .spec import Spec, observe
 

@@ -1,0 +1,72 @@
+"""The public types hold under mypy: the library's own reducers are `fh.Reducer`s.
+
+mypy runs on small snippets against the package's own source (torch and the optional
+libraries are skipped, so this takes seconds); a snippet that breaks the protocol must fail.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import textwrap
+
+import pytest
+
+import funhooks as fh
+
+SOURCE_ROOT = pathlib.Path(fh.__file__).resolve().parents[1]
+CONFIG = """\
+[mypy]
+mypy_path = {root}
+follow_imports = silent
+ignore_missing_imports = True
+[mypy-torch.*,transformers.*,lightning.*,sklearn.*,matplotlib.*,hypothesis.*,safetensors.*,tqdm.*]
+follow_imports = skip
+"""
+
+REDUCERS = """\
+import funhooks as fh
+from funhooks.demo import LossCurve as DemoLoss
+
+reducers: list[fh.Reducer] = [
+    fh.ActivationStats(),
+    fh.HookCallback(print),
+    DemoLoss(),
+]
+"""
+
+NOT_A_REDUCER = """\
+import funhooks as fh
+
+class NoResult:
+    specs = ()
+    def init(self) -> int:
+        return 0
+    def step(self, state: int, step: fh.Step) -> int:
+        return state
+
+reducer: fh.Reducer = NoResult()
+"""
+
+
+def _mypy(tmp_path: pathlib.Path, code: str) -> tuple[int, str]:
+    api = pytest.importorskip("mypy.api", reason="mypy is not installed (it is in the `test` extra)")
+    config = tmp_path / "mypy.ini"
+    config.write_text(CONFIG.format(root=SOURCE_ROOT))
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(textwrap.dedent(code))
+    stdout, stderr, status = api.run([str(snippet), "--config-file", str(config), "--cache-dir", str(tmp_path / "cache"),
+                                      "--no-error-summary"])
+    return status, stdout + stderr
+
+
+def test_library_reducers_satisfy_the_reducer_protocol(tmp_path: pathlib.Path) -> None:
+    """ActivationStats (`specs` a property), HookCallback and a frozen attrs reducer (`specs` a
+    field) all type-check as `fh.Reducer`: the protocol declares `specs` read-only."""
+    status, out = _mypy(tmp_path, REDUCERS)
+    assert status == 0, out
+
+
+def test_a_value_without_the_protocol_is_not_a_reducer(tmp_path: pathlib.Path) -> None:
+    """The check can fail: a class without `result` is rejected, naming the missing member."""
+    status, out = _mypy(tmp_path, NOT_A_REDUCER)
+    assert status == 1 and '"NoResult" is missing following "Reducer" protocol member' in out, out
