@@ -11,13 +11,17 @@ sum of 0/1 and the histogram repeats histc's own float32 arithmetic.
 Two steps of one iteration (two ranks' halves of a batch) combine exactly by module path
 (:func:`combine`: Chan's formula for means and variances, sums of counts and histograms).
 
-Cost: per step, one stack of the copies per (shape, dtype) and about a dozen kernels over
-them; a large, non-contiguous or non-CPU activation costs three reductions in its hook.
+Cost: per kept activation, a few attribute reads in the hook (a copy on the module's first
+recorded step, and on every step where a later op changes it in place) and a version read at
+the end of the step; per step, one stack per (shape, dtype) and about a dozen kernels over it
+(sums in double: 12 bytes moved per element, three passes); a large, non-contiguous or
+non-CPU activation costs three reductions in its hook.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, NamedTuple
 
 import attrs
@@ -25,13 +29,14 @@ import torch
 from torch import nn
 
 from . import _reducing as red
-from .errors import ReducerError
+from .errors import ReducerError, StaleTensorError
+from .selector import path_label as where
 
 __all__ = ["REDUCE_IN_HOOK_NUMEL", "Entry", "Snapshot", "combine", "empty_entry", "reduce_step", "round_std",
            "row_stats"]
 
 REDUCE_IN_HOOK_NUMEL = (1 << 15) - 1
-"""Contiguous CPU activations of at most this many elements are copied in the hook and
+"""Contiguous CPU activations of at most this many elements are kept by the hook and
 reduced with the step's others; the rest are reduced in the hook by ``x.mean()`` and
 ``x.std()`` themselves. PyTorch reduces a tensor this small on one thread whatever
 ``torch.get_num_threads()`` says (its grain size is ``1 << 15``), in the order the batched
@@ -39,10 +44,22 @@ reduction reproduces, so both ways give torch's own numbers to the bit."""
 
 Tensor = torch.Tensor
 
+SOURCE = "_funhooks_source"
+"""The attribute by which a kept activation names the output it stands for: the output, its
+version counter at the hook, its module, and whether this is the module's first copy."""
+
+_CHANGED_LATER: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Per module: whether some op changed its output in place after the hook saw it (an
+``inplace=True`` activation, a ``+=`` residual), learned from the copy kept on the first
+recorded step that reached it. Modules whose output nothing changes are then kept without a
+copy; the others are copied in the hook."""
+
 
 @attrs.frozen
 class Snapshot:
-    """The hook of ActivationStats: a copy of a small output, or the reduced large one."""
+    """The hook of ActivationStats: a small output kept for the step's batched reduction
+    (without a copy where earlier steps showed nothing changes it later), or the large one
+    reduced on the spot."""
 
     near_zero: float
     with_hist: bool
@@ -57,14 +74,13 @@ class Snapshot:
                 f"Select modules with tensor outputs with `modules=`, e.g. "
                 f"`modules=fh.select(fh.stats.LeafModules()) & ~fh.select({kind})`."
             )
-        o = output.detach()
-        n = o.numel()
+        n = output.numel()
         if n == 0:  # an empty batch: NaN statistics, no counts (no kernel reads it)
-            hist = o.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
-            return (0, o.new_full((3,), math.nan, dtype=torch.float64), hist)
-        if n <= REDUCE_IN_HOOK_NUMEL and o.is_cpu and o.is_contiguous():
-            return o.clone()
-        return self.reduce(o)
+            hist = output.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
+            return (0, output.new_full((3,), math.nan, dtype=torch.float64), hist)
+        if n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous():
+            return keep(module, output, n)
+        return self.reduce(output.detach())
 
     def reduce(self, o: Tensor) -> tuple[int, Tensor, Tensor | None]:
         """``(n, (mean, std, near-zero count), histogram)`` of `o`, by fastai's very calls."""
@@ -76,11 +92,67 @@ class Snapshot:
         return (n, row, x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None)
 
 
+def keep(module: nn.Module, output: Tensor, n: int) -> Tensor:
+    """The activation as the step's reduction will read it.
+
+    An output nothing changed after the hook on earlier steps is kept as ``output.data``, an
+    alias with a version counter of its own (the run's in-place check must not fire on it),
+    noting the output's own counter, which :func:`settle` compares at the end of the step.
+    Other outputs are copied; the first copy of a module's output also notes the module, so
+    that the end of the step learns whether the output changed.
+    """
+    changed = _CHANGED_LATER.get(module)
+    if changed is False and type(output) is Tensor and output.untyped_storage().nbytes() == n * output.element_size():
+        try:
+            version = output._version  # it owns its storage; an inference tensor has no counter
+        except RuntimeError:
+            return output.clone()
+        alias = output.data
+        alias.__dict__[SOURCE] = (output, version, module, False)
+        return alias
+    copy = output.detach().clone()
+    if changed is None and not output.is_inference():
+        copy.__dict__[SOURCE] = (output, output._version, module, True)
+    return copy
+
+
+def settle(value: Any, path: str, iteration: int) -> Any:
+    """`value` as stored by the hook, checked: a kept alias whose output changed since the hook
+    raises; a first copy teaches :data:`_CHANGED_LATER` about its module.
+
+    Raises:
+        StaleTensorError: when an output kept without a copy was changed in place after the
+            hook (a module that changes its outputs on some steps only); from then on its
+            output is copied, so a new run gets its statistics on every step.
+    """
+    if type(value) is tuple:
+        return value
+    source = value.__dict__.pop(SOURCE, None)
+    if source is None:
+        return value
+    output, version, module, learning = source
+    changed = output._version != version
+    if learning:
+        _CHANGED_LATER[module] = changed
+    elif changed:
+        _CHANGED_LATER[module] = True
+        raise StaleTensorError(
+            f"ActivationStats: an output kept without a copy must not change after the hook, got the output of module "
+            f"{where(path)} changed in place on train iteration {iteration}, which earlier steps never did, so its "
+            "statistics on this step are lost. Its output is copied from now on: run the training again to get "
+            "them on every step."
+        )
+    return value
+
+
 SUM_ORDER_SLACK = 2.0**-35
 """Two sums in double of the same ``n < 2**15`` non-negative terms, added in different
 orders, differ by at most ``2 (n - 1) 2**-53 < 2**-37`` of the sum, and two stds from them
 by less than ``2**-37`` of the std: with 4x margin, an std whose ``1 -/+ 2**-35`` neighbours
 round to one float32 is that float32 whichever order the sum took."""
+
+
+_SLACK = torch.tensor((1 - SUM_ORDER_SLACK, 1 + SUM_ORDER_SLACK), dtype=torch.float64)
 
 
 def round_std(d: Tensor) -> Tensor:
@@ -95,11 +167,10 @@ def round_std(d: Tensor) -> Tensor:
     """
     n = d.shape[1]
     approx = torch.linalg.vector_norm(d, dim=1).div_(math.sqrt(n - 1))
-    low = approx.mul(1 - SUM_ORDER_SLACK).float()
-    std = approx.mul_(1 + SUM_ORDER_SLACK).float()
-    unsure = low.ne(std)  # NaN too
-    if unsure.any():  # a CPU tensor: reading it is no device sync
-        rows = unsure.nonzero().squeeze(1)
+    bounds = torch.outer(approx, _SLACK).float()
+    std = bounds[:, 1]
+    if bounds.diff(dim=1).any():  # NaN too; a CPU tensor: reading it is no device sync
+        rows = bounds[:, 0].ne(std).nonzero().squeeze(1)
         exact = d.index_select(0, rows).square_().cumsum_(1)[:, -1].div_(n - 1).sqrt_().float()
         std.index_copy_(0, rows, exact)
     return std
@@ -117,7 +188,7 @@ def row_stats(x: Tensor, near_zero: float) -> Tensor:
     n = x.shape[1]
     mean = x.mean(1)
     if n > 1:
-        std = round_std(x.double().sub_(mean.double().unsqueeze(1)))
+        std = round_std(torch.sub(x, mean.double().unsqueeze(1)))  # in double: float32 minus float64
     else:
         std = torch.full_like(mean, math.nan)
     near = torch.le(x, near_zero, out=torch.empty_like(x)).sum(1)
@@ -150,9 +221,21 @@ class Entry(NamedTuple):
     hist: Tensor | None
 
 
-def reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
-    """``(order, ns, rows, histograms)`` of one step's hook values (module order): copies of
-    one shape and dtype are stacked and reduced together; ``order[i]`` is value i's row."""
+def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
+                iteration: int) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
+    """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
+    checked by :func:`settle` first: kept activations of one shape and dtype are stacked and reduced
+    together; ``order[i]`` is value i's row."""
+    values = [settle(v, p, iteration) for v, p in zip(values, paths)]
+    first = values[0]
+    if type(first) is not tuple:  # the common case: every activation kept, all of one shape
+        shape, dtype = first.shape, first.dtype
+        if all(type(v) is not tuple and v.shape == shape and v.dtype == dtype for v in values):
+            x = torch.stack(values).flatten(1)
+            if x.dtype != torch.float32:
+                x = x.float()
+            hist = batched_hist(x, snap.hist_bins, *snap.hist_range) if snap.with_hist else None
+            return tuple(range(len(values))), (x.shape[1],) * len(values), row_stats(x, snap.near_zero), hist
     groups: dict[Any, list[int]] = {}
     for i, v in enumerate(values):
         key = None if type(v) is tuple else (v.shape, v.dtype)  # None: reduced in the hook
@@ -170,7 +253,7 @@ def reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tup
             for i in members:
                 ns[i] = values[i][0]
         else:
-            x = torch.stack(values if len(members) == len(values) else [values[i] for i in members]).flatten(1)
+            x = torch.stack([values[i] for i in members]).flatten(1)
             if x.dtype != torch.float32:
                 x = x.float()
             pieces.append(row_stats(x, snap.near_zero))

@@ -16,15 +16,16 @@ the bit: ``mean`` and ``std`` (unbiased) equal ``o.float().mean().item()`` and
 did not run on a step is absent from it. How the numbers are made exact, batched, is
 :mod:`funhooks._exact`'s business.
 
-Cost: a contiguous CPU activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is copied in
-the hook (one copy per module, alive until the end of its step; the copy keeps the numbers
-right when a later in-place op such as ``ReLU(inplace=True)`` changes the output) and the
-copies of a step are reduced together, a handful of kernels per step instead of three per
-module. Larger, non-contiguous and non-CPU activations are reduced in the hook by
-``mean()`` and ``std()`` themselves (on a GPU, a few asynchronous kernels per module), and
-no copy is kept. The state holds per step one ``(modules, 3)`` tensor of ``(mean, std,
-near-zero count)`` (and ``(modules, hist_bins)`` with histograms) and the paths of the
-modules that ran.
+Cost: a contiguous CPU activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is kept by
+the hook until the end of its step, and the step's kept activations are reduced together, a
+dozen kernels per step instead of three per module. An activation is copied in the hook on the
+first recorded step that reaches its module, which shows whether a later op (an
+``inplace=True`` activation, a ``+=`` residual) changes it in place before the step ends; from
+then on it is kept without a copy if nothing did (its version counter is checked at the end of
+each step) and copied otherwise. Larger, non-contiguous and non-CPU activations are reduced in
+the hook by ``mean()`` and ``std()`` themselves (on a GPU, a few asynchronous kernels per
+module). The state holds per step one ``(modules, 3)`` tensor of ``(mean, std, near-zero
+count)`` (and ``(modules, hist_bins)`` with histograms) and the paths of the modules that ran.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ class ActivationStats:
             output is not a tensor (an ``nn.LSTM``'s tuple): select others with `modules=`;
             from ``result``, when recorded steps exist and no selected module stored
             statistics on any of them (steps run without ``specs=reducer.specs``).
+        StaleTensorError: from ``step``, when an output kept without a copy (nothing changed it
+            on earlier steps) was changed in place after the hook; its module is copied from
+            then on.
 
     Example:
         >>> import torch, funhooks as fh
@@ -198,7 +202,7 @@ class ActivationStats:
                 values.append(calls[-1])  # a module called twice: its last call, as fastai's
         if not values:
             return (state, ex.empty_entry(step.iteration, self._snapshot))
-        order, ns, rows, hist = ex.reduce_step(values, self._snapshot)
+        order, ns, rows, hist = ex.reduce_step(values, paths, self._snapshot, step.iteration)
         return (state, ex.Entry(step.iteration, tuple(paths), ns, order, rows, hist))
 
     def merge(self, a: tuple, b: tuple) -> tuple:
