@@ -47,6 +47,7 @@ from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outp
 from .callback import HookCallback
 from .stats import ActivationStats, ActivationStatsResult
 from .store import ActivationWriter, WriterState
+from .watch import OptimizerWatch
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -109,6 +110,7 @@ __all__ = [
     "ModuleSummary",
     "num_features_model",
     "observe",
+    "OptimizerWatch",
     "outputs",
     "plot",
     "progress",

@@ -173,7 +173,7 @@ def test_batch_that_is_not_a_pair_names_what_was_received() -> None:
         list(fh.train(model, [torch.randn(6, 3)], MSE, _sgd(model), specs=fh.outputs("0")))
     assert str(err.value) == (
         "train: each batch is an `(x, y)` pair for `loss_fn(model(x), y)`, got a Tensor of shape (6, 3) at batch 0. "
-        "Yield `(x, y)` tuples, e.g. from a DataLoader over a TensorDataset."
+        "Yield `(x, y)` tuples, e.g. from a DataLoader over a TensorDataset, or pass your own `step=fn(model, batch)`."
     )
     fh.testing.assert_no_hooks(model)
     with pytest.raises(fh.LoopError, match=r"got a tuple of 3 items at batch 1"):
