@@ -18,8 +18,11 @@ import sys as _sys
 from importlib import metadata as _metadata
 
 from . import activation, distributed, plot, progress, pure, selector, testing
-from .dataset import ActivationDataset
+from .activation import activation_grads
+from .callback import HookCallback
 from .collect import collect
+from .dataset import ActivationDataset
+from .dead import DeadUnits, DeadUnitsResult
 from .distributed import merge_across_ranks
 from .errors import (
     ExtraError,
@@ -36,18 +39,29 @@ from .errors import (
     TransformError,
 )
 from .fold import Reducer, fit, fold, fold_all, running
-from .pure import capture, functional
-from .activation import activation_grads
+from .gradient import GradientStats, GradientStatsResult
 from .loop import evaluate, train
+from .loss import LossCurve, LossCurveResult
+from .pure import capture, functional
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .selector import Selector, select
-from .step import Step
-from .spec import EVENTS, Hook, Hooks, Spec, edit, grads, hook_output, hook_outputs, inputs, observe, outputs
-from .callback import HookCallback
+from .spec import (
+    EVENTS,
+    Hook,
+    Hooks,
+    Spec,
+    edit,
+    grads,
+    hook_output,
+    hook_outputs,
+    inputs,
+    observe,
+    outputs,
+)
 from .stats import ActivationStats, ActivationStatsResult
+from .step import Step
 from .store import ActivationWriter, WriterState
-from .watch import OptimizerWatch
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -60,6 +74,8 @@ from .summary import (
     num_features_model,
     total_params,
 )
+from .update import UpdateRatio, UpdateRatioResult
+from .watch import OptimizerWatch
 
 # The modules `select`, `functional` and `grads` were renamed (`selector`, `pure`,
 # `activation`) so that no module shares a name with a function exported here; their old
@@ -136,5 +152,13 @@ __all__ = [
     "TransformError",
     "with_hooks",
     "WriterState",
+    "DeadUnits",
+    "DeadUnitsResult",
+    "GradientStats",
+    "GradientStatsResult",
+    "LossCurve",
+    "LossCurveResult",
+    "UpdateRatio",
+    "UpdateRatioResult",
     "__version__",
 ]

@@ -30,6 +30,10 @@ from funhooks.demo import LossCurve as DemoLoss
 reducers: list[fh.Reducer] = [
     fh.ActivationStats(),
     fh.HookCallback(print),
+    fh.GradientStats(),
+    fh.UpdateRatio(),
+    fh.DeadUnits(),
+    fh.LossCurve(),
     DemoLoss(),
 ]
 """
@@ -60,8 +64,9 @@ def _mypy(tmp_path: pathlib.Path, code: str) -> tuple[int, str]:
 
 
 def test_library_reducers_satisfy_the_reducer_protocol(tmp_path: pathlib.Path) -> None:
-    """ActivationStats (`specs` a property), HookCallback and a frozen attrs reducer (`specs` a
-    field) all type-check as `fh.Reducer`: the protocol declares `specs` read-only."""
+    """ActivationStats (`specs` a property), HookCallback, the gradient, update, dead-unit and
+    loss reducers and a frozen attrs reducer (`specs` a field) all type-check as `fh.Reducer`:
+    the protocol declares `specs` read-only."""
     status, out = _mypy(tmp_path, REDUCERS)
     assert status == 0, out
 
