@@ -39,6 +39,7 @@ from .errors import (
     TransformError,
 )
 from .fold import Reducer, fit, fold, fold_all, running
+from .folding import Folding, folding
 from .gradient import GradientStats, GradientStatsResult
 from .loop import evaluate, train
 from .loss import LossCurve, LossCurveResult
@@ -106,6 +107,8 @@ __all__ = [
     "fit",
     "fold",
     "fold_all",
+    "Folding",
+    "folding",
     "FrozenError",
     "functional",
     "grads",

@@ -160,7 +160,7 @@ def running(reducer: Reducer, steps: Iterable[Step]) -> Iterator[Any]:
         _close(steps)
 
 
-def _as_items(reducers: Any, caller: str) -> tuple[Callable[[Sequence[Any]], Any], tuple[Any, ...]]:
+def as_items(reducers: Any, caller: str) -> tuple[Callable[[Sequence[Any]], Any], tuple[Any, ...]]:
     """The reducers as a tuple, plus the function that puts results back in their shape."""
     if isinstance(reducers, Mapping):
         keys = tuple(reducers)
@@ -203,7 +203,7 @@ def fold_all(reducers: Mapping[Any, Reducer] | Sequence[Reducer], steps: Iterabl
         >>> len(res["sparse"].stats), len(res["dense"].stats)
         (2, 4)
     """
-    shape, items = _as_items(reducers, "fold_all")
+    shape, items = as_items(reducers, "fold_all")
     steppers = tuple(r.step for r in items)
 
     def advance(states: tuple[Any, ...], step: Step) -> tuple[Any, ...]:
@@ -273,7 +273,7 @@ def fit(
     if reducers is None:
         raise ReducerError("fit: `reducers` is a dict or a list of reducers, got None. "
                            "Pass e.g. reducers={'stats': fh.ActivationStats()}.")
-    shape, items = _as_items(reducers, "fit")
+    shape, items = as_items(reducers, "fit")
     specs = tuple(dict.fromkeys(s for r in items for s in r.specs))
     watches = tuple(dict.fromkeys(w for r in items for w in watches_of(r)))
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
