@@ -24,7 +24,6 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import _work
