@@ -84,6 +84,18 @@ from .watch import OptimizerWatch
 for _old, _new in (("select", selector), ("functional", pure), ("grads", activation)):
     _sys.modules[f"{__name__}.{_old}"] = _new
 
+
+def __getattr__(name: str) -> object:
+    """``fh.lightning`` and ``fh.hf``, imported when first used (they import their frameworks)."""
+    if name in _INTEGRATIONS:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_INTEGRATIONS = ("lightning", "hf")
+
 try:
     __version__ = _metadata.version("funhooks")
 except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
