@@ -24,8 +24,23 @@ follow_imports = skip
 """
 
 REDUCERS = """\
+import attrs
 import funhooks as fh
-from funhooks.demo import LossCurve as DemoLoss
+
+
+@attrs.frozen
+class Count:
+    specs: tuple[fh.Spec, ...] = ()
+
+    def init(self) -> int:
+        return 0
+
+    def step(self, state: int, step: fh.Step) -> int:
+        return state + 1
+
+    def result(self, state: int) -> int:
+        return state
+
 
 reducers: list[fh.Reducer] = [
     fh.ActivationStats(),
@@ -34,7 +49,7 @@ reducers: list[fh.Reducer] = [
     fh.UpdateRatio(),
     fh.DeadUnits(),
     fh.LossCurve(),
-    DemoLoss(),
+    Count(),
 ]
 """
 
