@@ -36,6 +36,7 @@ import _common
 import funhooks as fh
 
 NAME = "train"
+PARAMS_CASE = "fh.fit + GradientStats() + UpdateRatio()"
 BATCHES_PER_CALL = 8
 QUICK_DEPTH = 4
 LR = 1e-3
@@ -67,6 +68,15 @@ def _fit(model: nn.Module, batches: list, opt: torch.optim.Optimizer, every: int
 
     def call() -> Any:
         return fh.fit(model, batches, nn.functional.mse_loss, opt, stats, progress=False)
+
+    return call
+
+
+def _fit_params(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], Any]:
+    reducers = [fh.GradientStats(), fh.UpdateRatio()]
+
+    def call() -> Any:
+        return fh.fit(model, batches, nn.functional.mse_loss, opt, reducers, progress=False)
 
     return call
 
@@ -126,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fh.train": lambda m, o: _train(m, batches, o),
         "fh.fit + ActivationStats()": lambda m, o: _fit(m, batches, o, None),
         f"fh.fit + ActivationStats(every={EVERY})": lambda m, o: _fit(m, batches, o, EVERY),
+        PARAMS_CASE: lambda m, o: _fit_params(m, batches, o),
         "hand hooks, fastai-style stats": lambda m, o: _fastai_style(m, batches, o),
     }
     cases, models = {}, {}

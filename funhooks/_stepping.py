@@ -56,7 +56,7 @@ class Recorder:
                 raise SpecError(f"{caller}: a watch and a spec store under one name, got {clash.name!r} for both. "
                                 "Give the OptimizerWatch another `name=`.")
             self.watching = Watching(model, watches, optimizers(opts, caller), caller, manual_before=manual_before)
-        self.index: dict[str, int] | None = None
+        self.index: dict[str, tuple[int, int]] | None = None
         self.run: Run | None = None
         self.paused: contextlib.ExitStack | None = None
 
@@ -152,16 +152,21 @@ class Recorder:
             return record
         merged: dict[str, dict[str, tuple[Any, ...]]] = {p: dict(names) for p, names in record._data.items()}
         for path, names in data.items():
-            node = merged.setdefault(path, {})
-            for name, values in names.items():
-                node[name] = tuple(values)
+            node = merged.get(path)
+            if node is None:
+                merged[path] = {name: tuple(values) for name, values in names.items()}
+            else:
+                node.update((name, tuple(values)) for name, values in names.items())
+        keys = [self._key(p) for p in merged]
+        if any(a > b for a, b in zip(keys, keys[1:])):
+            merged = {p: merged[p] for _, p in sorted(zip(keys, merged))}
+        return Record._with_notes(merged, record._notes)
+
+    def _key(self, path: str) -> tuple[int, int]:
+        """Where `path` comes in module order (a parameter's path: just after its module's)."""
         if self.index is None:
-            self.index = {p: i for i, (p, _) in enumerate(_torch.named_modules(self.model))}
-        index = self.index
-
-        def key(path: str) -> tuple[int, int]:
-            at = index.get(path)
-            return (at, 0) if at is not None else (index.get(path.rpartition(".")[0], len(index)), 1)
-
-        ordered = {p: merged[p] for p in sorted(merged, key=key)}
-        return Record._with_notes(ordered, record._notes)
+            self.index = {p: (i, 0) for i, (p, _) in enumerate(_torch.named_modules(self.model))}
+        key = self.index.get(path)
+        if key is None:
+            key = self.index[path] = (self.index.get(path.rpartition(".")[0], (len(self.index), 0))[0], 1)
+        return key

@@ -10,8 +10,8 @@ usual rule of thumb for a healthy learning rate; far below, the layer barely lea
 above, it is being rewritten every step.
 
 Cost: per recorded step, the selected parameters are copied once before the update (stacked
-by shape) and stacked again after it; about eight kernels per shape and a few to combine by
-layer, on their device. Memory: one copy of the selected parameters during the update.
+by shape) and stacked again after it; four kernels per shape and a few to combine by layer,
+on their device. Memory: two copies of the selected parameters during the update.
 """
 
 from __future__ import annotations
@@ -38,36 +38,28 @@ HEALTHY_RATIO = 1e-3
 """The rule of thumb for a healthy update-to-parameter ratio (Karpathy's), drawn on the plot."""
 
 
-def _groups(layers: Layers) -> tuple[_params.Groups, list[torch.Tensor]]:
-    params = [p for ps in layers.params for p in ps]
-    groups = layers.cache.get("update_ratio")
-    if groups is None:
-        owners = [i for i, ps in enumerate(layers.params) for _ in ps]
-        groups = layers.cache["update_ratio"] = _params.Groups(params, owners)
-    return groups, params
-
-
 @attrs.frozen
 class _Before:
-    """The watch's first function: the parameters before the update, stacked by shape (a copy)."""
+    """The watch's first function: the parameters before the update, stacked by shape (a
+    copy), with each tensor's squared norm."""
 
-    def __call__(self, layers: Layers) -> list[torch.Tensor]:
-        groups, params = _groups(layers)
-        return groups.stacks(params)
+    def __call__(self, layers: Layers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        plan = _params.plan(layers.cache, layers.params)
+        before = plan.groups.stacks(plan.flat)
+        return before, [torch.linalg.vector_norm(b, dim=1).square() for b in before]
 
 
 @attrs.frozen
 class _After:
     """The watch's second function: ``{path: ratio}`` from the copy and the parameters now."""
 
-    def __call__(self, layers: Layers, before: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        groups, params = _groups(layers)
-        after = groups.stacks(params)
-        moved = [torch.linalg.vector_norm(a - b, dim=1).square() for a, b in zip(after, before)]
-        size = [torch.linalg.vector_norm(b, dim=1).square() for b in before]
-        n = len(layers.paths)
-        ratio = (_params.layer_sums(groups, moved, n) / _params.layer_sums(groups, size, n)).sqrt()
-        return dict(zip(layers.paths, ratio.unsqueeze(1).unbind(0)))
+    def __call__(self, layers: Layers, carry: tuple[list[torch.Tensor], list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        plan = _params.plan(layers.cache, layers.params)
+        before, sizes = carry
+        table = [torch.stack((torch.linalg.vector_norm(a.sub_(b), dim=1).square(), s), 1)
+                 for a, b, s in zip(plan.groups.stacks(plan.flat), before, sizes)]
+        moved, size = plan.groups.by_layer(table).unbind(1)
+        return dict(zip(layers.paths, (moved / size).sqrt_().unsqueeze(1).unbind(0)))
 
 
 @attrs.frozen

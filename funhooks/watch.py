@@ -126,7 +126,8 @@ def optimizers(opt: Any, caller: str) -> tuple[torch.optim.Optimizer, ...]:
 class Watching:
     """Optimizer watches attached for one step at a time; what they stored, by path."""
 
-    __slots__ = ("caller", "carries", "data", "handles", "layers", "manual", "opts", "owner", "resolved", "watches")
+    __slots__ = ("caller", "carries", "current", "data", "handles", "layers", "manual", "opts", "owner", "resolved",
+                 "watches")
 
     def __init__(self, model: nn.Module, watches: tuple[OptimizerWatch, ...], opts: tuple[torch.optim.Optimizer, ...],
                  caller: str, *, manual_before: bool = False) -> None:
@@ -145,6 +146,7 @@ class Watching:
         self.carries: dict[tuple[int, int], Any] = {}
         self.data: dict[str, dict[str, list[Any]]] = {}
         self.handles: list[Any] = []
+        self.current: dict[int, list[Layers | None]] = {}
         self.owner = 0
 
     def _layers(self, opt: torch.optim.Optimizer) -> list[Layers | None]:
@@ -165,6 +167,7 @@ class Watching:
     def attach(self) -> None:
         """Register the hooks on every optimizer, for the calling thread."""
         self.owner = threading.get_ident()
+        self.current = {id(opt): self._layers(opt) for opt in self.opts}
         try:
             for opt in self.opts:
                 if not self.manual:
@@ -191,14 +194,15 @@ class Watching:
 
     def before(self, opt: torch.optim.Optimizer) -> None:
         """Run every watch's ``before`` for `opt`'s layers (gradients final, parameters old)."""
-        opt = optimizers(opt, self.caller)[0]
-        for i, (watch, layers) in enumerate(zip(self.watches, self._layers(opt))):
+        if id(opt) not in self.current:
+            opt = optimizers(opt, self.caller)[0]
+        for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
             if layers is not None:
                 self.carries[i, id(opt)] = self._call(watch, watch.before, layers)
 
     def after(self, opt: torch.optim.Optimizer) -> None:
         """Run every watch's ``after`` for `opt` and store the values (parameters new)."""
-        for i, (watch, layers) in enumerate(zip(self.watches, self._layers(opt))):
+        for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
             if layers is None or (i, id(opt)) not in self.carries:
                 continue
             carry = self.carries.pop((i, id(opt)))
