@@ -115,3 +115,16 @@ def test_store_smoke(tmp_path: pathlib.Path) -> None:
     assert all(set(c) == {"MB/s", "ratio_to_faster_plain_loop"} for c in write.values())
     assert set(result["results"]["read"]) == {"ds[indices]", "DataLoader(shuffle=True)"}
     assert len(result["results"]["rss"]["sizes"]) == 2 and result["results"]["rss"]["peak_max_over_min"] >= 1.0
+
+
+def test_train_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_train's folds equal the fastai-style hooks and the hand loop; the trainer cases run."""
+    proc, result = run_quick("bench_train.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "train")
+    cases = result["results"]
+    assert {"bare loop", "fh.fit + ActivationStats()", "fh.fit + GradientStats() + UpdateRatio()"} <= set(cases)
+    assert cases["bare loop"]["ratio"]["median"] == 1.0
+    trainers = result["frameworks"]["results"]
+    assert {"lightning.Trainer", "transformers.Trainer"} <= set(trainers)
+    assert set(result["frameworks"]["against_fit"]) == {n for n in trainers if "FoldCallback" in n}
