@@ -143,6 +143,12 @@ class Watching:
             layers = [(p, tuple(q for q in m.parameters(recurse=False) if q.requires_grad)) for p, m in found]
             self.resolved.append([(p, ps) for p, ps in layers if ps])
         self.layers: dict[int, tuple[Any, list[Layers | None]]] = {}
+        for i, watch in enumerate(watches):
+            if opts and all(self._layers(opt)[i] is None for opt in opts):
+                raise LoopError(
+                    f"{caller}: an optimizer watch reads the layers whose parameters the optimizer updates, got "
+                    f"optimizers holding none of those of {watch!r}. Pass the optimizer of this model's parameters."
+                )
         self.carries: dict[tuple[int, int], Any] = {}
         self.data: dict[str, dict[str, list[Any]]] = {}
         self.handles: list[Any] = []

@@ -136,6 +136,10 @@ def test_watch_arguments_and_name_clashes_are_refused() -> None:
     )
     with pytest.raises(fh.SelectorError):
         fh.train(model, _batches(1), MSE, opt, watches=fh.OptimizerWatch(nn.Conv2d, _weights, name="w"))
+    foreign = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(fh.LoopError, match=r"^train: an optimizer watch reads the layers whose parameters the "
+                                           r"optimizer updates, got optimizers holding none of those of"):
+        fh.train(model, _batches(1), MSE, foreign, watches=fh.OptimizerWatch(nn.Linear, _weights, name="w"))
     with pytest.raises(fh.ReducerError, match=r"lacks `watches` as a tuple of OptimizerWatch"):
         fh.fit(model, _batches(1), MSE, opt, [type("Bad", (), {"specs": (), "watches": (3,), "init": lambda s: 0,
                                                                "step": lambda s, a, b: a, "result": lambda s, a: a})()])
