@@ -9,5 +9,6 @@ import os
 
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-collect_ignore = [path for path, needs in (("funhooks/lightning.py", "lightning"), ("funhooks/hf.py", "accelerate"))
-                  if importlib.util.find_spec(needs) is None]
+_NEEDS = (("funhooks/lightning.py", ("lightning",)), ("funhooks/hf.py", ("transformers", "accelerate")),
+          ("docs/trainers.md", ("lightning", "transformers", "accelerate")))
+collect_ignore = [path for path, needs in _NEEDS if any(importlib.util.find_spec(n) is None for n in needs)]
