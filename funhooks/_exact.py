@@ -125,11 +125,14 @@ def settle(value: Any, path: str, iteration: int) -> Any:
             hook (a module that changes its outputs on some steps only); from then on its
             output is copied, so a new run gets its statistics on every step.
     """
-    if type(value) is tuple:
-        return value
-    source = value.__dict__.pop(SOURCE, None)
-    if source is None:
-        return value
+    if type(value) is not tuple:
+        source = value.__dict__.pop(SOURCE, None)
+        if source is not None:
+            _check(source, path, iteration)
+    return value
+
+
+def _check(source: tuple, path: str, iteration: int) -> None:
     output, version, module, learning = source
     changed = output._version != version
     if learning:
@@ -142,7 +145,6 @@ def settle(value: Any, path: str, iteration: int) -> Any:
             "statistics on this step are lost. Its output is copied from now on: run the training again to get "
             "them on every step."
         )
-    return value
 
 
 SUM_ORDER_SLACK = 2.0**-35
@@ -224,18 +226,24 @@ class Entry(NamedTuple):
 def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
                 iteration: int) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
     """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
-    checked by :func:`settle` first: kept activations of one shape and dtype are stacked and reduced
-    together; ``order[i]`` is value i's row."""
-    values = [settle(v, p, iteration) for v, p in zip(values, paths)]
-    first = values[0]
-    if type(first) is not tuple:  # the common case: every activation kept, all of one shape
-        shape, dtype = first.shape, first.dtype
-        if all(type(v) is not tuple and v.shape == shape and v.dtype == dtype for v in values):
-            x = torch.stack(values).flatten(1)
-            if x.dtype != torch.float32:
-                x = x.float()
-            hist = batched_hist(x, snap.hist_bins, *snap.hist_range) if snap.with_hist else None
-            return tuple(range(len(values))), (x.shape[1],) * len(values), row_stats(x, snap.near_zero), hist
+    checked as :func:`settle` does first: kept activations of one shape and dtype are stacked
+    and reduced together; ``order[i]`` is value i's row."""
+    first, uniform = values[0], type(values[0]) is not tuple
+    for v, p in zip(values, paths):  # one pass: settle each, and see whether all share a shape
+        if type(v) is tuple:
+            uniform = False
+            continue
+        source = v.__dict__.pop(SOURCE, None)
+        if source is not None:
+            _check(source, p, iteration)
+        if uniform and (v.shape != first.shape or v.dtype != first.dtype):
+            uniform = False
+    if uniform:  # the common case: every activation kept, all of one shape
+        x = torch.stack(values).flatten(1)
+        if x.dtype != torch.float32:
+            x = x.float()
+        hist = batched_hist(x, snap.hist_bins, *snap.hist_range) if snap.with_hist else None
+        return tuple(range(len(values))), (x.shape[1],) * len(values), row_stats(x, snap.near_zero), hist
     groups: dict[Any, list[int]] = {}
     for i, v in enumerate(values):
         key = None if type(v) is tuple else (v.shape, v.dtype)  # None: reduced in the hook
