@@ -19,6 +19,7 @@ import gc
 import logging
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,9 +38,11 @@ def _thread_time() -> float:
 
 
 def _quiet() -> None:
-    """No set-up chatter per fit (the libraries set their loggers' levels when imported)."""
+    """No set-up chatter per fit (the libraries set their loggers' levels when imported), and
+    not lightning 2.6's own deprecation warning under torch >= 2.10."""
     for name in ("lightning.pytorch", "lightning.fabric", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
 
 
 def lightning_case(base: nn.Module, batches: list, reducers: Any, steps: int) -> Callable[[], float] | None:
