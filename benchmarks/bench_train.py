@@ -11,15 +11,23 @@ timing):
 - ``fh.fit + ActivationStats()``: ``fh.fit(model, batches, loss_fn, opt, fh.ActivationStats())``,
   every Linear's mean / std / near-zero share per step, kept on the device.
 - ``fh.fit + ActivationStats(every=4)``: the same, one step in four recorded.
+- ``fh.fit + GradientStats() + UpdateRatio()``: every layer's gradient norm / mean / std / zeros
+  and update-to-parameter ratio at every optimizer step, kept on the device.
 - ``hand hooks, fastai-style stats``: forward hooks on every Linear computing the same
   statistics with ``.item()`` in the hook, as fastai's ``ActivationStats`` does (cpu=False);
   ``ActivationStats``' numbers are checked to equal these exactly before timing.
 
 Model: the deep-narrow MLP (48 x (Linear(64, 64), ReLU)), batch 32, SGD, MSE loss,
-one thread, flush-denormal on. Targets: ``fh.train`` <= 1.05x, ``fit + ActivationStats()``
-<= 1.30x.
+one thread, flush-denormal on. Targets (issue 16): ``fh.train`` <= 1.05x,
+``fit + ActivationStats()`` <= 1.20x, ``fit + GradientStats() + UpdateRatio()`` <= 1.15x.
 
-Run: ``python benchmarks/bench_train.py`` (``--quick`` for a smoke run).
+Then, where lightning and transformers import, the same model trained by a
+``lightning.Trainer`` and a ``transformers.Trainer``, bare and with ``FoldCallback`` running
+each reducer set (see ``_frameworks.py`` for how steps inside a trainer are timed). Target:
+the time a callback adds per step is at most 1.05x what the same reducers add to ``fh.fit``.
+
+Run: ``python benchmarks/bench_train.py`` (``--quick`` for a smoke run, ``--no-frameworks``
+to skip the trainers).
 """
 
 from __future__ import annotations
@@ -33,9 +41,14 @@ import torch
 from torch import nn
 
 import _common
+import _frameworks
 import funhooks as fh
 
+FRAMEWORK_STEPS = 40
+QUICK_FRAMEWORK_STEPS = 6
+FRAMEWORK_ROUNDS = 7
 NAME = "train"
+PARAMS_CASE = "fh.fit + GradientStats() + UpdateRatio()"
 BATCHES_PER_CALL = 8
 QUICK_DEPTH = 4
 LR = 1e-3
@@ -67,6 +80,15 @@ def _fit(model: nn.Module, batches: list, opt: torch.optim.Optimizer, every: int
 
     def call() -> Any:
         return fh.fit(model, batches, nn.functional.mse_loss, opt, stats, progress=False)
+
+    return call
+
+
+def _fit_params(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], Any]:
+    reducers = [fh.GradientStats(), fh.UpdateRatio()]
+
+    def call() -> Any:
+        return fh.fit(model, batches, nn.functional.mse_loss, opt, reducers, progress=False)
 
     return call
 
@@ -105,8 +127,52 @@ def _fastai_style(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -
     return call
 
 
+REDUCER_SETS: dict[str, tuple[str, Callable[[], Any]]] = {
+    "ActivationStats()": ("fh.fit + ActivationStats()", lambda: fh.ActivationStats()),
+    "GradientStats() + UpdateRatio()": (PARAMS_CASE, lambda: [fh.GradientStats(), fh.UpdateRatio()]),
+}
+
+
+def _time_frameworks(base: nn.Module, batches: list, results: dict[str, Any], args: Any) -> dict[str, Any]:
+    """The Lightning and Hugging Face cases (those whose library imports), and per reducer set
+    the time the callback adds per step against the time the reducers add to fh.fit."""
+    steps = QUICK_FRAMEWORK_STEPS if args.quick else FRAMEWORK_STEPS
+    cases: dict[str, Callable[[], float]] = {}
+    baselines: dict[str, str] = {}
+    for trainer, make in (("lightning.Trainer", _frameworks.lightning_case), ("transformers.Trainer", _frameworks.hf_case)):
+        bare = make(base, batches, None, steps)
+        if bare is None:
+            continue
+        cases[trainer] = bare
+        for label, (_, reducers) in REDUCER_SETS.items():
+            cases[f"{trainer} + FoldCallback({label})"] = make(base, batches, reducers(), steps)
+            baselines[f"{trainer} + FoldCallback({label})"] = trainer
+    if not cases:
+        return {}
+    rounds = 2 if args.quick else FRAMEWORK_ROUNDS
+    out = _frameworks.time_frameworks(cases, baselines, rounds)
+    print(f"\nin trainers: {steps} steps per fit, timed from step {_frameworks.WARM_STEPS}, {rounds} interleaved rounds")
+    print(_frameworks.format_table(out))
+    summary = {}
+    bare_step = results["bare loop"]["seconds"]["median"] / BATCHES_PER_CALL
+    for name, r in out.items():
+        label = name.partition("FoldCallback(")[2][:-1]
+        if not label:
+            continue
+        fit_case = REDUCER_SETS[label][0]
+        fit_added = results[fit_case]["seconds"]["median"] / BATCHES_PER_CALL - bare_step
+        cb_added = r["added_seconds_per_step"]["median"]
+        summary[name] = {"added_us_per_step": cb_added * 1e6, "fit_added_us_per_step": fit_added * 1e6,
+                         "added_over_fit": cb_added / fit_added if fit_added > 0 else None}
+        print(f"  {name}: adds {cb_added * 1e6:.0f} us/step; the same reducers add {fit_added * 1e6:.0f} us/step "
+              f"to fh.fit ({cb_added / fit_added:.2f}x)" if fit_added > 0 else f"  {name}: adds {cb_added * 1e6:.0f}")
+    return {"steps": steps, "warm_steps": _frameworks.WARM_STEPS, "rounds": rounds, "results": out,
+            "against_fit": summary}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _common.parse_args(__doc__.splitlines()[0], argv)
+    args = _common.parse_args(__doc__.splitlines()[0], argv, add_arguments=lambda p: p.add_argument(
+        "--no-frameworks", action="store_true", help="skip the Lightning and Hugging Face trainer cases"))
     conditions = _common.setup()
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
@@ -126,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fh.train": lambda m, o: _train(m, batches, o),
         "fh.fit + ActivationStats()": lambda m, o: _fit(m, batches, o, None),
         f"fh.fit + ActivationStats(every={EVERY})": lambda m, o: _fit(m, batches, o, EVERY),
+        PARAMS_CASE: lambda m, o: _fit_params(m, batches, o),
         "hand hooks, fastai-style stats": lambda m, o: _fastai_style(m, batches, o),
     }
     cases, models = {}, {}
@@ -146,11 +213,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  inner=args.inner, sync=sync)
     print(_common.format_table(f"deep-narrow {depth} x (Linear({width}, {width}), ReLU), batch {_common.BATCH}, "
                                f"{BATCHES_PER_CALL} steps per call, {device.type}", results))
+    frameworks = {} if args.no_frameworks else _time_frameworks(base, batches, results, args)
     payload = {
         "conditions": {**conditions, "flush_denormal": True, "device": device.type, "quick": args.quick,
                        "rounds": args.rounds, "batches_per_call": BATCHES_PER_CALL, "depth": depth},
-        "targets": {"fh.train": 1.05, "fh.fit + ActivationStats()": 1.30},
+        "targets": {"fh.train": 1.05, "fh.fit + ActivationStats()": 1.20, PARAMS_CASE: 1.15,
+                    "callback added time over the same reducers' in fh.fit": 1.05},
+        "quick": args.quick,
         "results": results,
+        "frameworks": frameworks,
     }
     path = _common.write(NAME, args.out, payload)
     print(f"wrote {path}")

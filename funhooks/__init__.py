@@ -18,8 +18,12 @@ import sys as _sys
 from importlib import metadata as _metadata
 
 from . import activation, distributed, plot, progress, pure, selector, testing
-from .dataset import ActivationDataset
+from ._fastai import Hook, Hooks, hook_output, hook_outputs
+from .activation import activation_grads
+from .callback import HookCallback
 from .collect import collect
+from .dataset import ActivationDataset
+from .dead import DeadUnits, DeadUnitsResult
 from .distributed import merge_across_ranks
 from .errors import (
     ExtraError,
@@ -37,18 +41,20 @@ from .errors import (
     TransformError,
 )
 from .fold import Reducer, fit, fold, fold_all, running
+from .folding import Folding, folding
+from .gradient import GradientStats, GradientStatsResult
 from .intervene import Arg, ablate, arg, patch, scale, steer
+from .loop import evaluate, train
+from .loss import LossCurve, LossCurveResult
 from .mean import OutputMeans
 from .ops import Op, op, op_edit, op_inputs, op_outputs
 from .pure import capture, functional
-from .activation import activation_grads
-from .loop import Step, evaluate, train
 from .record import Record, RecordNode
 from .run import Run, with_hooks
 from .selector import Selector, select
-from ._fastai import Hook, Hooks, hook_output, hook_outputs
 from .spec import EVENTS, Spec, edit, grads, inputs, observe, outputs
-from .stats import ActivationStats, ActivationStatsResult, HookCallback
+from .stats import ActivationStats, ActivationStatsResult
+from .step import Step
 from .store import ActivationWriter, WriterState
 from .summary import (
     LayerRow,
@@ -62,12 +68,26 @@ from .summary import (
     num_features_model,
     total_params,
 )
+from .update import UpdateRatio, UpdateRatioResult
+from .watch import OptimizerWatch
 
 # The modules `select`, `functional` and `grads` were renamed (`selector`, `pure`,
 # `activation`) so that no module shares a name with a function exported here; their old
 # import paths keep working, and pickles that name them still load.
 for _old, _new in (("select", selector), ("functional", pure), ("grads", activation)):
     _sys.modules[f"{__name__}.{_old}"] = _new
+
+
+def __getattr__(name: str) -> object:
+    """``fh.lightning`` and ``fh.hf``, imported when first used (they import their frameworks)."""
+    if name in _INTEGRATIONS:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_INTEGRATIONS = ("lightning", "hf")
 
 try:
     __version__ = _metadata.version("funhooks")
@@ -95,6 +115,8 @@ __all__ = [
     "fit",
     "fold",
     "fold_all",
+    "Folding",
+    "folding",
     "FrozenError",
     "functional",
     "grads",
@@ -122,6 +144,7 @@ __all__ = [
     "op_inputs",
     "op_outputs",
     "OutputMeans",
+    "OptimizerWatch",
     "outputs",
     "patch",
     "plot",
@@ -150,5 +173,13 @@ __all__ = [
     "TransformError",
     "with_hooks",
     "WriterState",
+    "DeadUnits",
+    "DeadUnitsResult",
+    "GradientStats",
+    "GradientStatsResult",
+    "LossCurve",
+    "LossCurveResult",
+    "UpdateRatio",
+    "UpdateRatioResult",
     "__version__",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+
 class _Residual(nn.Module):
     """``x + body(x)``."""
 

@@ -3,8 +3,9 @@
 The data are scikit-learn's handwritten digits (1,797 images of 8x8 pixels, shipped inside
 the package: nothing is downloaded). The flow is the library's own: print the
 :func:`~funhooks.module_summary`, then :func:`~funhooks.fit` folds
-:class:`~funhooks.ActivationStats` (with histograms) and a loss reducer over the training
-steps, and the results become three PNG files.
+:class:`~funhooks.ActivationStats` (with histograms), :class:`~funhooks.GradientStats`,
+:class:`~funhooks.UpdateRatio`, :class:`~funhooks.DeadUnits` and :class:`~funhooks.LossCurve`
+over the training steps in one pass, and the results become six PNG files.
 
 Cost: a few seconds of training on one CPU core for the default 8 epochs; scikit-learn and
 matplotlib (the ``demo`` extra) are imported only here.
@@ -12,6 +13,7 @@ matplotlib (the ``demo`` extra) are imported only here.
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from collections.abc import Callable
@@ -23,14 +25,16 @@ import torch
 from torch import nn
 
 from . import plot
+from .dead import DeadUnits, DeadUnitsResult
 from .errors import ExtraError
-from .fold import fit
-from .loop import Step
-from .spec import Spec
-from .stats import ActivationStats, ActivationStatsResult, unroll
+from .fold import Reducer, fit
+from .gradient import GradientStats, GradientStatsResult
+from .loss import LossCurve
+from .stats import ActivationStats, ActivationStatsResult
 from .summary import ModuleSummary, module_summary
+from .update import UpdateRatio, UpdateRatioResult
 
-__all__ = ["DemoResult", "LossCurve", "digits", "digits_cnn", "run"]
+__all__ = ["DemoResult", "digits", "digits_cnn", "run"]
 
 SEED = 0
 EPOCHS = 8
@@ -47,6 +51,9 @@ FILES = {
     "layer_stats": "layer_stats.png",
     "color_dim": "color_dim.png",
     "loss": "loss.png",
+    "gradients": "gradients.png",
+    "update_ratio": "update_ratio.png",
+    "dead_units": "dead_units.png",
 }
 WHAT = {
     "layer_stats": "mean, std and share of near-zero values of each layer's output at every step; "
@@ -54,40 +61,12 @@ WHAT = {
     "color_dim": "fastai's 'colorful dimension': the histogram of each layer's output over training "
     "(x: step, y: value 0-10, bright: many values); a bright floor means dead activations",
     "loss": "training loss at every step (thin) and its moving average (thick); dotted lines mark epochs",
+    "gradients": "norm, mean, std and share of zeros of each layer's gradients at every optimizer step; "
+    "norms should neither vanish nor explode",
+    "update_ratio": "log10 of |update| / |weights| per layer at every step; about -3 (dashed) is the rule of "
+    "thumb for a healthy learning rate",
+    "dead_units": "share of each ReLU's channels that are zero on a whole batch; a rising line means units dying",
 }
-
-
-@attrs.frozen
-class LossCurve:
-    """A reducer keeping the training loss of every step (read once, at the end).
-
-    It needs no hooks (``specs == ()``); the losses stay on the device until ``result``.
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> from torch import nn
-        >>> from funhooks.demo import LossCurve
-        >>> model = nn.Linear(2, 1)
-        >>> batches = [(torch.ones(4, 2), torch.zeros(4, 1))] * 3
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> len(fh.fit(model, batches, nn.functional.mse_loss, opt, LossCurve()))
-        3
-    """
-
-    specs: tuple[Spec, ...] = ()
-
-    def init(self) -> tuple[Any, ...]:
-        """The empty state: a cons list of losses."""
-        return ()
-
-    def step(self, state: tuple[Any, ...], step: Step) -> tuple[Any, ...]:
-        """Prepend the loss of a training step."""
-        return (state, step.loss) if step.training else state
-
-    def result(self, state: tuple[Any, ...]) -> list[float]:
-        """The losses in step order, as floats (one copy to the host)."""
-        losses = unroll(state)
-        return torch.stack(losses).tolist() if losses else []
 
 
 @attrs.frozen
@@ -99,6 +78,9 @@ class DemoResult:
     stats: ActivationStatsResult
     accuracy: float
     summary: ModuleSummary
+    gradients: GradientStatsResult
+    update_ratio: UpdateRatioResult
+    dead_units: DeadUnitsResult
 
 
 def digits(*, train_size: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -150,7 +132,7 @@ def digits_cnn() -> nn.Sequential:
 # -- plots -----------------------------------------------------------------------------------------
 
 
-def _label(stats: ActivationStatsResult, i: int, model: nn.Module) -> str:
+def _label(stats: Any, i: int, model: nn.Module) -> str:
     path = stats.paths[i]
     return f"{path} ({type(model.get_submodule(path)).__name__})"
 
@@ -185,25 +167,6 @@ def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Any:
         ax = stats.color_dim(i, ax=axes[i][0])
         ax.set_title(_label(stats, i, model), fontsize=10)
     fig.suptitle("Histograms of activations over training (x: step, y: value 0-10, log scale)")
-    fig.tight_layout()
-    return fig
-
-
-def plot_loss(losses: list[float], epoch_len: int) -> Any:
-    """The loss at every step, its moving average and the epoch boundaries."""
-    fig = plot.figure("demo", (8, 4), extra="demo")
-    ax = fig.subplots()
-    smooth, avg = [], losses[0] if losses else 0.0
-    for loss in losses:
-        avg = SMOOTHING * avg + (1 - SMOOTHING) * loss
-        smooth.append(avg)
-    ax.plot(losses, color="C0", alpha=0.35, linewidth=1, label="loss per step")
-    ax.plot(smooth, color="C0", linewidth=2.5, label="moving average")
-    _epochs(ax, len(losses), epoch_len)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy")
-    ax.set_title("Training loss")
-    ax.legend()
     fig.tight_layout()
     return fig
 
@@ -261,16 +224,21 @@ def run(
     echo(str(summary) + "\n")
 
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    results = fit(model, batches, nn.functional.cross_entropy, opt,
-                  {"stats": ActivationStats(with_hist=True), "loss": LossCurve()}, epochs=epochs, progress=progress)
-    stats, losses = results["stats"], results["loss"]
+    reducers: dict[str, Reducer] = {"stats": ActivationStats(with_hist=True), "loss": LossCurve(beta=SMOOTHING),
+                "gradients": GradientStats(), "update_ratio": UpdateRatio(), "dead_units": DeadUnits()}
+    results = fit(model, batches, nn.functional.cross_entropy, opt, reducers, epochs=epochs, progress=progress)
+    stats, curve = results["stats"], results["loss"]
+    losses = curve.losses
     with torch.no_grad():
         accuracy = (model(x_valid).argmax(dim=1) == y_valid).float().mean().item()
 
     figures = {
         "layer_stats": plot_layer_stats(stats, model, len(batches)),
         "color_dim": plot_color_dim(stats, model),
-        "loss": plot_loss(losses, len(batches)),
+        "loss": curve.plot(epoch_len=len(batches)),
+        "gradients": results["gradients"].plot(),
+        "update_ratio": results["update_ratio"].plot(),
+        "dead_units": results["dead_units"].plot(),
     }
     files = {}
     for name, fig in figures.items():
@@ -285,8 +253,19 @@ def run(
         s = last[i]
         echo(f"  {_label(stats, i, model):<18} mean {s['mean']:+.3f}  std {s['std']:.3f}  "
              f"near zero {100 * s['near_zero']:.0f}%")
+    grads, update, dead = results["gradients"], results["update_ratio"], results["dead_units"]
+    echo("Last step, per layer (fh.GradientStats, fh.UpdateRatio):")
+    last_grads, last_update = grads.stats[-1], update.log10()[-1]
+    for i, path in enumerate(grads.paths):
+        g = last_grads[i]
+        ratio = last_update[update.paths.index(path)] if path in update.paths else math.nan
+        norm = f"{g['norm']:.3g}" if g else "-"
+        echo(f"  {_label(grads, i, model):<18} grad norm {norm:<9} log10 update ratio {ratio:+.2f}")
+    echo("Dead units, last step (fh.DeadUnits): " + ", ".join(
+        f"{_label(dead, i, model)} {100 * share:.0f}%" for i, share in enumerate(dead.dead[-1])))
     echo(f"\nPlots written to {folder.resolve()}:")
     for name, path in files.items():
         lines = textwrap.wrap(WHAT[name], width=REPORT_WIDTH - 19)
         echo(f"  {path.name:<16} " + f"\n{' ' * 19}".join(lines))
-    return DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary)
+    return DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary,
+                      gradients=grads, update_ratio=update, dead_units=dead)

@@ -8,8 +8,10 @@ A *reducer* is a frozen value with four members:
 - ``result(state)``: the answer.
 
 It may also have ``merge(a, b) -> state`` (states of disjoint chunks of steps, or of ranks,
-combined exactly) and ``records(iteration, training) -> bool`` (whether it reads that step's
-record; when no reducer of a :func:`fit` does, the step runs with the hooks paused).
+combined exactly), ``records(iteration, training) -> bool`` (whether it reads that step's
+record; when no reducer of a :func:`fit` does, the step runs with the hooks paused) and
+``watches``, the :class:`~funhooks.OptimizerWatch` values whose records it reads (what the
+optimizer sees at each step: final gradients, parameters before and after).
 
 ``fold`` is ``toolz.reduce(reducer.step, steps, reducer.init())`` plus ``result``;
 ``fold_all`` advances several reducers over one pass; ``fit`` trains with the union of
@@ -27,9 +29,12 @@ import torch
 from torch import nn
 
 from . import progress as _progress
+from ._work import total
 from .errors import ReducerError
-from .loop import Step, _total, train_steps
+from .loop import train_steps
 from .spec import Spec
+from .step import Step
+from .watch import OptimizerWatch
 
 __all__ = ["Reducer", "fit", "fold", "fold_all", "running"]
 
@@ -42,13 +47,18 @@ PROTOCOL = ("specs", "init", "step", "result")
 class Reducer(Protocol):
     """The reducer protocol (for type hints): ``specs``, ``init``, ``step``, ``result``.
 
+    ``specs`` is read-only: a field, a class attribute or a property all satisfy it. The
+    optional members (``merge``, ``records``, ``watches``) are not part of the protocol;
+    :mod:`funhooks.fold` says what each adds.
+
     Example:
         >>> import funhooks as fh
         >>> isinstance(fh.ActivationStats(), fh.Reducer)
         True
     """
 
-    specs: tuple[Spec, ...]
+    @property
+    def specs(self) -> tuple[Spec, ...]: ...
 
     def init(self) -> Any: ...
 
@@ -66,6 +76,8 @@ def check_reducer(reducer: Any, caller: str) -> Any:
         specs = reducer.specs
         if not isinstance(specs, (tuple, list)) or not all(isinstance(s, Spec) for s in specs):
             missing = ["`specs` as a tuple of Specs"]
+        elif not all(isinstance(w, OptimizerWatch) for w in watches_of(reducer)):
+            missing = ["`watches` as a tuple of OptimizerWatch"]
     if missing:
         raise ReducerError(
             f"{caller}: a reducer has `specs`, `init()`, `step(state, step)` and `result(state)`, got {reducer!r} "
@@ -73,6 +85,12 @@ def check_reducer(reducer: Any, caller: str) -> Any:
             "fh.ActivationStats / fh.HookCallback."
         )
     return reducer
+
+
+def watches_of(reducer: Any) -> tuple[OptimizerWatch, ...]:
+    """The reducer's optional ``watches`` (none: ``()``)."""
+    watches = getattr(reducer, "watches", ())
+    return tuple(watches) if isinstance(watches, (tuple, list)) else (watches,)
 
 
 def _close(steps: Iterable[Any]) -> None:
@@ -142,7 +160,7 @@ def running(reducer: Reducer, steps: Iterable[Step]) -> Iterator[Any]:
         _close(steps)
 
 
-def _as_items(reducers: Any, caller: str) -> tuple[Callable[[Sequence[Any]], Any], tuple[Any, ...]]:
+def as_items(reducers: Any, caller: str) -> tuple[Callable[[Sequence[Any]], Any], tuple[Any, ...]]:
     """The reducers as a tuple, plus the function that puts results back in their shape."""
     if isinstance(reducers, Mapping):
         keys = tuple(reducers)
@@ -185,7 +203,7 @@ def fold_all(reducers: Mapping[Any, Reducer] | Sequence[Reducer], steps: Iterabl
         >>> len(res["sparse"].stats), len(res["dense"].stats)
         (2, 4)
     """
-    shape, items = _as_items(reducers, "fold_all")
+    shape, items = as_items(reducers, "fold_all")
     steppers = tuple(r.step for r in items)
 
     def advance(states: tuple[Any, ...], step: Step) -> tuple[Any, ...]:
@@ -198,9 +216,9 @@ def fold_all(reducers: Mapping[Any, Reducer] | Sequence[Reducer], steps: Iterabl
         _close(steps)
 
 
-def _records(items: tuple[Any, ...]) -> Callable[[int, bool], bool] | None:
+def records_of(items: tuple[Any, ...]) -> Callable[[int, bool], bool] | None:
     """``records(iteration, training)`` for the reducers that read records; None: always."""
-    readers = [r for r in items if r.specs]
+    readers = [r for r in items if r.specs or watches_of(r)]
     if any(not callable(getattr(r, "records", None)) for r in readers):
         return None
     wants = toolz.juxt(*(r.records for r in readers))
@@ -210,21 +228,26 @@ def _records(items: tuple[Any, ...]) -> Callable[[int, bool], bool] | None:
 def fit(
     model: nn.Module,
     batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    opt: torch.optim.Optimizer,
-    reducers: Mapping[Any, Reducer] | Sequence[Reducer],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    opt: Any = None,
+    reducers: Mapping[Any, Reducer] | Sequence[Reducer] | None = None,
     *,
+    step: Callable[[nn.Module, Any], Any] | None = None,
     epochs: int = 1,
+    accumulate: int = 1,
+    to_device: bool = False,
     progress: bool | None = None,
 ) -> Any:
-    """Train `model` with the union of the reducers' specs and fold them over the steps.
+    """Train `model` with the union of the reducers' specs and watches, and fold them over the steps.
 
-    Equal specs are installed once. Steps that no reducer records (``records`` says so, e.g.
-    ``every=4`` skips three in four) run with the hooks paused: their spec functions do not
-    run at all. Hooks are removed however training ends.
+    Equal specs (and watches) are installed once. Steps that no reducer records (``records``
+    says so, e.g. ``every=4`` skips three in four) run with the hooks paused: their spec
+    functions do not run at all. Hooks are removed however training ends.
 
     Args:
-        model, batches, loss_fn, opt, epochs: as for :func:`funhooks.train`.
+        model, batches, loss_fn, opt, step, epochs, accumulate, to_device: as for
+            :func:`funhooks.train` (with your own `step`, pass `opt` when a reducer watches
+            the optimizer).
         reducers: a dict or a list of reducers (a single reducer gives its result).
         progress: show a progress bar (tqdm); None: in a terminal and not in CI.
 
@@ -247,8 +270,13 @@ def fit(
         (('0', '2'), 2)
         >>> fh.testing.assert_no_hooks(model)
     """
-    shape, items = _as_items(reducers, "fit")
+    if reducers is None:
+        raise ReducerError("fit: `reducers` is a dict or a list of reducers, got None. "
+                           "Pass e.g. reducers={'stats': fh.ActivationStats()}.")
+    shape, items = as_items(reducers, "fit")
     specs = tuple(dict.fromkeys(s for r in items for s in r.specs))
-    steps = train_steps(model, batches, loss_fn, opt, specs=specs, epochs=epochs, records=_records(items), caller="fit")
-    steps = _progress.wrap(steps, total=_total(batches, epochs), desc="fit", progress=progress)
-    return shape(fold_all(list(items), steps))
+    watches = tuple(dict.fromkeys(w for r in items for w in watches_of(r)))
+    steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
+                        accumulate=accumulate, to_device=to_device, records=records_of(items), caller="fit")
+    wrapped = _progress.wrap(steps, total=total(batches, epochs, accumulate), desc="fit", progress=progress)
+    return shape(fold_all(list(items), wrapped))

@@ -15,7 +15,6 @@ Cost: one forward pass per drawn input, without gradients, plus one float per la
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import Any
 
 import torch

@@ -1,10 +1,14 @@
-"""Training and evaluation as generators of frozen :class:`Step` values.
+"""Training and evaluation as generators of frozen :class:`~funhooks.Step` values.
 
-``train`` is the hand-written PyTorch loop (``zero_grad``, forward, loss, ``backward``,
-``step``) turned inside out: each batch yields a ``Step`` holding its epoch, iteration,
-detached loss and the Record the specs stored. Anything that watches training, such as
-activation statistics, is a fold over those values (see :mod:`funhooks.fold`) instead of a
-callback mutating a trainer.
+``train`` is the hand-written PyTorch loop turned inside out: each optimizer step yields a
+``Step`` holding its epoch, iteration, detached loss and the Record the specs (and optimizer
+watches) stored. The step itself is the built-in one (``zero_grad``, forward, ``loss_fn``,
+``backward``, ``step``) or yours: ``step=fn(model, batch)`` does forward, backward, optimizer,
+scaler, accumulation and clipping as your research code does, and returns the loss. Batches
+are any pytree (``(x, y)`` pairs, dicts for ``model(**batch)``), moved to the model's device
+with ``to_device=True``, grouped ``accumulate`` at a time into one step. Anything that watches
+training, such as activation statistics, is a fold over those values (see
+:mod:`funhooks.fold`) instead of a callback mutating a trainer.
 
 Each step runs inside its own ``with_hooks`` block, in the model mode the loop asks for
 (train or eval), and both are undone before the step is yielded: while the consumer's code
@@ -23,224 +27,134 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
+from . import _batch
+from . import _work as work
 from . import progress as _progress
 from ._modes import in_mode
-from .errors import FrozenError, LoopError
-from .record import Record
-from .run import Run
+from ._stepping import Recorder
+from .errors import LoopError
 from .spec import Spec
+from .step import EMPTY_RECORD, Step
+from .watch import OptimizerWatch, as_watches
 
-__all__ = ["Step", "evaluate", "train"]
-
-EMPTY_RECORD = Record()
-"""The Record of a step that ran with the hooks paused (or without specs)."""
-
-
-@attrs.frozen(eq=False)
-class Step:
-    """One batch of a training or evaluation run, as a frozen value.
-
-    Attributes:
-        epoch: the epoch, from 0 (always 0 for :func:`evaluate`).
-        iteration: the global train-batch index from 0, counted across epochs (for
-            :func:`evaluate`, the batch index within the evaluation).
-        loss: the batch's loss, a detached 0-d tensor on the model's device (``None`` for an
-            evaluation without a loss function). Call ``float(step.loss)`` to read it: that
-            syncs a GPU, so do it only where you need the number.
-        record: what the specs stored during this batch (forward and backward).
-        training: True for :func:`train` steps, False for :func:`evaluate` steps.
-
-    Example:
-        >>> import torch, funhooks as fh
-        >>> step = fh.Step(epoch=0, iteration=3, loss=torch.tensor(0.5), record=fh.Record(), training=True)
-        >>> step.iteration, float(step.loss)
-        (3, 0.5)
-        >>> step.iteration = 4
-        Traceback (most recent call last):
-        ...
-        funhooks.errors.FrozenError: Step: a step cannot be assigned to, got `.iteration = ...`. Build a new one with `attrs.evolve(step, iteration=...)`.
-    """
-
-    epoch: int
-    iteration: int
-    loss: torch.Tensor | None
-    record: Record
-    training: bool
-
-
-def _frozen_setattr(self: Step, key: str, value: Any) -> None:
-    raise FrozenError(
-        f"Step: a step cannot be assigned to, got `.{key} = ...`. Build a new one with `attrs.evolve(step, {key}=...)`."
-    )
-
-
-def _frozen_delattr(self: Step, key: str) -> None:
-    raise FrozenError(f"Step: a step cannot be changed, got `del .{key}`. Build a new one with `attrs.evolve`.")
-
-
-Step.__setattr__ = _frozen_setattr  # type: ignore[method-assign,assignment]
-Step.__delattr__ = _frozen_delattr  # type: ignore[method-assign,assignment]
+__all__ = ["evaluate", "train"]
 
 Records = Callable[[int, bool], bool]
 """``records(iteration, training) -> bool``: whether a step's record is read by anyone."""
 
-
-# -- checks ---------------------------------------------------------------------------------
-
-
-def _describe(batch: Any) -> str:
-    if isinstance(batch, torch.Tensor):
-        return f"a Tensor of shape {tuple(batch.shape)}"
-    if isinstance(batch, (tuple, list)):
-        return f"a {type(batch).__name__} of {len(batch)} items"
-    if isinstance(batch, dict):
-        return f"a dict with keys {list(batch)}"
-    return f"a {type(batch).__name__}"
-
-
-def _pair(batch: Any, index: int, caller: str) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise LoopError(
-        f"{caller}: each batch is an `(x, y)` pair for `loss_fn(model(x), y)`, got {_describe(batch)} at batch "
-        f"{index}. Yield `(x, y)` tuples, e.g. from a DataLoader over a TensorDataset."
-    )
-
-
-def _check_loop(model: Any, batches: Any, epochs: Any, caller: str) -> None:
-    if not isinstance(model, nn.Module):
-        raise LoopError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model to run.")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise LoopError(f"{caller}: `epochs` is a positive int, got {epochs!r}. Pass epochs=1 or more.")
-    if not isinstance(batches, Iterable):
-        raise LoopError(
-            f"{caller}: `batches` is an iterable of batches, got {type(batches).__name__}. "
-            "Pass a DataLoader or a list of `(x, y)` pairs."
-        )
-    if epochs > 1 and isinstance(batches, Iterator):
-        raise LoopError(
-            f"{caller}: `batches` is iterated once per epoch, got a one-shot {type(batches).__name__} with "
-            f"epochs={epochs}. Pass a re-iterable such as a list or a DataLoader."
-        )
-
-
-def _check_opt(opt: Any, caller: str) -> None:
-    if not (callable(getattr(opt, "step", None)) and callable(getattr(opt, "zero_grad", None))):
-        raise LoopError(
-            f"{caller}: `opt` is an optimizer with `step()` and `zero_grad()`, got {type(opt).__name__}. "
-            "Pass e.g. `torch.optim.SGD(model.parameters(), lr=0.1)`."
-        )
-
-
-def _total(batches: Any, epochs: int) -> int | None:
-    try:
-        return len(batches) * epochs
-    except TypeError:
-        return None
-
-
-def _recorded(specs: tuple[Spec, ...] | None, model: nn.Module, caller: str,
-              work: Callable[[], Any]) -> tuple[Any, Record]:
-    """``work()`` inside a ``with_hooks`` block of `specs` (none: no block), and its Record."""
-    if specs is None:
-        return work(), EMPTY_RECORD
-    with Run._make(model, specs, caller) as run:
-        result = work()
-    return result, run.record
-
-
-# -- the generators ---------------------------------------------------------------------
+StepFn = Callable[[nn.Module, Any], Any]
+"""A user's training step: ``step(model, batch) -> loss | {"loss": loss, ...} | None``."""
 
 
 def train_steps(
     model: nn.Module,
     batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    opt: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    opt: Any,
     *,
+    step: StepFn | None = None,
     specs: Spec | Iterable[Spec] = (),
+    watches: OptimizerWatch | Iterable[OptimizerWatch] = (),
     epochs: int = 1,
+    accumulate: int = 1,
+    to_device: bool = False,
     records: Records | None = None,
     caller: str = "train",
 ) -> Generator[Step, None, None]:
     """:func:`train` without the progress bar, with `records` saying which steps store.
 
-    Arguments are checked (and specs resolved against the model) now; each step attaches
-    the specs for its own duration.
+    Arguments are checked (specs resolved against the model, watches' layers found) now;
+    each step attaches the specs and watches for its own duration.
     """
-    _check_loop(model, batches, epochs, caller)
-    _check_opt(opt, caller)
-    run_specs = Run._make(model, specs, caller).specs
-    return _train(model, batches, loss_fn, opt, run_specs or None, epochs, records, caller)
+    work.check_loop(model, batches, epochs, caller)
+    work.check_step(loss_fn, opt, step, accumulate, to_device, caller)
+    watches = as_watches(watches, caller)
+    if watches and opt is None:
+        raise LoopError(f"{caller}: `watches` read the optimizer step, got no optimizer. Pass `opt=` (the "
+                        "optimizer your `step` function calls).")
+    recorder = Recorder(model, specs, watches, opt, caller)
+    return _train(model, batches, loss_fn, opt, step, recorder, epochs, accumulate, to_device, records, caller)
 
 
-def _train(
-    model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    opt: Any,
-    run_specs: tuple[Spec, ...] | None,
-    epochs: int,
-    records: Records | None,
-    caller: str,
-) -> Generator[Step, None, None]:
+def _train(model: nn.Module, batches: Iterable[Any], loss_fn: Any, opt: Any, step: StepFn | None, recorder: Recorder,
+           epochs: int, accumulate: int, to_device: bool, records: Records | None,
+           caller: str) -> Generator[Step, None, None]:
+    device = _batch.model_device(model) if to_device else None
     iteration = 0
     for epoch in range(epochs):
-        for index, batch in enumerate(batches):
-            x, y = _pair(batch, index, caller)
-            wanted = run_specs if records is None or records(iteration, True) else None
+        start = 0
+        for group in (_batch.group(batches, accumulate) if accumulate > 1 else ([b] for b in batches)):
+            if device is not None:
+                group = [_batch.to_device(b, device) for b in group]
+
+            def run(group: list[Any] = group, start: int = start) -> tuple[torch.Tensor | None, Any]:
+                if step is None:
+                    return work.builtin_step(model, group, start, loss_fn, opt, caller), None
+                return work.outcome(step(model, group[0] if accumulate == 1 else group), caller)
             with in_mode(model, True):
-                loss, record = _recorded(wanted, model, caller, lambda: _step(model, x, y, loss_fn, opt))
-            yield Step(epoch, iteration, loss, record, True)
+                if records is None or records(iteration, True):
+                    (loss, metrics), record = recorder(run)
+                else:
+                    (loss, metrics), record = run(), EMPTY_RECORD
+            yield Step(epoch, iteration, loss, record, True, metrics)
             iteration += 1
-
-
-def _step(model: nn.Module, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opt: Any) -> torch.Tensor:
-    opt.zero_grad()
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
+            start += len(group)
 
 
 def train(
     model: nn.Module,
     batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    opt: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    opt: Any = None,
     *,
+    step: StepFn | None = None,
     specs: Spec | Iterable[Spec] = (),
+    watches: OptimizerWatch | Iterable[OptimizerWatch] = (),
     epochs: int = 1,
+    accumulate: int = 1,
+    to_device: bool = False,
     progress: bool | None = None,
 ) -> Iterator[Step]:
-    """Train `model`, yielding one frozen :class:`Step` per batch.
+    """Train `model`, yielding one frozen :class:`~funhooks.Step` per optimizer step.
 
-    Each batch ``(x, y)`` runs ``opt.zero_grad()``, ``loss = loss_fn(model(x), y)``,
-    ``loss.backward()``, ``opt.step()``. The specs are installed for the whole generator and
-    removed when it is exhausted, raises, or is closed; each step's Record holds what they
-    stored during that batch (forward and backward). The model is left in the train/eval
-    mode it was in.
+    The built-in step, for ``(x, y)`` batches: ``opt.zero_grad()``, ``loss = loss_fn(model(x),
+    y)``, ``loss.backward()``, ``opt.step()`` (with ``accumulate=k``: ``loss / k`` backward for
+    each of k micro-batches, one ``opt.step()``; the Step's loss is their mean). Your own step,
+    ``step=fn(model, batch)``, does all of that itself (autocast, a ``GradScaler``, clipping, a
+    scheduler, ``model(**batch).loss``) and returns the loss, a dict holding it under
+    ``"loss"`` (the rest becomes ``Step.metrics``), or None; with ``accumulate=k`` it gets a list
+    of k micro-batches. The specs and watches are attached for each step and removed when it
+    ends; each Step's Record holds what they stored during that step (every micro-batch). The
+    model is left in the train/eval mode it was in.
 
     Args:
         model: the model to train.
-        batches: an iterable of ``(x, y)`` pairs, iterated once per epoch (a list or a
-            DataLoader; a one-shot iterator only with ``epochs=1``).
-        loss_fn: ``loss_fn(model(x), y)`` returns a scalar tensor.
-        opt: the optimizer.
+        batches: an iterable of batches, iterated once per epoch (a list or a DataLoader; a
+            one-shot iterator only with ``epochs=1``): ``(x, y)`` pairs for the built-in step,
+            any pytree for yours.
+        loss_fn: ``loss_fn(model(x), y)`` returns a scalar tensor (the built-in step).
+        opt: the optimizer (the built-in step's; with your `step`, the one it calls, needed
+            only by optimizer watches).
+        step: your training step ``step(model, batch)``; None: the built-in one.
         specs: a Spec or an iterable of Specs to run on every step.
+        watches: an :class:`~funhooks.OptimizerWatch` or an iterable of them, read at every
+            optimizer step of `opt`.
         epochs: how many times to go over `batches`.
+        accumulate: batches per optimizer step (micro-batches, one Step).
+        to_device: move every tensor of each batch to the model's device first.
         progress: show a progress bar (tqdm); None: in a terminal and not in CI.
 
     Returns:
         A generator of Steps with ``training=True``; nothing runs until it is iterated.
 
     Raises:
-        LoopError: for a bad model, optimizer, `epochs`, or a batch that is not a pair.
-        SpecError, SelectorError: for bad specs, before anything runs.
+        LoopError: for a bad model, optimizer, `epochs`, `accumulate`, a step that is both or
+            neither built-in and yours, a batch that is not a pair for the built-in step, or a
+            step returning something that is not a loss.
+        SpecError, SelectorError: for bad specs or watches, before anything runs.
 
     Example:
         >>> import torch, funhooks as fh
@@ -254,10 +168,21 @@ def train(
         [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]
         >>> steps[0].record["0"]["output"].shape, steps[0].loss.requires_grad
         (torch.Size([8, 4]), False)
+        >>> def my_step(model, batch):                # any step your research code has
+        ...     opt.zero_grad()
+        ...     loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        ...     loss.backward()
+        ...     opt.step()
+        ...     return {"loss": loss, "scale": torch.tensor(2.0)}
+        >>> dicts = [{"x": x, "y": y} for x, y in batches]
+        >>> steps = list(fh.train(model, dicts, step=my_step, specs=fh.outputs("0"), to_device=True))
+        >>> len(steps), steps[0].record["0"]["output"].shape, float(steps[0].metrics["scale"])
+        (3, torch.Size([8, 4]), 2.0)
         >>> fh.testing.assert_no_hooks(model)
     """
-    steps = train_steps(model, batches, loss_fn, opt, specs=specs, epochs=epochs)
-    return _progress.wrap(steps, total=_total(batches, epochs), desc="train", progress=progress)
+    steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
+                        accumulate=accumulate, to_device=to_device)
+    return _progress.wrap(steps, total=work.total(batches, epochs, accumulate), desc="train", progress=progress)
 
 
 def evaluate(
@@ -265,17 +190,22 @@ def evaluate(
     batches: Iterable[Any],
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
+    step: StepFn | None = None,
     specs: Spec | Iterable[Spec] = (),
+    to_device: bool = False,
     progress: bool | None = None,
 ) -> Iterator[Step]:
-    """Run `model` in eval mode without gradients, yielding one frozen :class:`Step` per batch.
+    """Run `model` in eval mode without gradients, yielding one frozen :class:`~funhooks.Step` per batch.
 
     Args:
         model: the model.
-        batches: an iterable of ``(x, y)`` pairs; without `loss_fn` a batch may also be the
-            input ``x`` alone.
-        loss_fn: ``loss_fn(model(x), y)``; None gives steps with ``loss=None``.
+        batches: an iterable of batches: ``(x, y)`` pairs; without `loss_fn` and `step`, a
+            batch may also be the input ``x`` alone.
+        loss_fn: ``loss_fn(model(x), y)``; None (and no `step`) gives steps with ``loss=None``.
+        step: your evaluation step ``step(model, batch)``, returning the loss, a dict holding
+            it under ``"loss"``, or None; it runs under ``torch.no_grad()``.
         specs: a Spec or an iterable of Specs to run on every batch.
+        to_device: move every tensor of each batch to the model's device first.
         progress: show a progress bar (tqdm); None: in a terminal and not in CI.
 
     Returns:
@@ -296,27 +226,21 @@ def evaluate(
         >>> steps[1].record["1"]["output"].shape, model.training
         (torch.Size([2, 2]), True)
     """
-    _check_loop(model, batches, 1, "evaluate")
-    run_specs = Run._make(model, specs, "evaluate").specs
-    steps = _evaluate(model, batches, loss_fn, run_specs or None)
-    return _progress.wrap(steps, total=_total(batches, 1), desc="evaluate", progress=progress)
+    work.check_loop(model, batches, 1, "evaluate")
+    if step is not None and not callable(step):
+        raise LoopError(f"evaluate: `step` is a function `step(model, batch)`, got {step!r}. Pass a function.")
+    recorder = Recorder(model, specs, (), None, "evaluate")
+    steps = _evaluate(model, batches, loss_fn, step, recorder, to_device)
+    return _progress.wrap(steps, total=work.total(batches, 1), desc="evaluate", progress=progress)
 
 
-def _evaluate(
-    model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    run_specs: tuple[Spec, ...] | None,
-) -> Generator[Step, None, None]:
+def _evaluate(model: nn.Module, batches: Iterable[Any], loss_fn: Any, step: StepFn | None, recorder: Recorder,
+              to_device: bool) -> Generator[Step, None, None]:
+    device = _batch.model_device(model) if to_device else None
     for index, batch in enumerate(batches):
-        if loss_fn is None:
-            x = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
-
-            def work() -> None:
-                model(x)
-        else:
-            x, y = _pair(batch, index, "evaluate")
-
-            def work() -> torch.Tensor:
-                return loss_fn(model(x), y).detach()
+        if device is not None:
+            batch = _batch.to_device(batch, device)
+        run = work.evaluation(model, batch, index, loss_fn, step, "evaluate")
         with in_mode(model, False), torch.no_grad():
-            loss, record = _recorded(run_specs, model, "evaluate", work)
-        yield Step(0, index, loss, record, False)
+            (loss, metrics), record = recorder(run)
+        yield Step(0, index, loss, record, False, metrics)

@@ -19,8 +19,8 @@ import attrs
 import torch
 
 from . import _compare, _node, _recordfile, _torch
-from ._node import RecordNode
 from ._frozen import Frozen
+from ._node import RecordNode
 from .errors import RecordKeyError
 
 __all__ = ["CallKey", "Record", "RecordNode"]

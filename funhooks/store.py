@@ -44,10 +44,10 @@ from torch import nn
 from . import _manifest, _rows, _shards, _sink, _torch
 from .dataset import ActivationDataset, require_safetensors
 from .errors import ReducerError, StoreError
-from .loop import Step
 from .record import Record
 from .selector import resolve
 from .spec import Spec
+from .step import Step
 
 __all__ = ["SHARD_BYTES", "ActivationWriter", "WriterState"]
 

@@ -129,3 +129,16 @@ def test_patch_smoke(tmp_path: pathlib.Path) -> None:
     assert {"bare", "fh.with_hooks op_outputs(attn, softmax)", "fh.capture op_outputs(attn, softmax)"} <= set(
         result["results"]["record"]["cases"])
     assert set(result["results"]["unselected"]["cases"]) == {"mlp of block 0, bare", "mlp of block 0, inside an open op run"}
+
+
+def test_train_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_train's folds equal the fastai-style hooks and the hand loop; the trainer cases run."""
+    proc, result = run_quick("bench_train.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "train")
+    cases = result["results"]
+    assert {"bare loop", "fh.fit + ActivationStats()", "fh.fit + GradientStats() + UpdateRatio()"} <= set(cases)
+    assert cases["bare loop"]["ratio"]["median"] == 1.0
+    trainers = result["frameworks"]["results"]
+    assert {"lightning.Trainer", "transformers.Trainer"} <= set(trainers)
+    assert set(result["frameworks"]["against_fit"]) == {n for n in trainers if "FoldCallback" in n}

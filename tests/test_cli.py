@@ -128,16 +128,18 @@ def test_input_size_the_model_rejects(results: dict[str, subprocess.CompletedPro
 
 
 def test_demo_fast_mode_writes_the_plots(results: dict[str, subprocess.CompletedProcess[str]], cli_dir: Path) -> None:
-    """`funhooks demo --fast` trains, prints the summary and the stats, and writes three readable PNGs."""
+    """`funhooks demo --fast` trains, prints the summary and the stats (activations, gradients,
+    update ratios, dead units), and writes six readable PNGs."""
     result = results["demo"]
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     out = result.stdout
     assert "Total params: 23,946" in out and "1 epoch(s) of 4 steps" in out
     assert "Validation accuracy:" in out and "near zero" in out
+    assert "grad norm" in out and "log10 update ratio" in out and "Dead units, last step" in out
     folder = (cli_dir / "demo-out").resolve()
     assert f"Plots written to {folder}:" in out
-    for name in ("layer_stats.png", "color_dim.png", "loss.png"):
+    for name in ("layer_stats.png", "color_dim.png", "loss.png", "gradients.png", "update_ratio.png", "dead_units.png"):
         data = (folder / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name
         assert name in out

@@ -75,7 +75,7 @@ def test_step_is_frozen() -> None:
     with pytest.raises(fh.FrozenError) as err:
         step.loss = torch.tensor(2.0)  # type: ignore[misc]
     assert str(err.value) == (
-        "Step: a step cannot be assigned to, got `.loss = ...`. Build a new one with `attrs.evolve(step, loss=...)`."
+        "Step: a frozen value cannot be assigned to, got `.loss = ...`. Build a new one with `attrs.evolve(step, loss=...)`."
     )
     assert attrs.evolve(step, iteration=5).iteration == 5
 
@@ -172,7 +172,7 @@ def test_batch_that_is_not_a_pair_names_what_was_received() -> None:
         list(fh.train(model, [torch.randn(6, 3)], MSE, _sgd(model), specs=fh.outputs("0")))
     assert str(err.value) == (
         "train: each batch is an `(x, y)` pair for `loss_fn(model(x), y)`, got a Tensor of shape (6, 3) at batch 0. "
-        "Yield `(x, y)` tuples, e.g. from a DataLoader over a TensorDataset."
+        "Yield `(x, y)` tuples, e.g. from a DataLoader over a TensorDataset, or pass your own `step=fn(model, batch)`."
     )
     fh.testing.assert_no_hooks(model)
     with pytest.raises(fh.LoopError, match=r"got a tuple of 3 items at batch 1"):

@@ -1,0 +1,118 @@
+"""What the per-layer reducers share: a step's rows of statistics keyed by layer path, states
+that merge by iteration, and results read to the host once.
+
+An :class:`Entry` is one recorded step: the paths of the layers that had values (module
+order) and one row per layer, a tensor on the device the values were computed on. States are
+cons lists of entries (see :mod:`funhooks._reducing`). :func:`merge` puts the entries of
+disjoint chunks of steps in iteration order and hands two entries of one iteration (two
+ranks) to the reducer's own rule. A :class:`Table` is what results read: every path in module
+order, and each step's rows copied to the host in one go.
+
+Cost: nothing per step beyond the entry; reading a result copies every row to the host once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _reducing as red
+from .errors import ReducerError
+
+__all__ = ["Entry", "Table", "gather", "index", "merge"]
+
+
+class Entry(NamedTuple):
+    """One recorded step: ``rows[i]`` holds the values of layer ``paths[i]``."""
+
+    iteration: int
+    paths: tuple[str, ...]
+    rows: torch.Tensor
+
+
+def gather(record: Any, name: str) -> tuple[list[str], list[Any]]:
+    """The paths (module order) and the last values stored under `name` in a step's record."""
+    paths, values = [], []
+    for path, names in record._data.items():  # the Record's own dict (package-internal, read only)
+        calls = names.get(name)
+        if calls:
+            paths.append(path)
+            values.append(calls[-1])
+    return paths, values
+
+
+def stacked(values: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `values` as one tensor: their base itself when they are its rows in order
+    (what a watch that unbinds one tensor stores), else a stack."""
+    base = values[0]._base
+    if (base is not None and base.shape[0] == len(values) and base.is_contiguous()
+            and all(v._base is base and v.storage_offset() == i * v.numel() for i, v in enumerate(values))):
+        return base
+    return torch.stack(values)
+
+
+def merge(a: tuple, b: tuple, same: Callable[[Entry, Entry], Entry]) -> tuple:
+    """Entries of both states in iteration order; `same` combines two of one iteration."""
+    by_iteration: dict[int, Entry] = {}
+    for entry in red.unroll(a) + red.unroll(b):
+        seen = by_iteration.get(entry.iteration)
+        by_iteration[entry.iteration] = entry if seen is None else same(seen, entry)
+    return red.roll([by_iteration[k] for k in sorted(by_iteration)])
+
+
+def keep_first(a: Entry, b: Entry) -> Entry:
+    """Two ranks' entries of one iteration where ranks agree (replicated parameters): the
+    first's, plus the layers only the second had."""
+    extra = [i for i, p in enumerate(b.paths) if p not in a.paths]
+    if not extra:
+        return a
+    paths = red.module_order([a.paths, b.paths])
+    rows = {p: r for p, r in zip(a.paths, a.rows)}
+    rows.update((b.paths[i], b.rows[i]) for i in extra)
+    return Entry(a.iteration, paths, torch.stack([rows[p].to(a.rows.device) for p in paths]))
+
+
+def index(paths: Sequence[str], idx: int | str, caller: str) -> int:
+    """The position of layer `idx` (an index into `paths`, or a path), or a ReducerError."""
+    if isinstance(idx, str) and idx in paths:
+        return list(paths).index(idx)
+    if isinstance(idx, int) and not isinstance(idx, bool) and -len(paths) <= idx < len(paths):
+        return idx % len(paths)
+    raise ReducerError(
+        f"{caller}: `idx` is a module index in range(-{len(paths)}, {len(paths)}) or a module path, got {idx!r}; "
+        f"there are {len(paths)} modules: {list(paths)}. Pick one of those."
+    )
+
+
+class Table:
+    """Entries read to the host: per step, per path (module order), a list of floats."""
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        self.entries = tuple(entries)
+        self.paths = red.module_order(e.paths for e in self.entries)
+        self.iterations = tuple(e.iteration for e in self.entries)
+        self._rows: list[dict[str, list[float]]] | None = None
+
+    def rows(self) -> list[dict[str, list[float]]]:
+        """Per step, ``{path: row as floats}`` (one copy to the host for all steps)."""
+        if self._rows is None:
+            tensors = [e.rows.detach() for e in self.entries]
+            if tensors and all(t.shape == tensors[0].shape and t.device == tensors[0].device for t in tensors):
+                host = torch.stack(tensors).double().tolist()
+            else:
+                host = [t.double().tolist() for t in tensors]
+            self._rows = [dict(zip(e.paths, [r if isinstance(r, list) else [r] for r in rows]))
+                          for e, rows in zip(self.entries, host)]
+        return self._rows
+
+    def column(self, idx: int | str, k: int, caller: str) -> list[float]:
+        """Value `k` of layer `idx` at every step; NaN where the layer had none."""
+        path = self.paths[index(self.paths, idx, caller)]
+        return [row[path][k] if path in row else math.nan for row in self.rows()]
+
+    def per_step(self, k: int) -> list[list[float]]:
+        """Value `k` of every layer of ``paths`` at every step; NaN where absent."""
+        return [[row[p][k] if p in row else math.nan for p in self.paths] for row in self.rows()]

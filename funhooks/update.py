@@ -1,0 +1,203 @@
+"""UpdateRatio: how much each layer's parameters move at each optimizer step, relative to
+their size, as a reducer.
+
+Per layer (a module with parameters of its own, all of them together) and recorded step:
+``‖θ_after - θ_before‖ / ‖θ_before‖``, the L2 norm of the update over the L2 norm of the
+parameters before it, read around the optimizer's update through an
+:class:`~funhooks.OptimizerWatch`, so it is the update the optimizer really made (momentum,
+Adam's scaling, weight decay, the learning rate of that step included). Around 1e-3 is the
+usual rule of thumb for a healthy learning rate; far below, the layer barely learns; far
+above, it is being rewritten every step.
+
+Cost: per recorded step, the selected parameters are copied once before the update (stacked
+by shape) and stacked again after it; four kernels per shape and a few to combine by layer,
+on their device. Memory: two copies of the selected parameters during the update.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from . import _layered as lay
+from . import _params
+from . import _reducing as red
+from .errors import ReducerError
+from .selector import Selector
+from .spec import Spec
+from .step import Step
+from .watch import Layers, OptimizerWatch
+
+__all__ = ["HEALTHY_RATIO", "UpdateRatio", "UpdateRatioResult"]
+
+NAME = "update_ratio"
+HEALTHY_RATIO = 1e-3
+"""The rule of thumb for a healthy update-to-parameter ratio (Karpathy's), drawn on the plot."""
+
+
+@attrs.frozen
+class _Before:
+    """The watch's first function: the parameters before the update, stacked by shape (a
+    copy), with each tensor's squared norm."""
+
+    def __call__(self, layers: Layers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        plan = _params.plan(layers.cache, layers.params)
+        before = plan.groups.stacks(plan.flat)
+        return before, [torch.linalg.vector_norm(b, dim=1).square() for b in before]
+
+
+@attrs.frozen
+class _After:
+    """The watch's second function: ``{path: ratio}`` from the copy and the parameters now."""
+
+    def __call__(self, layers: Layers, carry: tuple[list[torch.Tensor], list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        plan = _params.plan(layers.cache, layers.params)
+        before, sizes = carry
+        table = [torch.stack((torch.linalg.vector_norm(a.sub_(b), dim=1).square(), s), 1)
+                 for a, b, s in zip(plan.groups.stacks(plan.flat), before, sizes)]
+        moved, size = plan.groups.by_layer(table).unbind(1)
+        return dict(zip(layers.paths, (moved / size).sqrt_().unsqueeze(1).unbind(0)))
+
+
+@attrs.frozen
+class UpdateRatio:
+    """Per-layer ``‖update‖ / ‖parameters‖`` at every recorded optimizer step.
+
+    Args:
+        modules: the layers (a selector); None: every module with parameters of its own.
+        every: record train iterations with ``iteration % every == 0``; None: all.
+
+    Result: an :class:`UpdateRatioResult`. States merge (``merge``): chunks of steps
+    concatenate; two ranks' states of one iteration hold the same replicated parameters
+    (DDP), so the merge keeps the first's values.
+
+    Raises:
+        ReducerError: at construction, for ``every <= 0``.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> batches = [(torch.randn(16, 4), torch.randn(16, 1)) for _ in range(3)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.UpdateRatio())
+        >>> res.paths, len(res.ratios)
+        (('0', '2'), 3)
+        >>> 0 < res.layer("0")[0] < 1
+        True
+    """
+
+    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
+    every: int | None = attrs.field(default=None, validator=red.check_every("UpdateRatio"))
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """None: parameters are read around the optimizer step (see ``watches``)."""
+        return ()
+
+    @property
+    def watches(self) -> tuple[OptimizerWatch, ...]:
+        """One watch copying the selected parameters before each update, comparing after it."""
+        where = red.OwnParams() if self.modules is None else self.modules
+        return (OptimizerWatch(where, _Before(), _After(), name=NAME),)
+
+    def records(self, iteration: int, training: bool) -> bool:
+        """True for the train iterations recorded."""
+        return red.records(self.every, iteration, training)
+
+    def init(self) -> tuple:
+        """The empty state."""
+        return ()
+
+    def step(self, state: tuple, step: Step) -> tuple:
+        """Add the step's ratios (on the device, not read) when it is recorded."""
+        if not red.records(self.every, step.iteration, step.training):
+            return state
+        paths, values = lay.gather(step.record, NAME)
+        if not values:
+            return (state, lay.Entry(step.iteration, (), torch.zeros(0, 1)))
+        return (state, lay.Entry(step.iteration, tuple(paths), lay.stacked(values)))
+
+    def merge(self, a: tuple, b: tuple) -> tuple:
+        """Chunks of steps in iteration order; of one iteration (two ranks), the first's ratios."""
+        return lay.merge(a, b, lay.keep_first)
+
+    def result(self, state: tuple) -> UpdateRatioResult:
+        """The ratios of every recorded step.
+
+        Raises:
+            ReducerError: when steps were recorded and none holds ratios (steps run without
+                the reducer's watches).
+        """
+        entries = red.unroll(state)
+        if entries and not any(e.paths for e in entries):
+            raise ReducerError(
+                f"UpdateRatio: a recorded train step holds the records of the reducer's watches, got {len(entries)} "
+                f"recorded steps and no {NAME!r} in any of their records. Run the steps with "
+                "`watches=reducer.watches` and the optimizer (fh.fit does), or check that the optimizer stepped."
+            )
+        return UpdateRatioResult(lay.Table(entries))
+
+
+@attrs.frozen(eq=False)
+class UpdateRatioResult:
+    """The result of :class:`UpdateRatio`: per recorded step, per layer path, the ratio.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        >>> res = fh.fit(model, [(torch.ones(4, 2), torch.zeros(4, 1))], nn.functional.mse_loss, opt, fh.UpdateRatio())
+        >>> res.ratios
+        [[0.0]]
+    """
+
+    table: lay.Table
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The layer paths, in module order."""
+        return self.table.paths
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        """The train iterations recorded."""
+        return self.table.iterations
+
+    def __len__(self) -> int:
+        return len(self.table.entries)
+
+    @property
+    def ratios(self) -> list[list[float]]:
+        """Per recorded step, per layer of ``paths``, the ratio (NaN where the layer was not updated)."""
+        return self.table.per_step(0)
+
+    def layer(self, idx: int | str) -> list[float]:
+        """The ratios of layer `idx` (an index into ``paths``, or a path) over the steps.
+
+        Raises:
+            ReducerError: for an index out of range or an unknown path.
+        """
+        return self.table.column(idx, 0, "layer")
+
+    def log10(self) -> list[list[float]]:
+        """``ratios`` in log10 (``-inf`` for a zero update)."""
+        return [[math.log10(r) if r > 0 else -math.inf if r == 0 else math.nan for r in row] for row in self.ratios]
+
+    def plot(self, *, figsize: tuple[float, float] = (8, 4)) -> Any:
+        """log10 of every layer's ratio over the steps, with the 1e-3 rule of thumb (``plot`` extra).
+
+        Returns:
+            A matplotlib Figure (``fig.savefig("update.png")`` writes it).
+        """
+        from . import plot
+
+        return plot.plot_update_ratio(self, figsize=figsize)
+
+    def __repr__(self) -> str:
+        return f"UpdateRatioResult({len(self)} steps, paths={list(self.paths)})"

@@ -1,0 +1,132 @@
+"""fh.lightning.FoldCallback: the reducers of fh.fit, unchanged, in a real lightning.Trainer (issue 16)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import funhooks as fh
+
+lightning = pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
+
+MSE = nn.functional.mse_loss
+EPOCHS = 2
+BATCH = 8
+
+
+class Regressor(lightning.LightningModule):
+    """A small MLP trained with MSE and SGD; `fail_at` raises in that training step."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.fail_at = fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == self.fail_at:
+            raise ArithmeticError("nan loss")
+        x, y = batch
+        loss = MSE(self(x), y)
+        return {"loss": loss, "batch": torch.tensor(float(batch_idx))}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Validated(Regressor):
+    """The same, with a validation loop."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+
+def _data(n: int = 32) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g))
+
+
+def _trainer(cb: Any, **kwargs: Any) -> Any:
+    return lightning.Trainer(max_epochs=EPOCHS, callbacks=[cb], accelerator="cpu", devices=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, **kwargs)
+
+
+def _reducers() -> dict:
+    return {"acts": fh.ActivationStats(), "grads": fh.GradientStats(), "update": fh.UpdateRatio(every=2),
+            "dead": fh.DeadUnits(), "loss": fh.LossCurve(), "calls": fh.HookCallback(lambda m, i, o: o.shape[0])}
+
+
+def test_lightning_training_folds_what_fit_folds() -> None:
+    """Trainer.fit with the callback and fh.fit on the same module, data and optimizer give the
+    same results for every reducer; the step metrics carry the training step's extra outputs."""
+    module = Regressor()
+    twin = copy.deepcopy(module)
+    cb = fh.lightning.FoldCallback(_reducers())
+    _trainer(cb).fit(module, torch.utils.data.DataLoader(_data(), batch_size=BATCH))
+    batches = list(torch.utils.data.DataLoader(_data(), batch_size=BATCH))
+    fitted = fh.fit(twin, batches, MSE, torch.optim.SGD(twin.parameters(), lr=0.05), _reducers(), epochs=EPOCHS)
+    got = cb.result
+    assert got["acts"].paths == ("net.0", "net.2", "net.4") and len(got["acts"]) == 8
+    assert got["acts"].stats == fitted["acts"].stats
+    assert got["grads"].stats == fitted["grads"].stats and got["update"].ratios == fitted["update"].ratios
+    assert got["dead"].dead == fitted["dead"].dead and got["loss"].losses == fitted["loss"].losses
+    assert got["calls"] == fitted["calls"]
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), twin.parameters()))
+    fh.testing.assert_no_hooks(module)
+
+
+def test_accumulated_batches_are_one_step_and_validation_is_never_recorded() -> None:
+    """accumulate_grad_batches=2: one Step per optimizer step holding both micro-batches, the
+    loss their mean; the validation loop's calls are in no step."""
+    module = Validated()
+    seen: list[int] = []
+    calls = fh.HookCallback(lambda m, i, o: seen.append(o.shape[0]) or o.shape[0], modules="net.0")
+    cb = fh.lightning.FoldCallback({"calls": calls, "loss": fh.LossCurve()})
+    loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH)
+    _trainer(cb, accumulate_grad_batches=2).fit(module, loader, torch.utils.data.DataLoader(_data(8), batch_size=4))
+    assert len(cb.result["calls"]) == EPOCHS * 2 and len(cb.result["loss"]) == EPOCHS * 2
+    assert len(seen) == EPOCHS * 4  # the validation batches went through net.0 unrecorded
+    twin = Regressor()
+    with torch.no_grad():
+        first = [MSE(twin(x), y).item() for x, y in list(loader)[:2]]
+    assert cb.result["loss"].losses[0] == pytest.approx(sum(first) / 2)
+
+
+def test_an_exception_in_training_leaves_nothing_attached() -> None:
+    """A training step that raises: Lightning's on_exception drops the open step; no wrapper on
+    the module, no hook on the optimizer."""
+    module = Regressor(fail_at=2)
+    cb = fh.lightning.FoldCallback([fh.ActivationStats(), fh.GradientStats()])
+    trainer = _trainer(cb)
+    with pytest.raises(ArithmeticError):
+        trainer.fit(module, torch.utils.data.DataLoader(_data(), batch_size=BATCH))
+    fh.testing.assert_no_hooks(module)
+    assert all(not o._optimizer_step_pre_hooks and not o._optimizer_step_post_hooks for o in trainer.optimizers)
+    assert len(cb.result[0]) == 2
+
+
+def test_missing_lightning_names_the_extra() -> None:
+    """Without lightning, `fh.lightning` raises ExtraError naming `funhooks[lightning]`; importing
+    funhooks imports neither Lightning nor transformers."""
+    code = (
+        "import sys; sys.modules['lightning'] = None\n"
+        "import funhooks as fh\n"
+        "assert 'lightning' not in sys.modules or sys.modules['lightning'] is None\n"
+        "assert 'transformers' not in sys.modules\n"
+        "try:\n    fh.lightning\nexcept fh.ExtraError as err:\n    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (
+        "funhooks.lightning: the Lightning callback needs lightning, got it not installed. "
+        "Install the extra: pip install 'funhooks[lightning]'."
+    )
