@@ -2,7 +2,14 @@
 
 Everything else in funhooks imports these helpers instead of reaching into
 ``torch.utils._pytree``, ``torch._C._functorch`` or wrapper classes directly, so a change
-in PyTorch is fixed here once.
+in PyTorch is fixed here once (tests/test_layout.py checks that no other module names a
+private torch API).
+
+Two private attributes are read where they are used, on the hot path, because a helper's
+call would cost more than the read: a tensor's ``_version`` counter (how stored values are
+checked for later in-place changes; stable since PyTorch 1.0) and a module's
+``_parameters`` / ``_buffers`` dicts (swapping tensors in place for ``capture``'s
+functional calls). Both are attribute reads on instances, which that check does not see.
 """
 
 from __future__ import annotations
