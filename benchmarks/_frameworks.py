@@ -14,9 +14,11 @@ issue's bound: at most 5% more).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
 import logging
+import shutil
 import tempfile
 import time
 import warnings
@@ -118,6 +120,7 @@ def hf_case(base: nn.Module, batches: list, reducers: Any, steps: int) -> Callab
 
     examples = [{"x": x[i], "labels": y[i]} for x, y in batches for i in range(len(x))]
     out = tempfile.mkdtemp(prefix="fh-bench-hf-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # the Trainer's output_dir, left empty
 
     def call() -> float:
         model = Model(copy.deepcopy(base))
