@@ -97,7 +97,7 @@ def keep(module: nn.Module, output: Tensor, n: int) -> Tensor:
 
     An output nothing changed after the hook on earlier steps is kept as ``output.data``, an
     alias with a version counter of its own (the run's in-place check must not fire on it),
-    noting the output's own counter, which :func:`settle` compares at the end of the step.
+    noting the output's own counter, which :func:`_check` compares at the end of the step.
     Other outputs are copied; the first copy of a module's output also notes the module, so
     that the end of the step learns whether the output changed.
     """
@@ -116,8 +116,8 @@ def keep(module: nn.Module, output: Tensor, n: int) -> Tensor:
     return copy
 
 
-def settle(value: Any, path: str, iteration: int) -> Any:
-    """`value` as stored by the hook, checked: a kept alias whose output changed since the hook
+def _check(source: tuple, path: str, iteration: int) -> None:
+    """Check a value as stored by the hook: a kept alias whose output changed since the hook
     raises; a first copy teaches :data:`_CHANGED_LATER` about its module.
 
     Raises:
@@ -125,14 +125,6 @@ def settle(value: Any, path: str, iteration: int) -> Any:
             hook (a module that changes its outputs on some steps only); from then on its
             output is copied, so a new run gets its statistics on every step.
     """
-    if type(value) is not tuple:
-        source = value.__dict__.pop(SOURCE, None)
-        if source is not None:
-            _check(source, path, iteration)
-    return value
-
-
-def _check(source: tuple, path: str, iteration: int) -> None:
     output, version, module, learning = source
     changed = output._version != version
     if learning:
@@ -226,10 +218,10 @@ class Entry(NamedTuple):
 def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
                 iteration: int) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
     """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
-    checked as :func:`settle` does first: kept activations of one shape and dtype are stacked
+    checked by :func:`_check` first: kept activations of one shape and dtype are stacked
     and reduced together; ``order[i]`` is value i's row."""
     first, uniform = values[0], type(values[0]) is not tuple
-    for v, p in zip(values, paths):  # one pass: settle each, and see whether all share a shape
+    for v, p in zip(values, paths):  # one pass: check each, and see whether all share a shape
         if type(v) is tuple:
             uniform = False
             continue

@@ -85,6 +85,18 @@ def _worker(out_dir: str) -> None:
         out["plain stats"] = stats.result(state).stats
         out["plain norms"] = [_norms(step.record) for step in plain_steps]
 
+        # GradientStats and UpdateRatio read the sharded parameters: every rank's are the whole model's
+        sharded_twin, plain_twin = models(seed=1)
+        targets = [torch.full((BATCH, 2), float(i)) for i in range(STEPS)]
+        mine = fh.fit(sharded_twin, [(rank_input(rank, i), targets[i]) for i in range(STEPS)], nn.functional.mse_loss,
+                      torch.optim.SGD(sharded_twin.parameters(), lr=0.1), [fh.GradientStats(), fh.UpdateRatio()])
+        whole_twin = [(torch.cat([rank_input(r, i) for r in range(WORLD)]), targets[i].repeat(WORLD, 1))
+                      for i in range(STEPS)]
+        alone_twin = fh.fit(plain_twin, whole_twin, nn.functional.mse_loss,
+                            torch.optim.SGD(plain_twin.parameters(), lr=0.1), [fh.GradientStats(), fh.UpdateRatio()])
+        out["parameter stats"] = [(r.paths, r.stats if i == 0 else r.ratios) for i, r in enumerate(mine)]
+        out["plain parameter stats"] = [(r.paths, r.stats if i == 0 else r.ratios) for i, r in enumerate(alone_twin)]
+
         # summaries count full parameters; the model still works afterwards
         out["layer_info"] = (fh.layer_info(sharded, x), fh.layer_info(plain, x))
         out["summary"] = (str(fh.module_summary(sharded, x)), str(fh.module_summary(plain, x)))
@@ -102,6 +114,13 @@ def _norm(param, grad):
 
 def _norms(record: fh.Record) -> dict[str, torch.Tensor]:
     return {path: node["norm"] for path, node in record.items() if "norm" in node}
+
+
+def _numbers(value) -> list[float]:
+    """The floats of nested lists of dicts, in order."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [x for item in value for x in _numbers(item)] if isinstance(value, list) else [value]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +184,15 @@ def test_gradient_statistics_equal_one_process_on_the_whole_batch(ranks):
             assert list(mine) == ["0.weight", "0.bias", "2.weight", "2.bias"]
             for path, value in mine.items():
                 torch.testing.assert_close(value, whole[path])
+
+
+def test_gradient_stats_and_update_ratios_of_sharded_parameters_are_the_whole_models(ranks):
+    """GradientStats and UpdateRatio on the FSDP2 model: each rank's per-layer numbers are those
+    of the whole (unsharded) gradients and updates, the plain model's on both ranks' batches."""
+    for r in ranks:
+        for (paths, mine), (plain_paths, whole) in zip(r["parameter stats"], r["plain parameter stats"]):
+            assert paths == plain_paths == ("0", "2") and len(mine) == STEPS
+            assert _numbers(mine) == pytest.approx(_numbers(whole), rel=1e-5, abs=1e-7)
 
 
 def test_summaries_of_a_sharded_model_count_full_parameters(ranks):
