@@ -248,6 +248,18 @@ def is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def shard_group(t: torch.Tensor) -> Any:
+    """For a ``DTensor`` sharded along a one-dimensional mesh (FSDP2's parameters and their
+    gradients), the process group whose ranks' local shards together make the whole tensor;
+    None for any other tensor (a plain one, or a ``DTensor`` replicated or on a larger mesh)."""
+    if not is_dtensor(t):
+        return None
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or not all(p.is_shard() for p in t.placements):  # type: ignore[attr-defined]
+        return None
+    return mesh.get_group()
+
+
 def is_fsdp_module(module: nn.Module) -> bool:
     """True for a module ``fully_shard`` (FSDP2) has sharded: its class is then a subclass of
     ``FSDPModule`` made for it, with FSDP's forward hooks around every call."""

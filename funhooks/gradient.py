@@ -90,7 +90,10 @@ class GradientStats:
 
     Result: a :class:`GradientStatsResult`. States merge (``merge``): chunks of steps
     concatenate; two ranks' states of one iteration hold the same all-reduced gradients
-    (DDP), so the merge keeps the first's values rather than counting them twice.
+    (DDP), so the merge keeps the first's values rather than counting them twice. Under
+    FSDP2 each rank reads its shards and the per-layer sums are added across ranks at the
+    step (one all-reduce of a small table), so every rank already holds the whole model's
+    statistics.
 
     Raises:
         ReducerError: at construction, for ``every <= 0``.

@@ -72,7 +72,8 @@ class UpdateRatio:
 
     Result: an :class:`UpdateRatioResult`. States merge (``merge``): chunks of steps
     concatenate; two ranks' states of one iteration hold the same replicated parameters
-    (DDP), so the merge keeps the first's values.
+    (DDP), so the merge keeps the first's values. Under FSDP2 the per-layer sums of the
+    ranks' shards are added at the step, so every rank holds the whole model's ratios.
 
     Raises:
         ReducerError: at construction, for ``every <= 0``.

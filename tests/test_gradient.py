@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import warnings
 from typing import Any
 
 import hypothesis
@@ -133,6 +134,24 @@ def test_update_ratio_is_the_update_norm_over_the_parameter_norm() -> None:
         assert got == pytest.approx(want, rel=1e-5)
     assert res.layer("2") == [row[1] for row in res.ratios]
     assert all(v < 0 for row in res.log10() for v in row)
+
+
+def test_complex_parameters_count_both_parts() -> None:
+    """A complex layer's gradient norm and update ratio are the complex norms (real and
+    imaginary parts both count), not those of the real parts."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: complex modules are a new feature
+        model = nn.Linear(2, 1).to(torch.complex64)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 2, dtype=torch.complex64)
+    res = fh.fit(model, [(x, torch.zeros(4, 1, dtype=torch.complex64))], lambda o, y: (o - y).abs().square().mean(),
+                 torch.optim.SGD(model.parameters(), lr=0.1), [fh.GradientStats(), fh.UpdateRatio()])
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert res[0].stats[0][0]["norm"] == pytest.approx(torch.linalg.vector_norm(grad).item(), rel=1e-5)
+    assert res[1].ratios[0][0] == pytest.approx((moved.norm() / torch.cat([b.flatten() for b in before]).norm()).item(),
+                                                rel=1e-5)
 
 
 @hypothesis.given(cuts=st.lists(st.integers(0, 6), max_size=3), every=st.one_of(st.none(), st.integers(1, 3)))
