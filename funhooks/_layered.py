@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import _reducing as red
 from .errors import ReducerError
+from .step import Step
 
-__all__ = ["Entry", "Table", "gather", "index", "merge"]
+__all__ = ["Entry", "Table", "TableResult", "add_step", "index", "merge", "table"]
 
 
 class Entry(NamedTuple):
@@ -33,15 +34,28 @@ class Entry(NamedTuple):
     rows: torch.Tensor
 
 
-def gather(record: Any, name: str) -> tuple[list[str], list[Any]]:
-    """The paths (module order) and the last values stored under `name` in a step's record."""
-    paths, values = [], []
-    for path, names in record._data.items():  # the Record's own dict (package-internal, read only)
-        calls = names.get(name)
-        if calls:
-            paths.append(path)
-            values.append(calls[-1])
-    return paths, values
+def add_step(state: tuple, step: Step, every: int | None, name: str, width: int) -> tuple:
+    """`state` with the step's entry (the last value each layer stored under `name`, as rows of
+    `width` values) when the ``every`` rule records the step."""
+    if not red.records(every, step.iteration, step.training):
+        return state
+    paths, values = red.last_values(step.record, name)
+    if not values:
+        return (state, Entry(step.iteration, (), torch.zeros(0, width)))
+    return (state, Entry(step.iteration, tuple(paths), stacked(values)))
+
+
+def table(state: tuple, reducer: str, name: str) -> Table:
+    """The Table of a state's entries; recorded steps none of which holds `name` are refused
+    (they ran without the reducer's watches)."""
+    entries = red.unroll(state)
+    if entries and not any(e.paths for e in entries):
+        raise ReducerError(
+            f"{reducer}: a recorded train step holds the records of the reducer's watches, got {len(entries)} "
+            f"recorded steps and no {name!r} in any of their records. Run the steps with "
+            "`watches=reducer.watches` and the optimizer (fh.fit does), or check that the optimizer stepped."
+        )
+    return Table(entries)
 
 
 def stacked(values: list[torch.Tensor]) -> torch.Tensor:
@@ -116,3 +130,23 @@ class Table:
     def per_step(self, k: int) -> list[list[float]]:
         """Value `k` of every layer of ``paths`` at every step; NaN where absent."""
         return [[row[p][k] if p in row else math.nan for p in self.paths] for row in self.rows()]
+
+
+class TableResult:
+    """What results over a :class:`Table` share: the layer paths, the iterations, the length."""
+
+    __slots__ = ()
+    table: Table
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The layer paths, in module order."""
+        return self.table.paths
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        """The train iterations recorded."""
+        return self.table.iterations
+
+    def __len__(self) -> int:
+        return len(self.table.entries)

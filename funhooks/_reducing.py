@@ -110,10 +110,17 @@ def records(every: int | None, iteration: int, training: bool) -> bool:
     return training and (every is None or iteration % every == 0)
 
 
-def last_calls(record: Record, name: str, caller: str) -> list[tuple[str, Any]]:
-    """``(path, value of the last call)`` for every module that stored `name`, in module order."""
-    data = record._data  # the Record's own dict (package-internal, read only): no node objects per step
-    out = [(path, names[name][-1]) for path, names in data.items() if name in names]
+def last_values(record: Record, name: str) -> tuple[list[str], list[Any]]:
+    """The paths (module order) of the modules that stored `name`, and each one's last value
+    (a module called twice: its last call, as fastai's)."""
+    found = record.calls_by_path(name)
+    return list(found), [calls[-1] for calls in found.values()]
+
+
+def last_calls(record: Record, name: str, caller: str) -> list[Any]:
+    """The last value of `name` of every module that stored it, in module order; a step
+    without any is refused (its steps ran without the reducer's specs)."""
+    out = last_values(record, name)[1]
     if not out:
         raise ReducerError(
             f"{caller}: a recorded train step holds the records of the reducer's specs, got a Step whose record "

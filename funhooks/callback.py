@@ -111,7 +111,7 @@ class HookCallback:
         """Add the step's hook values when the step is recorded."""
         if not red.records(self.every, step.iteration, step.training):
             return state
-        values = [value for _, value in red.last_calls(step.record, self.record_name, "HookCallback")]
+        values = red.last_calls(step.record, self.record_name, "HookCallback")
         return (state, (step.iteration, values))
 
     def merge(self, a: tuple, b: tuple) -> tuple:

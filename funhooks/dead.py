@@ -138,8 +138,8 @@ class DeadUnits:
         if not red.records(self.every, step.iteration, step.training):
             return state
         paths, peaks = [], []
-        for path, names in step.record._data.items():  # the Record's own dict (read only)
-            calls = [c for c in names.get(NAME, ()) if c is not None]
+        for path, every in step.record.calls_by_path(NAME).items():
+            calls = [c for c in every if c is not None]
             if calls:
                 paths.append(path)
                 peaks.append(calls[0] if len(calls) == 1 else torch.stack(calls).amax(0))

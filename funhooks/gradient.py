@@ -25,7 +25,6 @@ import torch
 from . import _layered as lay
 from . import _params
 from . import _reducing as red
-from .errors import ReducerError
 from .selector import Selector
 from .spec import Spec
 from .step import Step
@@ -137,12 +136,7 @@ class GradientStats:
 
     def step(self, state: tuple, step: Step) -> tuple:
         """Add the step's rows (on the device, not read) when it is recorded."""
-        if not red.records(self.every, step.iteration, step.training):
-            return state
-        paths, values = lay.gather(step.record, NAME)
-        if not values:
-            return (state, lay.Entry(step.iteration, (), torch.zeros(0, len(COLUMNS))))
-        return (state, lay.Entry(step.iteration, tuple(paths), lay.stacked(values)))
+        return lay.add_step(state, step, self.every, NAME, len(COLUMNS))
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Chunks of steps in iteration order; of one iteration (two ranks), the first's rows."""
@@ -155,18 +149,11 @@ class GradientStats:
             ReducerError: when steps were recorded and none holds gradient statistics (steps
                 run without the reducer's watches, e.g. by ``fh.train`` without ``watches=``).
         """
-        entries = red.unroll(state)
-        if entries and not any(e.paths for e in entries):
-            raise ReducerError(
-                f"GradientStats: a recorded train step holds the records of the reducer's watches, got {len(entries)} "
-                f"recorded steps and no {NAME!r} in any of their records. Run the steps with "
-                "`watches=reducer.watches` and the optimizer (fh.fit does), or check that the optimizer stepped."
-            )
-        return GradientStatsResult(lay.Table(entries))
+        return GradientStatsResult(lay.table(state, "GradientStats", NAME))
 
 
 @attrs.frozen(eq=False)
-class GradientStatsResult:
+class GradientStatsResult(lay.TableResult):
     """The result of :class:`GradientStats`: per recorded step, per layer path statistics.
 
     ``paths`` lists every layer that had gradients on some recorded step, in module order;
@@ -184,19 +171,6 @@ class GradientStatsResult:
     """
 
     table: lay.Table
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The layer paths, in module order."""
-        return self.table.paths
-
-    @property
-    def iterations(self) -> tuple[int, ...]:
-        """The train iterations recorded."""
-        return self.table.iterations
-
-    def __len__(self) -> int:
-        return len(self.table.entries)
 
     @property
     def stats(self) -> list[list[dict[str, float] | None]]:

@@ -116,6 +116,21 @@ class Record(Frozen):
         """Every call's value of `name` at `path`, in call order."""
         return self[path].calls(name)
 
+    def calls_by_path(self, name: str) -> dict[str, tuple[Any, ...]]:
+        """``{path: every call's value of name}`` for every module that stored `name`, in module
+        order (no node objects are built: what a reducer reads on every step).
+
+        Example:
+            >>> import torch, funhooks as fh
+            >>> from torch import nn
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            >>> with fh.with_hooks(model, fh.outputs(nn.ReLU)) as run:
+            ...     _ = model(torch.ones(1, 2)), model(torch.zeros(1, 2))
+            >>> {path: len(calls) for path, calls in run.record.calls_by_path("output").items()}
+            {'1': 2}
+        """
+        return {p: names[name] for p, names in self._data.items() if names.get(name)}
+
     def stored(self, name: str = "output") -> list[Any]:
         """The single value of `name` for every module that stored it, in module order."""
         return [self[p][name] for p, names in self._data.items() if name in names]

@@ -192,14 +192,7 @@ class ActivationStats:
         the modules that did not run on it are absent from it."""
         if not red.records(self.every, step.iteration, step.training):
             return state
-        data = step.record._data  # the Record's own dict (package-internal, read only): no node objects per step
-        name = self.record_name
-        paths, values = [], []
-        for path, names in data.items():
-            calls = names.get(name)
-            if calls:
-                paths.append(path)
-                values.append(calls[-1])  # a module called twice: its last call, as fastai's
+        paths, values = red.last_values(step.record, self.record_name)
         if not values:
             return (state, ex.empty_entry(step.iteration, self._snapshot))
         order, ns, rows, hist = ex.reduce_step(values, paths, self._snapshot, step.iteration)

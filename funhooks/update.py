@@ -25,7 +25,6 @@ import torch
 from . import _layered as lay
 from . import _params
 from . import _reducing as red
-from .errors import ReducerError
 from .selector import Selector
 from .spec import Spec
 from .step import Step
@@ -116,12 +115,7 @@ class UpdateRatio:
 
     def step(self, state: tuple, step: Step) -> tuple:
         """Add the step's ratios (on the device, not read) when it is recorded."""
-        if not red.records(self.every, step.iteration, step.training):
-            return state
-        paths, values = lay.gather(step.record, NAME)
-        if not values:
-            return (state, lay.Entry(step.iteration, (), torch.zeros(0, 1)))
-        return (state, lay.Entry(step.iteration, tuple(paths), lay.stacked(values)))
+        return lay.add_step(state, step, self.every, NAME, 1)
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Chunks of steps in iteration order; of one iteration (two ranks), the first's ratios."""
@@ -134,18 +128,11 @@ class UpdateRatio:
             ReducerError: when steps were recorded and none holds ratios (steps run without
                 the reducer's watches).
         """
-        entries = red.unroll(state)
-        if entries and not any(e.paths for e in entries):
-            raise ReducerError(
-                f"UpdateRatio: a recorded train step holds the records of the reducer's watches, got {len(entries)} "
-                f"recorded steps and no {NAME!r} in any of their records. Run the steps with "
-                "`watches=reducer.watches` and the optimizer (fh.fit does), or check that the optimizer stepped."
-            )
-        return UpdateRatioResult(lay.Table(entries))
+        return UpdateRatioResult(lay.table(state, "UpdateRatio", NAME))
 
 
 @attrs.frozen(eq=False)
-class UpdateRatioResult:
+class UpdateRatioResult(lay.TableResult):
     """The result of :class:`UpdateRatio`: per recorded step, per layer path, the ratio.
 
     Example:
@@ -159,19 +146,6 @@ class UpdateRatioResult:
     """
 
     table: lay.Table
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The layer paths, in module order."""
-        return self.table.paths
-
-    @property
-    def iterations(self) -> tuple[int, ...]:
-        """The train iterations recorded."""
-        return self.table.iterations
-
-    def __len__(self) -> int:
-        return len(self.table.entries)
 
     @property
     def ratios(self) -> list[list[float]]:
