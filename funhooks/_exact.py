@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import _reducing as red
+from . import _torch
 from .errors import ReducerError, StaleTensorError
 from .selector import path_label as where
 
@@ -79,6 +80,8 @@ class Snapshot:
             hist = output.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
             return (0, output.new_full((3,), math.nan, dtype=torch.float64), hist)
         if n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous():
+            if _torch.is_compiling():  # a compiled model: the graph hands back a copy, no alias to check
+                return output.detach()
             return keep(module, output, n)
         return self.reduce(output.detach())
 

@@ -1,6 +1,8 @@
 """torch.compile: compiled capture functions, and the state of with_hooks on compiled models."""
 
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -102,3 +104,20 @@ def test_with_hooks_on_a_model_with_a_compiled_submodule_records_its_paths() -> 
         y = outer(x)
     assert list(run.record) == ["0", "0.0", "0.1", "1"]
     assert torch.allclose(run.record["1"]["output"], y)
+
+
+def test_fit_on_a_compiled_model_gives_the_eager_statistics() -> None:
+    """On a model compiled before training (`torch.compile(model)`), the activations are the
+    compiled graph's copies (nothing to keep or check): the statistics are the eager model's,
+    to the compiled kernels' rounding, and nothing is left on the model."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(copy.deepcopy(eager))
+    batches = [(torch.randn(6, 4), torch.randn(6, 2)) for _ in range(4)]
+    want, got = (fh.fit(m, batches, nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1), fh.ActivationStats())
+                 for m in (eager, compiled))
+    assert got.paths == want.paths and len(got.stats) == 4
+    for step_got, step_want in zip(got.stats, want.stats):
+        for a, b in zip(step_got, step_want):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    fh.testing.assert_no_hooks(compiled)

@@ -75,3 +75,4 @@ def test_an_output_sharing_a_larger_storage_is_copied() -> None:
     fh.fold(stats, steps)
     kept = [s.record["1"][stats.record_name] for s in steps]
     assert all(t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in kept)
+
