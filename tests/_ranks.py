@@ -39,18 +39,39 @@ def spawn(argv: list[str], world: int = 2, *, timeout: float = SPAWN_TIMEOUT_S, 
         if not any(code and _PORT_TAKEN in err.lower() for code, (_, err) in zip(codes, logs)):
             break
     for rank, (code, (out, err)) in enumerate(zip(codes, logs)):
-        assert code == 0, f"rank {rank} of {argv} failed:\n{out}\n{err}"
+        assert code == 0 or _aborted_after_finishing(code, err), f"rank {rank} of {argv} failed:\n{out}\n{err}"
     return [out for out, _ in logs]
 
 
 _PORT_TAKEN = "address already in use"
+
+_FINISHED = "[rank script finished]\n"
+_RUNNER = (
+    "import os, runpy, sys\n"
+    "sys.argv = sys.argv[1:]\n"
+    "sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    f"sys.stderr.write({_FINISHED!r})\n"
+)
+"""Runs a rank's script as ``python script`` would, then says on stderr that it returned."""
+
+_TEARDOWN_ABORT = "terminate called without an active exception\n"
+
+
+def _aborted_after_finishing(code: int, err: str) -> bool:
+    """True for torch's abort at interpreter exit, after the whole script ran and
+    `destroy_process_group()` returned: with gloo, a C++ thread still joinable when the
+    process tears down its statics calls ``std::terminate`` (SIGABRT). It happens to a few
+    percent of runs on a loaded machine, with the docs' scripts and outside pytest too, never
+    before the script's last line; any other failure still fails the test."""
+    return code == -6 and err.endswith(_FINISHED + _TEARDOWN_ABORT)
 
 
 def _spawn_once(argv: list[str], world: int, timeout: float, cwd: str | None) -> tuple[list[tuple[str, str]], list[int]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     procs = [
-        subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        subprocess.Popen([sys.executable, "-c", _RUNNER, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=cwd)
         for rank in range(world)
     ]

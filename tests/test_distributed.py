@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
-import time
 
 import attrs
 import pytest
@@ -24,7 +22,6 @@ import funhooks as fh
 WORLD = 2
 BATCH = 2
 COLLECTIVE_TIMEOUT_S = 60  # init_process_group's timeout: a lost peer fails, never hangs
-SPAWN_TIMEOUT_S = 180  # the whole two-process run, start-up included, on a loaded CPU
 STEPS_PER_RANK = 3
 
 
@@ -68,16 +65,14 @@ def _mean(module, args, output):
     return output.mean()
 
 
-def _worker(rank: int, store: str, out_dir: str) -> None:
+def _worker(out_dir: str) -> None:
     """One rank: checks what it can see alone, saves what the parent compares across ranks."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    rank = dist.get_rank()
     try:
         assert fh.distributed.is_distributed()
         model = _model()
@@ -129,29 +124,10 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
 
 
 def _spawn(tmp_path) -> list[dict]:
-    """Run both ranks as subprocesses, bounded by a deadline; return what each saved."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MASTER_ADDR", None)
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path / "store"), str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for rank in range(WORLD)
-    ]
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    logs = []
-    try:
-        for proc in procs:
-            try:
-                logs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{log}"
+    """Run both ranks (bounded in time by `_ranks.spawn`); return what each saved."""
+    import _ranks
+
+    _ranks.spawn([__file__, str(tmp_path)], WORLD)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -239,4 +215,4 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import test_distributed
 
-    test_distributed._worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    test_distributed._worker(sys.argv[1])
