@@ -8,7 +8,8 @@ disjoint chunks of steps in iteration order and hands two entries of one iterati
 ranks) to the reducer's own rule. A :class:`Table` is what results read: every path in module
 order, and each step's rows copied to the host in one go.
 
-Cost: nothing per step beyond the entry; reading a result copies every row to the host once.
+Cost: nothing per step beyond the entry; reading a result finishes every row in one pass and
+copies them to the host once.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def add_step(state: tuple, step: Step, every: int | None, name: str, width: int)
     return (state, Entry(step.iteration, tuple(paths), stacked(values)))
 
 
-def table(state: tuple, reducer: str, name: str) -> Table:
-    """The Table of a state's entries; recorded steps none of which holds `name` are refused
-    (they ran without the reducer's watches)."""
+def table(state: tuple, reducer: str, name: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> Table:
+    """The Table of a state's entries, their rows turned into values by `finish`; recorded steps
+    none of which holds `name` are refused (they ran without the reducer's watches)."""
     entries = red.unroll(state)
     if entries and not any(e.paths for e in entries):
         raise ReducerError(
@@ -55,7 +56,7 @@ def table(state: tuple, reducer: str, name: str) -> Table:
             f"recorded steps and no {name!r} in any of their records. Run the steps with "
             "`watches=reducer.watches` and the optimizer (fh.fit does), or check that the optimizer stepped."
         )
-    return Table(entries)
+    return Table(entries, finish)
 
 
 def stacked(values: list[torch.Tensor]) -> torch.Tensor:
@@ -102,24 +103,29 @@ def index(paths: Sequence[str], idx: int | str, caller: str) -> int:
 
 
 class Table:
-    """Entries read to the host: per step, per path (module order), a list of floats."""
+    """Entries read to the host: per step, per path (module order), a list of floats, the
+    entries' rows (a reducer's sums) made values by `finish` (float64 rows to rows)."""
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, entries: Sequence[Entry], finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.entries = tuple(entries)
+        self.finish = finish
         self.paths = red.module_order(e.paths for e in self.entries)
         self.iterations = tuple(e.iteration for e in self.entries)
         self._rows: list[dict[str, list[float]]] | None = None
 
     def rows(self) -> list[dict[str, list[float]]]:
-        """Per step, ``{path: row as floats}`` (one copy to the host for all steps)."""
+        """Per step, ``{path: row as floats}`` (one pass of `finish` and one copy to the host for
+        all steps)."""
         if self._rows is None:
-            tensors = [e.rows.detach() for e in self.entries]
-            if tensors and all(t.shape == tensors[0].shape and t.device == tensors[0].device for t in tensors):
-                host = torch.stack(tensors).double().tolist()
-            else:
-                host = [t.double().tolist() for t in tensors]
-            self._rows = [dict(zip(e.paths, [r if isinstance(r, list) else [r] for r in rows]))
-                          for e, rows in zip(self.entries, host)]
+            rows = [e.rows.detach() for e in self.entries]
+            host = []
+            if rows:
+                device = rows[0].device
+                host = self.finish(torch.cat([r.to(device, torch.float64) for r in rows])).tolist()
+            self._rows, start = [], 0
+            for e, r in zip(self.entries, rows):
+                self._rows.append(dict(zip(e.paths, host[start:start + len(r)])))
+                start += len(r)
         return self._rows
 
     def column(self, idx: int | str, k: int, caller: str) -> list[float]:

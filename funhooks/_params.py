@@ -32,7 +32,7 @@ class Groups:
     sums; any other ``DTensor`` is gathered whole first.
     """
 
-    __slots__ = ("group", "layers", "members", "owner", "owners", "shards", "views")
+    __slots__ = ("group", "layers", "members", "owner", "owners", "shards", "views", "zeros")
 
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[int], layers: int) -> None:
         groups = [_torch.shard_group(t) for t in tensors]
@@ -49,6 +49,7 @@ class Groups:
         self.owners = [owners[i] for members in self.members for i in members]
         self.layers = layers
         self.owner: dict[torch.device, torch.Tensor] = {}
+        self.zeros: dict[tuple[torch.device, int], torch.Tensor] = {}
         order = [i for members in self.members for i in members]
         sharded = [k for k, i in enumerate(order) if self.views is not None and self.views[i] is _local]
         self.shards: list[int] | None = None if len(sharded) == len(order) else sharded
@@ -74,8 +75,11 @@ class Groups:
         index = self.owner.get(device)
         if index is None:
             index = self.owner[device] = torch.tensor(self.owners, dtype=torch.long, device=device)
-        return torch.zeros(self.layers, table.shape[1], dtype=torch.float64, device=device).index_add_(0, index, table)
-
+        zeros = self.zeros.get((device, table.shape[1]))
+        if zeros is None:
+            zeros = self.zeros[device, table.shape[1]] = torch.zeros(self.layers, table.shape[1], dtype=torch.float64,
+                                                                     device=device)
+        return zeros.index_add(0, index, table)
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t

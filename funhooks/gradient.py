@@ -9,8 +9,12 @@ deviation and the fraction of exact zeros of its gradients. A step the optimizer
 (a ``GradScaler`` that found an inf) has none; a layer without gradients on a step is absent
 from it.
 
+The step's Record holds, under ``"gradient_stats"``, each layer's sums ``(count, sum, sum of
+squares, zero count)`` in float64: they add across micro-steps and shards, and the statistics
+are derived from them when a result is read.
+
 Cost: per recorded step, the gradients are stacked by shape (one copy) and reduced with
-four kernels per shape (sum, norm, zero count) and about ten to combine by layer, on their
+four kernels per shape (sum, norm, zero count) and three to add them by layer, on their
 device, in float32 within a tensor and float64 across tensors; nothing is read to the host
 until a result is.
 """
@@ -38,7 +42,8 @@ COLUMNS = ("norm", "mean", "std", "zeros")
 
 @attrs.frozen
 class _GradientRows:
-    """The watch's function: ``{path: (norm, mean, std, zero fraction)}`` of each layer's grads."""
+    """The watch's function: ``{path: (count, sum, sum of squares, zeros)}`` of each layer's
+    gradients (what :func:`finish` turns into statistics when a result is read)."""
 
     def __call__(self, layers: Layers) -> dict[str, torch.Tensor]:
         plan = _params.plan(layers.cache, layers.params)
@@ -65,18 +70,24 @@ def _some_gradients(layers: Layers) -> dict[str, torch.Tensor]:
 
 
 def _rows(groups: _params.Groups, grads: list[torch.Tensor], paths: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
-    """Per layer: the norm, mean, std (unbiased) and share of zeros of its gradients, from
-    per-tensor count, sum, sum of squares and zero count (accumulated in float32 per tensor,
-    in float64 across tensors: the std is good to about ``1e-6 * (1 + mean**2 / std**2)``)."""
+    """Per layer, the sums its statistics come from: ``(count, sum, sum of squares, zeros)`` of
+    its gradients, in float64 (the sums accumulated in float32 within a tensor, float64 across
+    them; the zero counts exact below 2**24 elements per tensor)."""
     table = []
-    for x in groups.stacks(grads):
-        norm = torch.linalg.vector_norm(x, dim=1)
-        zeros = torch.eq(x, 0, out=torch.empty_like(x)).sum(1)
-        table.append(torch.stack((torch.full_like(norm, x.shape[1]), x.sum(1), norm.square(), zeros), 1))
-    n, total, squares, zeros = groups.by_layer(table).unbind(1)
+    for x in groups.stacks(grads):  # a copy: its 0/1 flags of zeros are written over it
+        total, squares = x.sum(1), torch.linalg.vector_norm(x, dim=1).square_()
+        zeros = x.eq_(0).sum(1)  # a float sum of 0/1: exact below 2**24
+        table.append(torch.stack((torch.full_like(zeros, x.shape[1], dtype=torch.float64), total, squares, zeros), 1))
+    return dict(zip(paths, groups.by_layer(table).unbind(0)))
+
+
+def finish(sums: torch.Tensor) -> torch.Tensor:
+    """``(norm, mean, std, zero fraction)`` rows from ``(count, sum, sum of squares, zeros)``
+    rows: the std (unbiased) is good to about ``1e-6 * (1 + mean**2 / std**2)``."""
+    n, total, squares, zeros = sums.unbind(1)
     mean = total / n
     std = ((squares - total * mean) / (n - 1)).clamp_min_(0).sqrt_()
-    return dict(zip(paths, torch.stack((squares.sqrt(), mean, std, zeros / n), 1).unbind(0)))
+    return torch.stack((squares.sqrt(), mean, std, zeros / n), 1)
 
 
 @attrs.frozen
@@ -149,7 +160,7 @@ class GradientStats:
             ReducerError: when steps were recorded and none holds gradient statistics (steps
                 run without the reducer's watches, e.g. by ``fh.train`` without ``watches=``).
         """
-        return GradientStatsResult(lay.table(state, "GradientStats", NAME))
+        return GradientStatsResult(lay.table(state, "GradientStats", NAME, finish))
 
 
 @attrs.frozen(eq=False)

@@ -9,9 +9,13 @@ Adam's scaling, weight decay, the learning rate of that step included). Around 1
 usual rule of thumb for a healthy learning rate; far below, the layer barely learns; far
 above, it is being rewritten every step.
 
+The step's Record holds, under ``"update_ratio"``, each layer's ``(‖update‖², ‖parameters
+before‖²)`` in float64 (sums that add across shards); the ratios are taken when a result is
+read.
+
 Cost: per recorded step, the selected parameters are copied once before the update (stacked
-by shape) and stacked again after it; four kernels per shape and a few to combine by layer,
-on their device. Memory: two copies of the selected parameters during the update.
+by shape) and stacked again after it; five kernels per shape and three to add them by
+layer, on their device. Memory: two copies of the selected parameters during the update.
 """
 
 from __future__ import annotations
@@ -39,26 +43,28 @@ HEALTHY_RATIO = 1e-3
 
 @attrs.frozen
 class _Before:
-    """The watch's first function: the parameters before the update, stacked by shape (a
-    copy), with each tensor's squared norm."""
+    """The watch's first function: the parameters before the update, stacked by shape (a copy)."""
 
-    def __call__(self, layers: Layers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def __call__(self, layers: Layers) -> list[torch.Tensor]:
         plan = _params.plan(layers.cache, layers.params)
-        before = plan.groups.stacks(plan.flat)
-        return before, [torch.linalg.vector_norm(b, dim=1).square() for b in before]
+        return plan.groups.stacks(plan.flat)
 
 
 @attrs.frozen
 class _After:
-    """The watch's second function: ``{path: ratio}`` from the copy and the parameters now."""
+    """The watch's second function: ``{path: (‖update‖², ‖parameters before‖²)}`` from the copy
+    and the parameters now (what :func:`finish` turns into ratios when a result is read)."""
 
-    def __call__(self, layers: Layers, carry: tuple[list[torch.Tensor], list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def __call__(self, layers: Layers, before: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = _params.plan(layers.cache, layers.params)
-        before, sizes = carry
-        table = [torch.stack((torch.linalg.vector_norm(a.sub_(b), dim=1).square(), s), 1)
-                 for a, b, s in zip(plan.groups.stacks(plan.flat), before, sizes)]
-        moved, size = plan.groups.by_layer(table).unbind(1)
-        return dict(zip(layers.paths, (moved / size).sqrt_().unsqueeze(1).unbind(0)))
+        table = [torch.stack((torch.linalg.vector_norm(a.sub_(b), dim=1), torch.linalg.vector_norm(b, dim=1)), 1)
+                 for a, b in zip(plan.groups.stacks(plan.flat), before)]
+        return dict(zip(layers.paths, plan.groups.by_layer([t.square_() for t in table]).unbind(0)))
+
+
+def finish(sums: torch.Tensor) -> torch.Tensor:
+    """Ratios ``‖update‖ / ‖parameters‖`` from rows of ``(‖update‖², ‖parameters‖²)``."""
+    return sums[:, :1].div(sums[:, 1:]).sqrt_()
 
 
 @attrs.frozen
@@ -115,7 +121,7 @@ class UpdateRatio:
 
     def step(self, state: tuple, step: Step) -> tuple:
         """Add the step's ratios (on the device, not read) when it is recorded."""
-        return lay.add_step(state, step, self.every, NAME, 1)
+        return lay.add_step(state, step, self.every, NAME, 2)
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Chunks of steps in iteration order; of one iteration (two ranks), the first's ratios."""
@@ -128,7 +134,7 @@ class UpdateRatio:
             ReducerError: when steps were recorded and none holds ratios (steps run without
                 the reducer's watches).
         """
-        return UpdateRatioResult(lay.table(state, "UpdateRatio", NAME))
+        return UpdateRatioResult(lay.table(state, "UpdateRatio", NAME, finish))
 
 
 @attrs.frozen(eq=False)

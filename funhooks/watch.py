@@ -23,6 +23,7 @@ cost; nothing when no reducer has watches.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -126,8 +127,7 @@ def optimizers(opt: Any, caller: str) -> tuple[torch.optim.Optimizer, ...]:
 class Watching:
     """Optimizer watches attached for one step at a time; what they stored, by path."""
 
-    __slots__ = ("caller", "carries", "current", "data", "handles", "layers", "manual", "opts", "owner", "resolved",
-                 "watches")
+    __slots__ = ("caller", "carries", "current", "data", "handles", "manual", "opts", "owner", "resolved", "watches")
 
     def __init__(self, model: nn.Module, watches: tuple[OptimizerWatch, ...], opts: tuple[torch.optim.Optimizer, ...],
                  caller: str, *, manual_before: bool = False) -> None:
@@ -137,14 +137,9 @@ class Watching:
         (Lightning, whose optimizer runs the training step after its pre-hooks).
         """
         self.caller, self.watches, self.opts, self.manual = caller, watches, opts, manual_before
-        self.resolved = []
+        self.resolved = _Resolved.get(model, tuple(dict.fromkeys(w.where for w in watches)), caller, watches)
         for watch in watches:
-            found = resolve(watch.where, model, caller=caller, spec=watch)
-            layers = [(p, tuple(q for q in m.parameters(recurse=False) if q.requires_grad)) for p, m in found]
-            self.resolved.append([(p, ps) for p, ps in layers if ps])
-        self.layers: dict[int, tuple[Any, list[Layers | None]]] = {}
-        for i, watch in enumerate(watches):
-            if opts and all(self._layers(opt)[i] is None for opt in opts):
+            if opts and all(self.resolved.layers(opt, watch.where) is None for opt in opts):
                 raise LoopError(
                     f"{caller}: an optimizer watch reads the layers whose parameters the optimizer updates, got "
                     f"optimizers holding none of those of {watch!r}. Pass the optimizer of this model's parameters."
@@ -156,19 +151,8 @@ class Watching:
         self.owner = 0
 
     def _layers(self, opt: torch.optim.Optimizer) -> list[Layers | None]:
-        """Per watch, its layers for `opt` (None: none of them); rebuilt when `opt`'s groups change."""
-        groups = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
-        known = self.layers.get(id(opt))
-        if known is not None and known[0] == groups:
-            return known[1]
-        ids = {id(q) for g in opt.param_groups for q in g["params"]}
-        per_watch: list[Layers | None] = []
-        for layers in self.resolved:
-            kept = [(p, tuple(q for q in ps if id(q) in ids)) for p, ps in layers]
-            kept = [(p, ps) for p, ps in kept if ps]
-            per_watch.append(Layers(opt, tuple(p for p, _ in kept), tuple(ps for _, ps in kept)) if kept else None)
-        self.layers[id(opt)] = (groups, per_watch)
-        return per_watch
+        """Per watch, its layers for `opt` (None: none of them)."""
+        return [self.resolved.layers(opt, watch.where) for watch in self.watches]
 
     def attach(self) -> None:
         """Register the hooks on every optimizer, for the calling thread."""
@@ -232,3 +216,80 @@ class Watching:
         """What the watches stored since the last take, by path then name; starts afresh."""
         data, self.data = self.data, {}
         return data
+
+
+class _Resolved:
+    """The layers of a model's watch selectors, kept between runs while the model's structure
+    (its modules, their names, their own parameters and which of those require grad) is what
+    it was, and per optimizer their :class:`Layers` (kept while its param groups are), so that
+    the watch functions' caches (stacking plans) last from run to run."""
+
+    __slots__ = ("by_opt", "found", "held", "shape")
+
+    _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Selector, ...], _Resolved]] = weakref.WeakKeyDictionary()
+    _PER_MODEL = 8
+    _LOCK = threading.Lock()
+
+    def __init__(self, found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]], shape: list[Any],
+                 held: list[Any]) -> None:
+        self.found, self.shape, self.held = found, shape, held
+        self.by_opt: dict[tuple[int, Selector], tuple[weakref.ref, tuple, Layers | None]] = {}
+
+    @classmethod
+    def get(cls, model: nn.Module, wheres: tuple[Selector, ...], caller: str,
+            watches: tuple[OptimizerWatch, ...]) -> _Resolved:
+        """The layers of `wheres` on `model`: cached, or resolved now (a selector that matches
+        nothing raises, naming its watch)."""
+        shape, held = _shape(model)
+        with cls._LOCK:
+            known = cls._CACHE.get(model, {}).get(wheres)
+        if known is not None and known.shape == shape:
+            return known
+        found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]] = {}
+        for where in wheres:
+            watch = next(w for w in watches if w.where == where)
+            pairs = resolve(where, model, caller=caller, spec=watch)
+            layers = [(p, tuple(q for q in m.parameters(recurse=False) if q.requires_grad)) for p, m in pairs]
+            found[where] = [(p, ps) for p, ps in layers if ps]
+        made = cls(found, shape, held)
+        with cls._LOCK:
+            cache = cls._CACHE.setdefault(model, {})
+            if len(cache) >= cls._PER_MODEL and wheres not in cache:
+                cache.pop(next(iter(cache)))
+            cache[wheres] = made
+        return made
+
+    def layers(self, opt: torch.optim.Optimizer, where: Selector) -> Layers | None:
+        """The layers of `where` whose parameters `opt` updates (None: none); rebuilt when
+        `opt`'s param groups change."""
+        groups = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        known = self.by_opt.get((id(opt), where))
+        if known is not None and known[0]() is opt and known[1] == groups:
+            return known[2]
+        ids = {id(q) for g in opt.param_groups for q in g["params"]}
+        kept = [(p, tuple(q for q in ps if id(q) in ids)) for p, ps in self.found[where]]
+        kept = [(p, ps) for p, ps in kept if ps]
+        layers = Layers(opt, tuple(p for p, _ in kept), tuple(ps for _, ps in kept)) if kept else None
+        self.by_opt[id(opt), where] = (weakref.ref(opt), groups, layers)
+        return layers
+
+
+def _shape(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """What the watches' layers depend on: every module (a plain walk, as a weak reference:
+    two compare equal while they name one live module), its children's names, its own
+    parameters (by id) and their ``requires_grad``; and the parameters, which the cache holds
+    so that no id is reused while it is compared."""
+    out: list[Any] = []
+    held: list[Any] = []
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        out.append(weakref.ref(module))
+        for name, child in module._modules.items():
+            out.append(name)
+            if child is not None:
+                stack.append(child)
+        for name, param in module._parameters.items():
+            held.append(param)
+            out += (name, id(param), param is not None and param.requires_grad)
+    return out, held

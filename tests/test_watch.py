@@ -153,3 +153,45 @@ def test_equal_watches_of_two_reducers_run_once() -> None:
     res = fh.fit(model, _batches(3), MSE, torch.optim.SGD(model.parameters(), lr=0.1), [a, b])
     assert len(res[0]) == 3 and len(res[1]) == 2
     assert res[0].stats[2] == res[1].stats[1]
+
+
+def _grad_paths(layers: fh.watch.Layers) -> dict[str, torch.Tensor]:
+    return {p: torch.stack([q.grad.norm() for q in ps]) for p, ps in zip(layers.paths, layers.params)}
+
+
+def test_layers_follow_the_model_between_runs() -> None:
+    """Watched layers are kept from run to run, and follow every edit of the model in
+    between: a frozen layer, a replaced layer, an added one, a parameter given back."""
+    model = _model()
+    watch = fh.OptimizerWatch(nn.Linear, _grad_paths, name="g")
+
+    def run() -> fh.Step:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # frozen ones too: the watch skips them
+        return list(fh.train(model, _batches(1), MSE, opt, watches=watch))[-1]
+
+    assert list(run().record) == ["0", "2"]
+    model[0].weight.requires_grad_(False)
+    assert run().record["0"]["g"].shape == (1,)  # the bias alone
+    model[0].bias.requires_grad_(False)
+    assert list(run().record) == ["2"]
+    model[2] = nn.Linear(4, 2)
+    step = run()
+    assert torch.equal(step.record["2"]["g"], torch.stack([model[2].weight.grad.norm(), model[2].bias.grad.norm()]))
+    model.append(nn.Linear(2, 2))
+    assert list(run().record) == ["2", "3"]
+    model[3].bias = None
+    assert run().record["3"]["g"].shape == (1,)
+
+
+def test_watched_models_are_freed() -> None:
+    """What the watches keep between runs does not keep the model alive."""
+    import gc
+    import weakref
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fh.fit(model, _batches(2), MSE, opt, [fh.GradientStats(), fh.UpdateRatio()])
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None
