@@ -20,7 +20,6 @@ from typing import Any
 
 from torch import nn
 
-from . import _torch
 from .errors import SpecError
 from .record import Record
 from .run import Run
@@ -34,7 +33,7 @@ __all__ = ["Recorder"]
 class Recorder:
     """What one step's specs and watches stored, one step (or one stretch) at a time."""
 
-    __slots__ = ("caller", "index", "model", "paused", "run", "specs", "watching")
+    __slots__ = ("caller", "model", "paused", "run", "specs", "watching")
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec],
                  watches: OptimizerWatch | Iterable[OptimizerWatch], opts: Any, caller: str, *,
@@ -56,7 +55,6 @@ class Recorder:
                 raise SpecError(f"{caller}: a watch and a spec store under one name, got {clash.name!r} for both. "
                                 "Give the OptimizerWatch another `name=`.")
             self.watching = Watching(model, watches, optimizers(opts, caller), caller, manual_before=manual_before)
-        self.index: dict[str, tuple[int, int]] | None = None
         self.run: Run | None = None
         self.paused: contextlib.ExitStack | None = None
 
@@ -148,7 +146,8 @@ class Recorder:
 
     def _merged(self, record: Record, data: dict[str, dict[str, list[Any]]]) -> Record:
         """`record` with the watches' values added, paths in module order."""
-        if not data:
+        watching = self.watching
+        if not data or watching is None:
             return record
         merged: dict[str, dict[str, tuple[Any, ...]]] = {p: dict(names) for p, names in record._data.items()}
         for path, names in data.items():
@@ -157,16 +156,8 @@ class Recorder:
                 merged[path] = {name: tuple(values) for name, values in names.items()}
             else:
                 node.update((name, tuple(values)) for name, values in names.items())
-        keys = [self._key(p) for p in merged]
+        keys = [watching.key(p) for p in merged]
         if any(a > b for a, b in zip(keys, keys[1:])):
             merged = {p: merged[p] for _, p in sorted(zip(keys, merged))}
         return Record._with_notes(merged, record._notes)
 
-    def _key(self, path: str) -> tuple[int, int]:
-        """Where `path` comes in module order (a parameter's path: just after its module's)."""
-        if self.index is None:
-            self.index = {p: (i, 0) for i, (p, _) in enumerate(_torch.named_modules(self.model))}
-        key = self.index.get(path)
-        if key is None:
-            key = self.index[path] = (self.index.get(path.rpartition(".")[0], (len(self.index), 0))[0], 1)
-        return key

@@ -31,6 +31,7 @@ import attrs
 import torch
 from torch import nn
 
+from . import _torch
 from .errors import HookError, LoopError, SpecError
 from .selector import Selector, resolve, select
 
@@ -212,6 +213,14 @@ class Watching:
                 "Fix the function; the optimizer's hooks were removed."
             ) from err
 
+    def key(self, path: str) -> tuple[int, int]:
+        """Where `path` comes in the model's module order (a parameter's path: just after its module's)."""
+        order = self.resolved.order
+        key = order.get(path)
+        if key is None:
+            key = order[path] = (order.get(path.rpartition(".")[0], (len(order), 0))[0], 1)
+        return key
+
     def take(self) -> dict[str, dict[str, list[Any]]]:
         """What the watches stored since the last take, by path then name; starts afresh."""
         data, self.data = self.data, {}
@@ -224,7 +233,7 @@ class _Resolved:
     it was, and per optimizer their :class:`Layers` (kept while its param groups are), so that
     the watch functions' caches (stacking plans) last from run to run."""
 
-    __slots__ = ("by_opt", "found", "held", "shape")
+    __slots__ = ("by_opt", "found", "held", "order", "shape")
 
     _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Selector, ...], _Resolved]] = weakref.WeakKeyDictionary()
     _PER_MODEL = 8
@@ -233,6 +242,7 @@ class _Resolved:
     def __init__(self, found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]], shape: list[Any],
                  held: list[Any]) -> None:
         self.found, self.shape, self.held = found, shape, held
+        self.order: dict[str, tuple[int, int]] = {}
         self.by_opt: dict[tuple[int, Selector], tuple[weakref.ref, tuple, Layers | None]] = {}
 
     @classmethod
@@ -252,6 +262,7 @@ class _Resolved:
             layers = [(p, tuple(q for q in m.parameters(recurse=False) if q.requires_grad)) for p, m in pairs]
             found[where] = [(p, ps) for p, ps in layers if ps]
         made = cls(found, shape, held)
+        made.order = {p: (i, 0) for i, (p, _) in enumerate(_torch.named_modules(model))}
         with cls._LOCK:
             cache = cls._CACHE.setdefault(model, {})
             if len(cache) >= cls._PER_MODEL and wheres not in cache:
