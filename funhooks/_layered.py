@@ -22,9 +22,10 @@ import torch
 
 from . import _reducing as red
 from .errors import ReducerError
+from .spec import Spec
 from .step import Step
 
-__all__ = ["Entry", "Table", "TableResult", "add_step", "index", "merge", "table"]
+__all__ = ["Entry", "Reducer", "Table", "TableResult", "add_step", "index", "merge", "table"]
 
 
 class Entry(NamedTuple):
@@ -100,6 +101,39 @@ def index(paths: Sequence[str], idx: int | str, caller: str) -> int:
         f"{caller}: `idx` is a module index in range(-{len(paths)}, {len(paths)}) or a module path, got {idx!r}; "
         f"there are {len(paths)} modules: {list(paths)}. Pick one of those."
     )
+
+
+class Reducer:
+    """What the per-layer reducers over optimizer watches share: no specs, the ``every`` rule,
+    cons-list states of one :class:`Entry` per recorded step (the rows their watch stored
+    under ``NAME``, ``WIDTH`` values per layer), merged by iteration keeping the first rank's."""
+
+    __slots__ = ()
+    NAME: str
+    WIDTH: int
+    every: int | None
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """None: what they read is read at the optimizer step (see ``watches``)."""
+        return ()
+
+    def records(self, iteration: int, training: bool) -> bool:
+        """True for the train iterations recorded."""
+        return red.records(self.every, iteration, training)
+
+    def init(self) -> tuple:
+        """The empty state."""
+        return ()
+
+    def step(self, state: tuple, step: Step) -> tuple:
+        """Add the step's rows (on the device, not read) when it is recorded."""
+        return add_step(state, step, self.every, self.NAME, self.WIDTH)
+
+    def merge(self, a: tuple, b: tuple) -> tuple:
+        """Chunks of steps in iteration order; of one iteration (two ranks, replicated
+        parameters), the first's rows."""
+        return merge(a, b, keep_first)
 
 
 class Table:

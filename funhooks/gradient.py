@@ -30,8 +30,6 @@ from . import _layered as lay
 from . import _params
 from . import _reducing as red
 from .selector import Selector
-from .spec import Spec
-from .step import Step
 from .watch import Layers, OptimizerWatch
 
 __all__ = ["GradientStats", "GradientStatsResult"]
@@ -91,7 +89,7 @@ def finish(sums: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.frozen
-class GradientStats:
+class GradientStats(lay.Reducer):
     """Per-layer gradient statistics at every recorded optimizer step: norm, mean, std, zeros.
 
     Args:
@@ -125,33 +123,14 @@ class GradientStats:
 
     modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
     every: int | None = attrs.field(default=None, validator=red.check_every("GradientStats"))
-
-    @property
-    def specs(self) -> tuple[Spec, ...]:
-        """None: gradients are read at the optimizer step (see ``watches``)."""
-        return ()
+    NAME = NAME
+    WIDTH = len(COLUMNS)
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
         """One watch reading the selected layers' gradients just before each update."""
         where = red.OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _GradientRows(), name=NAME),)
-
-    def records(self, iteration: int, training: bool) -> bool:
-        """True for the train iterations these statistics record."""
-        return red.records(self.every, iteration, training)
-
-    def init(self) -> tuple:
-        """The empty state."""
-        return ()
-
-    def step(self, state: tuple, step: Step) -> tuple:
-        """Add the step's rows (on the device, not read) when it is recorded."""
-        return lay.add_step(state, step, self.every, NAME, len(COLUMNS))
-
-    def merge(self, a: tuple, b: tuple) -> tuple:
-        """Chunks of steps in iteration order; of one iteration (two ranks), the first's rows."""
-        return lay.merge(a, b, lay.keep_first)
 
     def result(self, state: tuple) -> GradientStatsResult:
         """The statistics of every recorded step.

@@ -30,8 +30,6 @@ from . import _layered as lay
 from . import _params
 from . import _reducing as red
 from .selector import Selector
-from .spec import Spec
-from .step import Step
 from .watch import Layers, OptimizerWatch
 
 __all__ = ["HEALTHY_RATIO", "UpdateRatio", "UpdateRatioResult"]
@@ -68,7 +66,7 @@ def finish(sums: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.frozen
-class UpdateRatio:
+class UpdateRatio(lay.Reducer):
     """Per-layer ``‖update‖ / ‖parameters‖`` at every recorded optimizer step.
 
     Args:
@@ -99,33 +97,14 @@ class UpdateRatio:
 
     modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
     every: int | None = attrs.field(default=None, validator=red.check_every("UpdateRatio"))
-
-    @property
-    def specs(self) -> tuple[Spec, ...]:
-        """None: parameters are read around the optimizer step (see ``watches``)."""
-        return ()
+    NAME = NAME
+    WIDTH = 2
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
         """One watch copying the selected parameters before each update, comparing after it."""
         where = red.OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _Before(), _After(), name=NAME),)
-
-    def records(self, iteration: int, training: bool) -> bool:
-        """True for the train iterations recorded."""
-        return red.records(self.every, iteration, training)
-
-    def init(self) -> tuple:
-        """The empty state."""
-        return ()
-
-    def step(self, state: tuple, step: Step) -> tuple:
-        """Add the step's ratios (on the device, not read) when it is recorded."""
-        return lay.add_step(state, step, self.every, NAME, 2)
-
-    def merge(self, a: tuple, b: tuple) -> tuple:
-        """Chunks of steps in iteration order; of one iteration (two ranks), the first's ratios."""
-        return lay.merge(a, b, lay.keep_first)
 
     def result(self, state: tuple) -> UpdateRatioResult:
         """The ratios of every recorded step.
