@@ -15,13 +15,13 @@ backward events are not available (refused when the plan is made).
 
 Dynamo guards everything a trace reads, and checks those guards on every call of the compiled
 code, so what a trace reads is kept to plain data: modules are reached from the model by
-their routes (as the model's own forward reaches them, so each is guarded once), and a module
-whose specs only store copies of its inputs or outputs (the common case) is a few strings and
-one shared copy function per store, not a table of closures.
+their routes (as the model's own forward reaches them, so each is guarded once), and the
+modules whose specs only store copies of their inputs or outputs (the common case) are one
+str for the whole plan, not tables of closures.
 
 Cost: per run on a compiled model, one compiled call; the first run of a plan compiles its
 recorder (as long as compiling the model took). Per call of compiled code, dynamo's guards:
-about 10 per store of a copy, more per module with other specs (observers, editors).
+one for all the stores of copies, a few dozen per module with other specs (observers, editors).
 """
 
 from __future__ import annotations
@@ -37,25 +37,24 @@ from .. import _torch
 from ..spec import Spec
 from .forward import call
 from .frame import Frame
-from .values import copied_inputs, copied_output, copier
+from .values import COPIES, copied_inputs, copied_output, copier
 
 __all__ = ["Compiled", "Traced", "compiled_call", "layout", "record", "stores_of"]
 
 _MISSING = object()
 
-Store = tuple[str, str, str, str, bool, Callable[[Any], Any], int]
-"""One store of a copy: the module's route (its ``_modules`` keys joined by dots), the
-attribute its forward is wrapped under, its path, the record name, whether it stores the
-inputs (else the output), the copy function, and the index of the frame it stores into."""
 Group = tuple[str, str, tuple[tuple[int, Any], ...]]
-"""A module with other entries: its route, the attribute, and ``(frame index, hooked)`` pairs."""
-Traced = tuple[tuple[Store, ...], tuple[Group, ...]]
-"""What a trace reads to record: the stores of copies, and the modules with other entries."""
+"""A module with other entries: its route (its ``_modules`` keys from the root, joined by
+dots), the attribute its forward is wrapped under, and ``(frame index, hooked)`` pairs."""
+Traced = tuple[str, tuple[Group, ...]]
+"""What a trace reads to record: the stores of copies as one str (see :func:`layout`), and the
+modules with other entries."""
+_FIELD, _ROW = "\x1f", "\x1e"  # ASCII's unit and record separators
 
 
-def stores_of(entries: Iterable[tuple[Spec, tuple[str, str], int]]) -> tuple[tuple[str, bool, Any], ...] | None:
-    """A module's copy-storing entries as ``(name, stores the inputs, copy)``, when every one
-    of them stores a copy of the inputs or the output; else None."""
+def stores_of(entries: Iterable[tuple[Spec, tuple[str, str], int]]) -> tuple[tuple[str, bool, int], ...] | None:
+    """A module's entries as ``(name, stores the inputs, copy)`` (`copy` an index in
+    ``values.COPIES``), when every one of them stores a copy of the inputs or the output; else None."""
     stores = []
     for spec, key, _ in entries:
         copy = copier(spec)
@@ -67,15 +66,23 @@ def stores_of(entries: Iterable[tuple[Spec, tuple[str, str], int]]) -> tuple[tup
 
 def layout(modules: Iterable[tuple[str, str, str, list[tuple[int, Any, Any]]]]) -> Traced:
     """What a trace reads, from ``(route, attr, path, [(frame index, hooked, stores_of(...))])``
-    per module: a module is plain stores only when every frame's entries on it are."""
-    stores: list[Store] = []
+    per module: a module is plain stores only when every frame's entries on it are.
+
+    The stores are one str, a row per store (route, attr, path, name, ``i``/``o`` for the
+    inputs or the output, copy, frame index): dynamo guards a str with one comparison, where a
+    tuple costs a guard per element, checked on every call. A module whose strings hold a
+    separator (never in practice) is recorded through its table instead."""
+    rows: list[str] = []
     groups: list[Group] = []
     for route, attr, path, users in modules:
-        if all(lean is not None for _, _, lean in users):
-            stores += [(route, attr, path, name, pre, copy, i) for i, _, lean in users for name, pre, copy in lean]
+        plain = all(lean is not None for _, _, lean in users)
+        fields = [route, attr, path, *(name for _, _, lean in users for name, _, _ in lean or ())]
+        if plain and not any(_FIELD in f or _ROW in f for f in fields):
+            rows += [_FIELD.join((route, attr, path, name, "i" if pre else "o", str(copy), str(i)))
+                     for i, _, lean in users for name, pre, copy in lean]
         else:
             groups.append((route, attr, tuple([(i, hooked) for i, hooked, _ in users])))
-    return tuple(stores), tuple(groups)
+    return _ROW.join(rows), tuple(groups)
 
 
 def _at(root: nn.Module, route: str) -> nn.Module:
@@ -112,11 +119,12 @@ def record(fn: Callable[..., Any], root: nn.Module, traced: Traced, frames: list
     into `frames`; traceable."""
     stores, groups = traced
     lean: dict[str, tuple[str, list, list]] = {}
-    for route, attr, path, name, pre, copy, i in stores:
+    for row in stores.split(_ROW) if stores else ():
+        route, attr, path, name, pre, copy, i = row.split(_FIELD)
         found = lean.get(route)
         if found is None:
             found = lean[route] = (attr, [], [])
-        found[1 if pre else 2].append((frames[i].buffer, (path, name), copy))
+        (found[1] if pre == "i" else found[2]).append((frames[int(i)].buffer, (path, name), COPIES[int(copy)]))
     saved = []
     for route, (attr, before, after) in lean.items():
         module = _at(root, route)
