@@ -124,8 +124,7 @@ class _Recorder:
     def _traced(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
                 values: dict[str, Any] | None) -> tuple[Any, Record]:
         frame = Frame(self.plan, self.caller, 0, values)
-        groups = [(ref(), attr, ((0, hooked),)) for ref, attr, hooked in self.plan.traced()]
-        out = trace.record(fn, groups, [frame], args, kwargs)
+        out = trace.record(fn, self.inner, self.plan.traced(), [frame], args, kwargs)
         frame.buffer = [(key, value, None) for key, value, _ in frame.buffer]  # copies: nothing to check
         record = frame.record()
         if _torch.is_functorch_active():
@@ -193,13 +192,11 @@ def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tup
     """
     recorder = _prepare(model, specs, "capture")
 
-    # a model compiled before this function existed: its wrapper is looked through and the
-    # model runs eagerly (compile the capture function itself for speed)
-    target = recorder.inner
-
     def captured(*args: Any, **kwargs: Any) -> tuple[Any, Record]:
         kwargs, values = recorder.split(kwargs)
-        return recorder(target, args, kwargs, values)
+        # a model compiled before this function existed: its wrapper is looked through and
+        # the model runs eagerly (compile the capture function itself for speed)
+        return recorder(recorder.inner, args, kwargs, values)
 
     return captured
 

@@ -47,6 +47,9 @@ __all__ = ["Plan", "as_copy", "never_called"]
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Spec, ...], Plan]] = weakref.WeakKeyDictionary()
 _PLANS_PER_MODEL = 32
 _LOCK = threading.Lock()
+Route = tuple[tuple[str, ...], int]
+"""How traced code reaches a module: the ``_modules`` keys from the model (wrappers' own
+included), and where in them the inner model of its ``torch.compile`` wrapper starts."""
 _REACH_LIMIT = 100_000
 """How many objects :func:`_reaches` visits before it gives up (and the plan is not cached)."""
 
@@ -56,17 +59,17 @@ def never_called(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
-def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any]], list, list]:
-    """``(path, module, compile wrapper)`` in ``named_modules()`` order, wrappers looked
+def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any, Route]], list, list]:
+    """``(path, module, compile wrapper, route)`` in ``named_modules()`` order, wrappers looked
     through and a shared module once; with the children of every module seen, to tell later
     whether the structure changed."""
     seen: set[int] = set()
-    found: list[tuple[str, nn.Module, Any]] = []
+    found: list[tuple[str, nn.Module, Any, Route]] = []
     full: list[tuple[dict, tuple]] = []
     empty: list[dict] = []
-    stack: list[tuple[str, nn.Module, Any]] = [("", model, None)]
+    stack: list[tuple[str, nn.Module, Any, Route]] = [("", model, None, ((), 0))]
     while stack:
-        path, module, owner = stack.pop()
+        path, module, owner, (route, start) = stack.pop()
         while (attr := _torch.wrapper_attr(module)) is not None:
             if isinstance(module, nn.DataParallel) and len(module.device_ids or ()) > 1:
                 raise TransformError(
@@ -74,18 +77,20 @@ def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any
                     f"devices {module.device_ids} at {where(path)}. Use DistributedDataParallel, or DataParallel "
                     "on one device."
                 )
+            route = (*route, attr)
             if owner is None and _torch.is_compile_wrapper(module):
-                owner = module
+                owner, start = module, len(route)
             full.append((module._modules, tuple(module._modules.items())))
             module = getattr(module, attr)
         if id(module) in seen:
             continue
         seen.add(id(module))
-        found.append((path, module, owner))
+        found.append((path, module, owner, (route, start)))
         children = module._modules
         if children:
             full.append((children, tuple(children.items())))
-            stack.extend(reversed([(f"{path}.{n}" if path else n, c, owner) for n, c in children.items() if c is not None]))
+            stack.extend(reversed([(f"{path}.{n}" if path else n, c, owner, ((*route, n), start))
+                                   for n, c in children.items() if c is not None]))
         else:
             empty.append(children)
     return found, full, empty
@@ -180,8 +185,9 @@ class Plan:
 
     def __init__(self, model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
         walk, self._full, self._empty = _walk(model, caller)
-        modules = [(p, m) for p, m, _ in walk]
-        owner = {id(m): w for _, m, w in walk}
+        modules = [(p, m) for p, m, _, _ in walk]
+        owner = {id(m): w for _, m, w, _ in walk}
+        self._routes = {id(m): r for _, m, _, r in walk}
         rank = {id(m): i for i, (_, m) in enumerate(modules)}
         hooked: dict[int, tuple[str, weakref.ref, list[tuple[Spec, tuple[str, str], int]]]] = {}
         self.params: list[tuple[Spec, tuple[str, str], weakref.ref]] = []
@@ -235,7 +241,7 @@ class Plan:
         self.paths = sorted(self.order, key=self.order.__getitem__)  # every path, in module order
         self._hooked = hooked
         self.items: list[tuple[weakref.ref, forward.Forward, Hooked]] = []
-        inside: dict[int, tuple[nn.Module, list[tuple[weakref.ref, str, Hooked]]]] = {}
+        inside: dict[int, tuple[nn.Module, list[tuple[weakref.ref, str, str, Hooked, Any]]]] = {}
         for mid, (path, ref, entries) in hooked.items():
             target: Any = ref()
             attr = forward.attribute(type(target))
@@ -243,11 +249,14 @@ class Plan:
             if wrapper is None:
                 self.items.append((ref, forward.Forward(target, attr), Hooked(path, entries, watch=self._watch(mid))))
             else:  # recorded by the wrapper's compiled recorder, storing copies
-                inside.setdefault(id(wrapper), (wrapper, []))[1].append((ref, attr, Hooked(path, _copies(entries), copies=True)))
+                keys, start = self._routes[mid]
+                copies = _copies(entries)
+                item = (ref, ".".join(keys[start:]), attr, Hooked(path, copies, copies=True), trace.stores_of(copies))
+                inside.setdefault(id(wrapper), (wrapper, []))[1].append(item)
         self.wrappers = [(weakref.ref(w), forward.Forward(w, "forward", trace.compiled_call), trace.Compiled(group, caller))
                          for w, group in inside.values()]
         self._copy_items: list | None = None
-        self._traced: list | None = None
+        self._traced: trace.Traced | None = None
 
     def _select(self, spec: Spec, model: nn.Module, modules: list, caller: str) -> list[tuple[str, nn.Module]]:
         found = resolve(spec.where, model, caller=caller, spec=spec, modules=modules)
@@ -311,11 +320,16 @@ class Plan:
             self._copy_items = items
         return self._copy_items
 
-    def traced(self) -> list[tuple[weakref.ref, str, Hooked]]:
-        """Every hooked module with copy-storing entries, for recording inside a trace."""
+    def traced(self) -> trace.Traced:
+        """What a trace reads to record every hooked module, storing copies (``trace``)."""
         if self._traced is None:
-            self._traced = [(ref, forward.attribute(type(ref())), Hooked(p, _copies(e), copies=True))
-                            for p, ref, e in self._hooked.values() if ref() is not None]
+            modules = []
+            for mid, (path, ref, entries) in self._hooked.items():
+                if (module := ref()) is not None:
+                    copies = _copies(entries)
+                    users = [(0, Hooked(path, copies, copies=True), trace.stores_of(copies))]
+                    modules.append((".".join(self._routes[mid][0]), forward.attribute(type(module)), path, users))
+            self._traced = trace.layout(modules)
         return self._traced
 
     def current(self) -> bool:

@@ -13,46 +13,127 @@ runs. Two places use it:
 Inside compiled graphs stored values are copies (graphs keep no version counters), and
 backward events are not available (refused when the plan is made).
 
+Dynamo guards everything a trace reads, and checks those guards on every call of the compiled
+code, so what a trace reads is kept to plain data: modules are reached from the model by
+their routes (as the model's own forward reaches them, so each is guarded once), and the
+modules whose specs only store copies of their inputs or outputs (the common case) are one
+str for the whole plan, not tables of closures.
+
 Cost: per run on a compiled model, one compiled call; the first run of a plan compiles its
-recorder (as long as compiling the model took).
+recorder (as long as compiling the model took). Per call of compiled code, dynamo's guards:
+one for all the stores of copies, a few dozen per module with other specs (observers, editors).
 """
 
 from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
 
 from .. import _torch
-from .forward import Users, call
+from ..spec import Spec
+from .forward import call
 from .frame import Frame
+from .values import COPIES, copied_inputs, copied_output, copier
 
-__all__ = ["Compiled", "compiled_call", "record"]
+__all__ = ["Compiled", "Traced", "compiled_call", "layout", "record", "stores_of"]
 
 _MISSING = object()
 
-Group = tuple[Any, str, tuple[tuple[int, Any], ...]]
-"""A module, the attribute its forward is wrapped under, and ``(frame index, hooked)`` pairs."""
+Group = tuple[str, str, tuple[tuple[int, Any], ...]]
+"""A module with other entries: its route (its ``_modules`` keys from the root, joined by
+dots), the attribute its forward is wrapped under, and ``(frame index, hooked)`` pairs."""
+Traced = tuple[str, tuple[Group, ...]]
+"""What a trace reads to record: the stores of copies as one str (see :func:`layout`), and the
+modules with other entries."""
+_FIELD, _ROW = "\x1f", "\x1e"  # ASCII's unit and record separators
 
 
-def _wrapped(module: nn.Module, inner: Callable[..., Any], users: Users) -> Callable[..., Any]:
+def stores_of(entries: Iterable[tuple[Spec, tuple[str, str], int]]) -> tuple[tuple[str, bool, int], ...] | None:
+    """A module's entries as ``(name, stores the inputs, copy)`` (`copy` an index in
+    ``values.COPIES``), when every one of them stores a copy of the inputs or the output; else None."""
+    stores = []
+    for spec, key, _ in entries:
+        copy = copier(spec)
+        if copy is None:
+            return None
+        stores.append((key[1], spec.role == "input", copy))
+    return tuple(stores)
+
+
+def layout(modules: Iterable[tuple[str, str, str, list[tuple[int, Any, Any]]]]) -> Traced:
+    """What a trace reads, from ``(route, attr, path, [(frame index, hooked, stores_of(...))])``
+    per module: a module is plain stores only when every frame's entries on it are.
+
+    The stores are one str, a row per store (route, attr, path, name, ``i``/``o`` for the
+    inputs or the output, copy, frame index): dynamo guards a str with one comparison, where a
+    tuple costs a guard per element, checked on every call. A module whose strings hold a
+    separator (never in practice) is recorded through its table instead."""
+    rows: list[str] = []
+    groups: list[Group] = []
+    for route, attr, path, users in modules:
+        plain = all(lean is not None for _, _, lean in users)
+        fields = [route, attr, path, *(name for _, _, lean in users for name, _, _ in lean or ())]
+        if plain and not any(_FIELD in f or _ROW in f for f in fields):
+            rows += [_FIELD.join((route, attr, path, name, "i" if pre else "o", str(copy), str(i)))
+                     for i, _, lean in users for name, pre, copy in lean]
+        else:
+            groups.append((route, attr, tuple([(i, hooked) for i, hooked, _ in users])))
+    return _ROW.join(rows), tuple(groups)
+
+
+def _at(root: nn.Module, route: str) -> nn.Module:
+    module = root
+    if route:
+        for key in route.split("."):
+            module = module._modules[key]  # type: ignore[assignment]
+    return module
+
+
+def _storing(inner: Callable[..., Any], before: list, after: list) -> Callable[..., Any]:
+    """A forward storing copies (``(buffer, key, copy)`` each) of its inputs and its output."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        for buffer, key, copy in before:
+            buffer.append((key, copied_inputs(copy, args, kwargs), None))
+        output = inner(*args, **kwargs)
+        for buffer, key, copy in after:
+            buffer.append((key, copied_output(copy, output), None))
+        return output
+
+    return forward
+
+
+def _calling(module: nn.Module, inner: Callable[..., Any], users: Any) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         return call(module, inner, users, args, kwargs, checked=False)
 
     return forward
 
 
-def record(fn: Callable[..., Any], groups: Sequence[Group], frames: list[Frame], args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` with each group's module recording into `frames`; traceable."""
+def record(fn: Callable[..., Any], root: nn.Module, traced: Traced, frames: list[Frame], args: tuple,
+           kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with the modules of `traced` (reached from `root`) recording
+    into `frames`; traceable."""
+    stores, groups = traced
+    lean: dict[str, tuple[str, list, list]] = {}
+    for row in stores.split(_ROW) if stores else ():
+        route, attr, path, name, pre, copy, i = row.split(_FIELD)
+        found = lean.get(route)
+        if found is None:
+            found = lean[route] = (attr, [], [])
+        (found[1] if pre == "i" else found[2]).append((frames[int(i)].buffer, (path, name), COPIES[int(copy)]))
     saved = []
-    for module, attr, users in groups:
-        d = module.__dict__
-        prev = d.get(attr, _MISSING)
-        d[attr] = _wrapped(module, getattr(module, attr), tuple([(frames[i], hooked) for i, hooked in users]))
-        saved.append((d, attr, prev))
+    for route, (attr, before, after) in lean.items():
+        module = _at(root, route)
+        saved.append((module.__dict__, attr, module.__dict__.get(attr, _MISSING)))
+        module.__dict__[attr] = _storing(getattr(module, attr), before, after)
+    for route, attr, users in groups:
+        module = _at(root, route)
+        saved.append((module.__dict__, attr, module.__dict__.get(attr, _MISSING)))
+        module.__dict__[attr] = _calling(module, getattr(module, attr), tuple([(frames[i], h) for i, h in users]))
     try:
         return fn(*args, **kwargs)
     finally:
@@ -64,15 +145,16 @@ def record(fn: Callable[..., Any], groups: Sequence[Group], frames: list[Frame],
 
 
 class Compiled:
-    """One plan's hooked modules inside one ``torch.compile`` wrapper: ``(module_ref, attr,
-    hooked)`` each (the hooked entries store copies), and the recorders compiled for them."""
+    """One plan's hooked modules inside one ``torch.compile`` wrapper: ``(module_ref, route,
+    attr, hooked, stores_of(...))`` each (routes from the wrapper's inner model; the hooked
+    entries store copies), and the recorders compiled for them."""
 
     __slots__ = ("caller", "items", "recorders")
     plain = False  # never the observers-only fast path of a wrapped forward
 
-    def __init__(self, items: list[tuple[weakref.ref, str, Any]], caller: str) -> None:
+    def __init__(self, items: list[tuple[weakref.ref, str, str, Any, Any]], caller: str) -> None:
         self.items, self.caller = items, caller
-        self.recorders: dict[tuple[int, ...], tuple[Callable[..., Any], list[weakref.ref]]] = {}
+        self.recorders: dict[tuple[int, ...], Callable[..., Any]] = {}
 
 
 def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -81,44 +163,34 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _recorder(wrapper: nn.Module, users: list[Compiled]) -> tuple[Callable[..., Any], list[weakref.ref]]:
-    """The compiled recorder for `users`, and the modules it takes (as weak references)."""
-    refs: list[weakref.ref] = []
-    position: dict[int, int] = {}
-    layout: dict[int, tuple[str, list[tuple[int, Any]]]] = {}
+def _recorder(wrapper: nn.Module, users: list[Compiled]) -> Callable[..., Any]:
+    """The compiled recorder for `users`."""
+    modules: dict[int, tuple[str, str, str, list[tuple[int, Any, Any]]]] = {}
     for i, compiled in enumerate(users):
-        for ref, attr, hooked in compiled.items:
+        for ref, route, attr, hooked, lean in compiled.items:
             module = ref()
-            if module is None:
-                continue
-            if id(module) not in position:
-                position[id(module)] = len(refs)
-                refs.append(ref)
-                layout[position[id(module)]] = (attr, [])
-            layout[position[id(module)]][1].append((i, hooked))
-    plan = [(index, attr, tuple(pairs)) for index, (attr, pairs) in layout.items()]
-    callers = [c.caller for c in users]
+            if module is not None:
+                modules.setdefault(id(module), (route, attr, hooked.path, []))[3].append((i, hooked, lean))
+    traced = layout(modules.values())
+    callers = tuple([c.caller for c in users])
 
-    def recorder(inner: nn.Module, modules: tuple[nn.Module, ...], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def recorder(inner: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
-        groups = [(modules[index], attr, pairs) for index, attr, pairs in plan]
-        out = record(inner, groups, frames, args, kwargs)
+        out = record(inner, inner, traced, frames, args, kwargs)
         return out, tuple([f.buffer for f in frames])
 
-    return _torch.dynamo_context(wrapper)(_fresh(recorder)), refs
+    return _torch.dynamo_context(wrapper)(_fresh(recorder))
 
 
-def compiled_call(wrapper: nn.Module, inner: Callable[..., Any], users: Users, args: tuple, kwargs: dict) -> Any:
+def compiled_call(wrapper: nn.Module, inner: Callable[..., Any], users: Any, args: tuple, kwargs: dict) -> Any:
     """A call of a ``torch.compile`` wrapper for the runs in `users` (``(frame, Compiled)``):
     the compiled recorder runs the model and returns what the runs' entries stored."""
     key = tuple([id(compiled) for _, compiled in users])
     first: Compiled = users[0][1]
-    found = first.recorders.get(key)
-    if found is None:
-        found = first.recorders[key] = _recorder(wrapper, [compiled for _, compiled in users])
-    recorder, refs = found
-    modules = tuple([ref() for ref in refs])
-    out, buffers = recorder(wrapper._orig_mod, modules, *args, **kwargs)
+    recorder = first.recorders.get(key)
+    if recorder is None:
+        recorder = first.recorders[key] = _recorder(wrapper, [compiled for _, compiled in users])
+    out, buffers = recorder(wrapper._orig_mod, *args, **kwargs)
     if not _torch.in_backward():  # a recomputation (checkpointing) stores nothing again
         for (frame, _), buffer in zip(users, buffers):
             frame.buffer.extend([(key, value, None) for key, value, _ in buffer])

@@ -19,7 +19,7 @@ from ..spec import Spec
 if TYPE_CHECKING:
     from .frame import Frame
 
-__all__ = ["copies_of", "preparer", "snapshot", "unchecked"]
+__all__ = ["COPIES", "copied_inputs", "copied_output", "copier", "copies_of", "preparer", "snapshot", "unchecked"]
 
 Tensor = torch.Tensor
 Key = tuple[str, str]
@@ -78,26 +78,41 @@ def _copy_detached_cpu(t: Tensor) -> Tensor:
     return t.detach().cpu().clone()
 
 
-_COPIERS = {(False, False): _copy, (True, False): _copy_detached, (False, True): _copy_cpu,
-            (True, True): _copy_detached_cpu}
-"""The copy a storing spec makes inside compiled graphs and transforms, by (detach, cpu):
+COPIES = (_copy, _copy_detached, _copy_cpu, _copy_detached_cpu)
+"""The copy a storing spec makes inside compiled graphs and transforms, at ``detach + 2 * cpu``:
 plain module functions, so a dynamo trace guards one function, not a chain of closures."""
+
+
+def copier(spec: Spec) -> int | None:
+    """The index in :data:`COPIES` of the copy an `outputs`/`inputs` spec stores inside
+    compiled graphs and transforms; None for every other spec (and for `gather`, which needs
+    the full entry)."""
+    if spec.role in ("output", "input") and not spec.gather:
+        return spec.detach + 2 * spec.cpu
+    return None
+
+
+def copied_inputs(copy: Callable[[Tensor], Tensor], args: tuple, kwargs: dict) -> Any:
+    return _torch.map_tensors(copy, (args, kwargs))
+
+
+def copied_output(copy: Callable[[Tensor], Tensor], output: Any) -> Any:
+    return copy(output) if isinstance(output, Tensor) else _torch.map_tensors(copy, output)
 
 
 def copies_of(spec: Spec, key: Key, pre: bool) -> Any:
     """A lean entry storing copies of the inputs (`pre`) or outputs, for `outputs`/`inputs`
     specs inside compiled graphs and transforms (what a dynamo trace reads is what it guards)."""
-    copy = _COPIERS[spec.detach, spec.cpu]
+    copy = COPIES[spec.detach + 2 * spec.cpu]
     if pre:
 
         def store_input_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
-            frame.buffer.append((key, _torch.map_tensors(copy, (args, kwargs)), None))
+            frame.buffer.append((key, copied_inputs(copy, args, kwargs), None))
 
         return store_input_copy
 
     def store_output_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        value = copy(output) if isinstance(output, Tensor) else _torch.map_tensors(copy, output)
-        frame.buffer.append((key, value, None))
+        frame.buffer.append((key, copied_output(copy, output), None))
 
     return store_output_copy
 
