@@ -121,3 +121,29 @@ def test_fit_on_a_compiled_model_gives_the_eager_statistics() -> None:
         for a, b in zip(step_got, step_want):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
     fh.testing.assert_no_hooks(compiled)
+
+
+def _record_of(model: nn.Module, specs: list, x: torch.Tensor, compiled: bool) -> tuple[torch.Tensor, fh.Record]:
+    f = fh.capture(model, specs)
+    return torch.compile(f, fullgraph=True)(x) if compiled else f(x)
+
+
+@pytest.mark.parametrize("separator", ["", "\x1f", "\x1e"])
+def test_compiled_capture_of_every_kind_of_spec_equals_eager(separator: str) -> None:
+    """Stores of copies (outputs, inputs, moved to the CPU), an observer and an editor on
+    one model, and a module whose name holds the characters the compiled layout separates
+    its rows with: the compiled Record and output are the eager ones, in one graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ModuleDict({f"a{separator}b": nn.Linear(8, 8)}), nn.ReLU(),
+                          nn.Linear(8, 2))
+    model[1].forward = lambda x: model[1][f"a{separator}b"](x)  # a ModuleDict has no forward of its own
+    specs = [fh.outputs(nn.Linear, clone=True), fh.inputs("3", cpu=True, clone=True),
+             fh.observe("2", lambda m, a, o: o.sum(), name="total"),
+             fh.edit("0", lambda m, a, o: o * 2)]
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    out, rec = _record_of(model, specs, x, compiled=True)
+    eager_out, eager_rec = _record_of(model, specs, x, compiled=False)
+    assert list(rec) == list(eager_rec) == ["0", f"1.a{separator}b", "2", "3"]
+    assert torch.allclose(out, eager_out, atol=1e-6) and rec.equal(eager_rec, atol=1e-5)
+    fh.testing.assert_no_hooks(model)
