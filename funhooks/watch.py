@@ -230,8 +230,8 @@ class Watching:
 class _Resolved:
     """The layers of a model's watch selectors, kept between runs while the model's structure
     (its modules, their names, their own parameters and which of those require grad) is what
-    it was, and per optimizer their :class:`Layers` (kept while its param groups are), so that
-    the watch functions' caches (stacking plans) last from run to run."""
+    it was, and per optimizer the layers it updates with their ``cache`` (kept while its param
+    groups are), so that the watch functions' caches (stacking plans) last from run to run."""
 
     __slots__ = ("by_opt", "found", "held", "order", "shape")
 
@@ -243,7 +243,7 @@ class _Resolved:
                  held: list[Any]) -> None:
         self.found, self.shape, self.held = found, shape, held
         self.order: dict[str, tuple[int, int]] = {}
-        self.by_opt: dict[tuple[int, Selector], tuple[weakref.ref, tuple, Layers | None]] = {}
+        self.by_opt: dict[tuple[int, Selector], tuple[weakref.ref, tuple, tuple[Any, Any, dict] | None]] = {}
 
     @classmethod
     def get(cls, model: nn.Module, wheres: tuple[Selector, ...], caller: str,
@@ -271,18 +271,21 @@ class _Resolved:
         return made
 
     def layers(self, opt: torch.optim.Optimizer, where: Selector) -> Layers | None:
-        """The layers of `where` whose parameters `opt` updates (None: none); rebuilt when
-        `opt`'s param groups change."""
+        """The layers of `where` whose parameters `opt` updates (None: none), sharing their
+        ``cache`` with earlier steps; found again when `opt`'s param groups change. The
+        optimizer itself is held weakly: it is freed when its user drops it."""
         groups = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
         known = self.by_opt.get((id(opt), where))
-        if known is not None and known[0]() is opt and known[1] == groups:
-            return known[2]
-        ids = {id(q) for g in opt.param_groups for q in g["params"]}
-        kept = [(p, tuple(q for q in ps if id(q) in ids)) for p, ps in self.found[where]]
-        kept = [(p, ps) for p, ps in kept if ps]
-        layers = Layers(opt, tuple(p for p, _ in kept), tuple(ps for _, ps in kept)) if kept else None
-        self.by_opt[id(opt), where] = (weakref.ref(opt), groups, layers)
-        return layers
+        if known is None or known[0]() is not opt or known[1] != groups:
+            ids = {id(q) for g in opt.param_groups for q in g["params"]}
+            kept = [(p, tuple(q for q in ps if id(q) in ids)) for p, ps in self.found[where]]
+            kept = [(p, ps) for p, ps in kept if ps]
+            layers: tuple[Any, Any, dict] | None = (tuple(p for p, _ in kept), tuple(ps for _, ps in kept), {})
+            known = (weakref.ref(opt), groups, layers if kept else None)
+            self.by_opt = {k: v for k, v in self.by_opt.items() if v[0]() is not None}
+            self.by_opt[id(opt), where] = known
+        found = known[2]
+        return None if found is None else Layers(opt, *found)
 
 
 def _shape(model: nn.Module) -> tuple[list[Any], list[Any]]:

@@ -183,15 +183,22 @@ def test_layers_follow_the_model_between_runs() -> None:
     assert run().record["3"]["g"].shape == (1,)
 
 
-def test_watched_models_are_freed() -> None:
-    """What the watches keep between runs does not keep the model alive."""
+def test_watched_models_and_optimizers_are_freed() -> None:
+    """What the watches keep between runs keeps neither the model alive nor an optimizer the
+    user dropped (a new optimizer per run, as notebooks do, must not pile up Adam states)."""
     import gc
     import weakref
 
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fh.fit(model, _batches(2), MSE, opt, [fh.GradientStats(), fh.UpdateRatio()])
-    ref = weakref.ref(model)
+    reducers = [fh.GradientStats(), fh.UpdateRatio()]
+    opt = torch.optim.Adam(model.parameters())
+    fh.fit(model, _batches(2), MSE, opt, reducers)
+    old = weakref.ref(opt)
+    opt = torch.optim.Adam(model.parameters())
+    fh.fit(model, _batches(2), MSE, opt, reducers)
+    gc.collect()
+    assert old() is None
+    ref, last = weakref.ref(model), weakref.ref(opt)
     del model, opt
     gc.collect()
-    assert ref() is None
+    assert ref() is None and last() is None
