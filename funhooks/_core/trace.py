@@ -193,5 +193,5 @@ def compiled_call(wrapper: nn.Module, inner: Callable[..., Any], users: Any, arg
     out, buffers = recorder(wrapper._orig_mod, *args, **kwargs)
     if not _torch.in_backward():  # a recomputation (checkpointing) stores nothing again
         for (frame, _), buffer in zip(users, buffers):
-            frame.buffer.extend([(key, value, None) for key, value, _ in buffer])
+            frame.buffer.extend(buffer)  # every traced entry stores `(key, copy, None)`
     return out
