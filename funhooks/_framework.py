@@ -25,7 +25,7 @@ from .errors import LoopError
 from .fold import Reducer, as_items, records_of, watches_of
 from .step import EMPTY_RECORD, Step
 
-__all__ = ["Stepwise"]
+__all__ = ["Results", "Stepwise"]
 
 
 class Stepwise:
@@ -106,3 +106,19 @@ class Stepwise:
     def result(self) -> Any:
         """The reducers' results so far, in the shape of the reducers."""
         return self.shape([r.result(s) for r, s in zip(self.items, self.states)])
+
+
+class Results:
+    """What the trainer callbacks share: their :class:`Stepwise`'s results and states."""
+
+    _fold: Stepwise
+
+    @property
+    def result(self) -> Any:
+        """The reducers' results over the steps so far, in the shape of `reducers`."""
+        return self._fold.result()
+
+    @property
+    def states(self) -> Any:
+        """The reducers' states, in the shape of `reducers`."""
+        return self._fold.shape(list(self._fold.states))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._framework import Stepwise
+from ._framework import Results, Stepwise
 from ._stepping import Recorder
 from .errors import ExtraError
 from .fold import Reducer
@@ -58,7 +58,7 @@ def model_loss(module: Any, args: tuple, output: Any) -> torch.Tensor | None:
     return loss.detach().clone() if isinstance(loss, torch.Tensor) else None
 
 
-class FoldCallback(transformers.TrainerCallback):
+class FoldCallback(Results, transformers.TrainerCallback):
     """Fold reducers over the optimizer steps of a ``transformers.Trainer``.
 
     Args:
@@ -98,16 +98,6 @@ class FoldCallback(transformers.TrainerCallback):
         self._losses: Recorder | None = None
         self._losses_open = False
         self._epoch = 0
-
-    @property
-    def result(self) -> Any:
-        """The reducers' results over the steps so far, in the shape of `reducers`."""
-        return self._fold.result()
-
-    @property
-    def states(self) -> Any:
-        """The reducers' states, in the shape of `reducers`."""
-        return self._fold.shape(list(self._fold.states))
 
     def close(self) -> None:
         """Drop a step left open (training raised): nothing stays attached."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._framework import Stepwise
+from ._framework import Results, Stepwise
 from .errors import ExtraError
 from .fold import Reducer
 
@@ -36,7 +36,7 @@ except ImportError:
 __all__ = ["FoldCallback"]
 
 
-class FoldCallback(pl.Callback):
+class FoldCallback(Results, pl.Callback):
     """Fold reducers over the training steps of a ``lightning.Trainer``.
 
     Args:
@@ -79,16 +79,6 @@ class FoldCallback(pl.Callback):
         self._fold = Stepwise(reducers, "FoldCallback")
         self._global_step = 0
         self._normalize = 1
-
-    @property
-    def result(self) -> Any:
-        """The reducers' results over the steps so far, in the shape of `reducers`."""
-        return self._fold.result()
-
-    @property
-    def states(self) -> Any:
-        """The reducers' states, in the shape of `reducers`."""
-        return self._fold.shape(list(self._fold.states))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the reducers' specs on the module and their watches on its optimizers."""
