@@ -24,7 +24,7 @@ from .errors import ReducerError
 from .record import Record
 from .selector import Selector, Where, select
 
-__all__ = ["LeafModules", "OwnParams", "module_order", "roll", "unroll"]
+__all__ = ["LeafModules", "OwnParams", "Steps", "entry_paths", "module_order", "roll", "unroll"]
 
 
 @attrs.frozen
@@ -127,6 +127,27 @@ def last_calls(record: Record, name: str, caller: str) -> list[Any]:
             f"has paths {list(record)} and no {name!r}. Run the steps with `specs=reducer.specs`, or use fh.fit."
         )
     return out
+
+
+class Steps:
+    """What results over one entry per recorded step share (each entry with an ``iteration``
+    and its ``paths``): the iterations recorded and the number of steps."""
+
+    __slots__ = ()
+    entries: tuple[Any, ...]
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        """The train iterations recorded."""
+        return tuple(e.iteration for e in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def entry_paths(result: Any) -> tuple[str, ...]:
+    """Every path of a result's entries, in module order (the attrs default of its ``paths``)."""
+    return module_order(e.paths for e in result.entries)
 
 
 def unroll(state: tuple) -> list[Any]:

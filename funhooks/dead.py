@@ -180,7 +180,7 @@ class DeadUnits:
 
 
 @attrs.frozen(eq=False)
-class DeadUnitsResult:
+class DeadUnitsResult(red.Steps):
     """The result of :class:`DeadUnits`: per recorded step, per layer path, the dead fraction.
 
     Example:
@@ -194,20 +194,8 @@ class DeadUnitsResult:
     """
 
     entries: tuple[_Entry, ...]
-    paths: tuple[str, ...] = attrs.field(init=False)
+    paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(red.entry_paths, takes_self=True))
     """The layer paths, in module order: every layer that ran on some recorded step."""
-
-    @paths.default
-    def _paths(self) -> tuple[str, ...]:
-        return red.module_order(e.paths for e in self.entries)
-
-    @property
-    def iterations(self) -> tuple[int, ...]:
-        """The train iterations recorded."""
-        return tuple(e.iteration for e in self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
 
     @property
     def dead(self) -> list[list[float]]:

@@ -228,7 +228,7 @@ _ABSENT = (math.nan, math.nan, math.nan)
 
 
 @attrs.frozen(eq=False)
-class ActivationStatsResult:
+class ActivationStatsResult(red.Steps):
     """The result of :class:`ActivationStats`: per recorded step, per module path statistics.
 
     ``paths`` lists every module that ran on some recorded step, in module order (two
@@ -257,20 +257,8 @@ class ActivationStatsResult:
 
     entries: tuple[ex.Entry, ...]
     with_hist: bool
-    paths: tuple[str, ...] = attrs.field(init=False)
+    paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(red.entry_paths, takes_self=True))
     """The module paths, in module order: every module that ran on some recorded step."""
-
-    @paths.default
-    def _all_paths(self) -> tuple[str, ...]:
-        return red.module_order(e.paths for e in self.entries)
-
-    @property
-    def iterations(self) -> tuple[int, ...]:
-        """The train iterations recorded."""
-        return tuple(e.iteration for e in self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
 
     def _host_rows(self) -> list[list[list[float]]]:
         rows = [e.rows for e in self.entries]
