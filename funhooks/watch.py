@@ -229,8 +229,8 @@ class Watching:
 
 class _Resolved:
     """The layers of a model's watch selectors, kept between runs while the model's structure
-    (its modules, their names, their own parameters and which of those require grad) is what
-    it was, and per optimizer the layers it updates with their ``cache`` (kept while its param
+    (its modules, their names, their own parameters, which of those require grad, their
+    shapes, dtypes and devices) is what it was, and per optimizer the layers it updates with their ``cache`` (kept while its param
     groups are), so that the watch functions' caches (stacking plans) last from run to run."""
 
     __slots__ = ("by_opt", "found", "held", "order", "shape")
@@ -289,10 +289,11 @@ class _Resolved:
 
 
 def _shape(model: nn.Module) -> tuple[list[Any], list[Any]]:
-    """What the watches' layers depend on: every module (a plain walk, as a weak reference:
-    two compare equal while they name one live module), its children's names, its own
-    parameters (by id) and their ``requires_grad``; and the parameters, which the cache holds
-    so that no id is reused while it is compared."""
+    """What the watches' layers and their stacking plans depend on: every module (a plain
+    walk, as a weak reference: two compare equal while they name one live module), its
+    children's names, its own parameters (by id), their ``requires_grad``, shape, dtype and
+    device (``param.data = ...`` changes them in place); and the parameters, which the cache
+    holds so that no id is reused while it is compared."""
     out: list[Any] = []
     held: list[Any] = []
     stack = [model]
@@ -305,5 +306,6 @@ def _shape(model: nn.Module) -> tuple[list[Any], list[Any]]:
                 stack.append(child)
         for name, param in module._parameters.items():
             held.append(param)
-            out += (name, id(param), param is not None and param.requires_grad)
+            out += (name, id(param)) if param is None else (name, id(param), param.requires_grad, param.shape,
+                                                            param.dtype, param.device)
     return out, held

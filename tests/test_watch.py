@@ -183,6 +183,21 @@ def test_layers_follow_the_model_between_runs() -> None:
     assert run().record["3"]["g"].shape == (1,)
 
 
+def test_gradient_statistics_follow_parameters_resized_in_place() -> None:
+    """Parameters given other shapes through ``.data`` between runs (the same Parameter
+    objects) are stacked by their new shapes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    batches = [(torch.randn(5, 4), torch.randn(5, 4))]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fh.fit(model, batches, MSE, opt, fh.GradientStats())
+    model[0].weight.data, model[0].bias.data = torch.randn(6, 4), torch.randn(6)
+    model[2].weight.data = torch.randn(4, 6)
+    res = fh.fit(model, batches, MSE, opt, [fh.GradientStats(), fh.UpdateRatio()])[0]
+    grads = torch.cat([model[0].weight.grad.flatten(), model[0].bias.grad])
+    assert abs(res.stats[0][0]["norm"] - grads.norm().item()) < 1e-5
+
+
 def test_watched_models_and_optimizers_are_freed() -> None:
     """What the watches keep between runs keeps neither the model alive nor an optimizer the
     user dropped (a new optimizer per run, as notebooks do, must not pile up Adam states)."""
