@@ -17,7 +17,9 @@ found an inf) stores nothing. Under Lightning, ``before`` runs in ``on_before_op
 (Lightning calls the training step inside ``optimizer.step``, after the pre-hooks).
 
 Cost: per recorded step, two hook registrations per optimizer and whatever the functions
-cost; nothing when no reducer has watches.
+cost; nothing when no reducer has watches. The watched layers are resolved once per model
+and kept while its structure is the same: a run checks that with one walk over the modules
+and their parameters (well under 1 µs each).
 """
 
 from __future__ import annotations
@@ -230,8 +232,9 @@ class Watching:
 class _Resolved:
     """The layers of a model's watch selectors, kept between runs while the model's structure
     (its modules, their names, their own parameters, which of those require grad, their
-    shapes, dtypes and devices) is what it was, and per optimizer the layers it updates with their ``cache`` (kept while its param
-    groups are), so that the watch functions' caches (stacking plans) last from run to run."""
+    shapes, dtypes and devices) is what it was; per optimizer, the layers it updates and
+    their ``cache`` (kept while its param groups are), so that the watch functions' caches
+    (stacking plans) last from run to run; and the model's module order."""
 
     __slots__ = ("by_opt", "found", "held", "order", "shape")
 
@@ -240,9 +243,8 @@ class _Resolved:
     _LOCK = threading.Lock()
 
     def __init__(self, found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]], shape: list[Any],
-                 held: list[Any]) -> None:
-        self.found, self.shape, self.held = found, shape, held
-        self.order: dict[str, tuple[int, int]] = {}
+                 held: list[Any], order: dict[str, tuple[int, int]]) -> None:
+        self.found, self.shape, self.held, self.order = found, shape, held, order
         self.by_opt: dict[tuple[int, Selector], tuple[weakref.ref, tuple, tuple[Any, Any, dict] | None]] = {}
 
     @classmethod
@@ -261,8 +263,7 @@ class _Resolved:
             pairs = resolve(where, model, caller=caller, spec=watch)
             layers = [(p, tuple(q for q in m.parameters(recurse=False) if q.requires_grad)) for p, m in pairs]
             found[where] = [(p, ps) for p, ps in layers if ps]
-        made = cls(found, shape, held)
-        made.order = {p: (i, 0) for i, (p, _) in enumerate(_torch.named_modules(model))}
+        made = cls(found, shape, held, {p: (i, 0) for i, (p, _) in enumerate(_torch.named_modules(model))})
         with cls._LOCK:
             cache = cls._CACHE.setdefault(model, {})
             if len(cache) >= cls._PER_MODEL and wheres not in cache:
