@@ -93,10 +93,12 @@ def copier(spec: Spec) -> int | None:
 
 
 def copied_inputs(copy: Callable[[Tensor], Tensor], args: tuple, kwargs: dict) -> Any:
+    """``(args, kwargs)`` with every tensor in them copied by `copy` (one of :data:`COPIES`)."""
     return _torch.map_tensors(copy, (args, kwargs))
 
 
 def copied_output(copy: Callable[[Tensor], Tensor], output: Any) -> Any:
+    """`output` (a tensor or a structure of them) copied by `copy` (one of :data:`COPIES`)."""
     return copy(output) if isinstance(output, Tensor) else _torch.map_tensors(copy, output)
 
 
