@@ -12,3 +12,22 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 _NEEDS = (("funhooks/lightning.py", ("lightning",)), ("funhooks/hf.py", ("transformers", "accelerate")),
           ("docs/trainers.md", ("lightning", "transformers", "accelerate")))
 collect_ignore = [path for path, needs in _NEEDS if any(importlib.util.find_spec(n) is None for n in needs)]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+_OLDER_TORCH_WARNINGS = (
+    # torch before 2.13: dynamo reads `.grad` of the non-leaf tensors it traces through pytrees
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor is being accessed:UserWarning",
+    # torch 2.11-2.12: its own notice on building any sparse tensor
+    "ignore:Sparse invariant checks are implicitly disabled:UserWarning",
+)
+"""Warnings that older torch releases raise from their own code (the suite turns warnings into
+errors); on torch 2.13, which CI runs, none of them is ignored."""
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+        for item in items:
+            for spec in _OLDER_TORCH_WARNINGS:
+                item.add_marker(pytest.mark.filterwarnings(spec))

@@ -4,6 +4,7 @@ of funhooks is left on a model or in the process."""
 from __future__ import annotations
 
 import hypothesis
+import pytest
 import torch
 import torch.nn.modules.module as module_hooks
 from torch import nn
@@ -11,6 +12,14 @@ from torch import nn
 import funhooks as fh
 
 FIXTURE_OK = hypothesis.settings(suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+RECORDS_IN_COMPILE = pytest.mark.skipif(
+    TORCH_VERSION < (2, 13),
+    reason="recording inside torch.compile needs torch >= 2.13: older dynamo cannot trace taking a module's "
+           "wrapped forward back out of its __dict__ (2.11 and older break the graph there, 2.12 fails)",
+)
+"""The mark of the tests that record inside a compiled graph (see docs/field.md, torch versions)."""
 
 
 def make_model(device: torch.device | str = "cpu") -> nn.Sequential:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 
+from helpers import RECORDS_IN_COMPILE
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 SMOKE_TIMEOUT_S = 120
 
@@ -101,6 +103,7 @@ def test_vmap_smoke(tmp_path: pathlib.Path) -> None:
     assert {"loop", "vmap"} == set(result["results"]["deep-narrow"]["cases"])
 
 
+@RECORDS_IN_COMPILE
 def test_compile_smoke(tmp_path: pathlib.Path) -> None:
     """bench_compile's hooked compiled model records what the eager one does and leaves no hooks."""
     proc, result = run_quick("bench_compile.py", tmp_path)

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from helpers import RECORDS_IN_COMPILE
 from torch import nn
 
 import funhooks as fh
@@ -20,6 +21,7 @@ def small() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
 
 
+@RECORDS_IN_COMPILE
 def test_compiled_capture_equals_eager_without_graph_breaks_or_recompiles() -> None:
     """torch.compile(capture(...)) gives the eager Record, 0 graph breaks, no recompiles."""
     from torch._dynamo.utils import counters
@@ -52,6 +54,7 @@ def test_capture_of_a_compiled_model_records_eagerly() -> None:
     assert torch.allclose(rec["0"]["output"], model[0](x).detach())
 
 
+@RECORDS_IN_COMPILE
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_capture_records_inside_a_separately_compiled_submodule() -> None:
     """A module inside a submodule compiled on its own is recorded, equal to eager."""
@@ -67,6 +70,7 @@ def test_capture_records_inside_a_separately_compiled_submodule() -> None:
     assert torch.allclose(out, eager(x), atol=1e-6)
 
 
+@RECORDS_IN_COMPILE
 def test_with_hooks_on_a_model_compiled_before_the_run_records() -> None:
     """with_hooks on a model compiled before any run gives the eager Record, also over
     repeated runs without new graphs, and stores nothing once the block has exited."""
@@ -94,6 +98,7 @@ def test_with_hooks_on_a_model_compiled_before_the_run_records() -> None:
     fh.testing.assert_no_hooks(model)
 
 
+@RECORDS_IN_COMPILE
 def test_with_hooks_on_a_model_with_a_compiled_submodule_records_its_paths() -> None:
     """A submodule compiled on its own is hooked at its plain path, no `_orig_mod.`."""
     inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
@@ -106,6 +111,7 @@ def test_with_hooks_on_a_model_with_a_compiled_submodule_records_its_paths() -> 
     assert torch.allclose(run.record["1"]["output"], y)
 
 
+@RECORDS_IN_COMPILE
 def test_fit_on_a_compiled_model_gives_the_eager_statistics() -> None:
     """On a model compiled before training (`torch.compile(model)`), the activations are the
     compiled graph's copies (nothing to keep or check): the statistics are the eager model's,
@@ -128,6 +134,7 @@ def _record_of(model: nn.Module, specs: list, x: torch.Tensor, compiled: bool) -
     return torch.compile(f, fullgraph=True)(x) if compiled else f(x)
 
 
+@RECORDS_IN_COMPILE
 @pytest.mark.parametrize("separator", ["", "\x1f", "\x1e"])
 def test_compiled_capture_of_every_kind_of_spec_equals_eager(separator: str) -> None:
     """Stores of copies (outputs, inputs, moved to the CPU), an observer and an editor on

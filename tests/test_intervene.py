@@ -11,6 +11,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
+from helpers import RECORDS_IN_COMPILE
 from torch import nn
 
 import funhooks as fh
@@ -191,7 +192,8 @@ def test_tuple_outputs_are_edited_on_one_element_and_the_rest_passes_on() -> Non
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # dynamo's own
-@pytest.mark.parametrize("route", ["with_hooks", "capture", "functional", "vmap", "compile"])
+@pytest.mark.parametrize("route", ["with_hooks", "capture", "functional", "vmap",
+                                   pytest.param("compile", marks=RECORDS_IN_COMPILE)])
 def test_a_recording_on_an_edited_module_sees_the_edited_value_on_every_route(route: str) -> None:
     """The documented rule holds for interventions: a recording of the same call sees the
     value after every editor, whatever the order of the specs and the route."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hypothesis
 import pytest
 import torch
+from helpers import RECORDS_IN_COMPILE
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
@@ -203,6 +204,7 @@ def test_an_op_selector_that_matches_nothing_lists_the_ops_called() -> None:
         fh.testing.assert_no_hooks(model)
 
 
+@RECORDS_IN_COMPILE
 def test_op_specs_compile_when_deep_and_say_why_not_otherwise() -> None:
     """Inside `torch.compile`, frames cannot be walked: `deep=True` op specs trace into one
     graph and record what eager does; others raise a TransformError saying so."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import hypothesis
 import pytest
 import torch
+from helpers import RECORDS_IN_COMPILE
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -213,6 +214,7 @@ def test_concurrent_runs_on_random_models_each_see_only_their_calls(model_x: tup
 # -- no residue --------------------------------------------------------------------------------
 
 
+@RECORDS_IN_COMPILE
 @pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
 def test_runs_on_compiled_models_and_capture_functions_leave_nothing_in_the_process() -> None:
     """After a run on a model compiled before it and after a capture function is gone: no
