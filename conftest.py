@@ -27,7 +27,7 @@ errors); on torch 2.13, which CI runs, none of them is ignored."""
 
 
 def pytest_collection_modifyitems(items: list) -> None:
-    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    if torch.__version__ < (2, 13):
         for item in items:
             for spec in _OLDER_TORCH_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(spec))

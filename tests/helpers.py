@@ -13,9 +13,8 @@ import funhooks as fh
 
 FIXTURE_OK = hypothesis.settings(suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 RECORDS_IN_COMPILE = pytest.mark.skipif(
-    TORCH_VERSION < (2, 13),
+    torch.__version__ < (2, 13),
     reason="recording inside torch.compile needs torch >= 2.13: older dynamo cannot trace taking a module's "
            "wrapped forward back out of its __dict__ (2.11 and older break the graph there, 2.12 fails)",
 )
