@@ -108,6 +108,27 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+RELEASE: Any = torch.__version__
+"""The torch release: a ``TorchVersion``, which compares with tuples such as ``(2, 13)`` (typed
+Any: torch's annotations say str)."""
+
+TRACES_RECORDING = RELEASE >= (2, 11) and not (2, 12) <= RELEASE < (2, 13)
+"""Whether dynamo traces a recording (modules' forwards wrapped in their ``__dict__``) into
+compiled code; where it does not, the recording runs eagerly inside the compiled code, in a
+frame dynamo skips, with the same Records. Releases tried (docs/field.md): 2.13 traces it as
+one graph, 2.11 with graph breaks; on 2.12 dynamo replays the restored ``__dict__`` wrongly
+and raises ``AttributeError``; 2.6 and 2.4 warn that they cannot trace
+``peek_interpreter_stack``; 2.7-2.10 are untried."""
+
+
+def weights_only_reads_complex() -> None:
+    """Let ``torch.load(weights_only=True)`` read Python complex numbers, as it does by itself
+    from torch 2.5 on: on torch 2.4 this adds ``complex`` to its allowlist (once, for the process;
+    a builtin type that runs no code), so Records holding complex numbers save and load there."""
+    if RELEASE < (2, 5) and complex not in torch.serialization.get_safe_globals():
+        torch.serialization.add_safe_globals([complex])
+
+
 peek_transform = torch._C._functorch.peek_interpreter_stack
 """The innermost active ``torch.func`` interpreter, or None outside transforms (a C call)."""
 graph_task_id = torch._C._current_graph_task_id

@@ -15,8 +15,8 @@ FIXTURE_OK = hypothesis.settings(suppress_health_check=[hypothesis.HealthCheck.f
 
 RECORDS_IN_COMPILE = pytest.mark.skipif(
     torch.__version__ < (2, 13),
-    reason="recording inside torch.compile needs torch >= 2.13: older dynamo cannot trace taking a module's "
-           "wrapped forward back out of its __dict__ (2.11 and older break the graph there, 2.12 fails)",
+    reason="recording traced into one compiled graph needs torch >= 2.13: older releases record with graph breaks "
+           "or eagerly inside the compiled code (docs/field.md, torch versions)",
 )
 """The mark of the tests that record inside a compiled graph (see docs/field.md, torch versions)."""
 

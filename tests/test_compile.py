@@ -70,6 +70,31 @@ def test_capture_records_inside_a_separately_compiled_submodule() -> None:
     assert torch.allclose(out, eager(x), atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("route", ["compiled capture", "with_hooks on a compiled model"])
+def test_compiled_recording_gives_the_eager_record_on_every_torch(route: str) -> None:
+    """Both ways of recording compiled code give the eager Record and output on every torch
+    release, graph breaks allowed (2.12 raised AttributeError from dynamo here), and leave no
+    hooks; the model recorded after a ReLU(inplace=True) changed its input."""
+    model, eager = small(), small()
+    x = torch.randn(3, 4)
+    specs = [fh.outputs("**"), fh.inputs("2"), fh.observe("0", lambda m, args, out: out.sum(), name="total")]
+    if route == "compiled capture":
+        out, rec = torch.compile(fh.capture(model, specs))(x)
+    else:
+        compiled = torch.compile(model)
+        compiled(x)  # compiled before the run
+        with fh.with_hooks(compiled, specs) as run:
+            out = compiled(x)
+        rec = run.record
+    clones = [fh.outputs("**", clone=True), fh.inputs("2", clone=True), specs[2]]
+    expected_out, expected = fh.capture(eager, clones)(x)
+    assert list(rec) == ["0", "1", "2"]
+    assert rec.equal(expected, atol=1e-6)
+    assert torch.allclose(out, expected_out, atol=1e-6)
+    fh.testing.assert_no_hooks(model)
+
+
 @RECORDS_IN_COMPILE
 def test_with_hooks_on_a_model_compiled_before_the_run_records() -> None:
     """with_hooks on a model compiled before any run gives the eager Record, also over

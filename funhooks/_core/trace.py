@@ -10,6 +10,9 @@ runs. Two places use it:
   wrapped with :func:`compiled_call`, which calls a *recorder* compiled with the wrapper's
   own settings, once per plan, so Records come back as values at compiled speed.
 
+On torch releases whose dynamo cannot trace this (``_torch.TRACES_RECORDING``), both run
+the model eagerly while it records, with the same Records.
+
 Inside compiled graphs stored values are copies (graphs keep no version counters), and
 backward events are not available (refused when the plan is made).
 
@@ -179,6 +182,8 @@ def _recorder(wrapper: nn.Module, users: list[Compiled]) -> Callable[..., Any]:
         out = record(inner, inner, traced, frames, args, kwargs)
         return out, tuple([f.buffer for f in frames])
 
+    if not _torch.TRACES_RECORDING:  # the model runs eagerly while it records
+        return recorder
     return _torch.dynamo_context(wrapper)(_fresh(recorder))
 
 
