@@ -57,9 +57,12 @@ def write(data: dict[str, dict[str, tuple[Any, ...]]], file: str) -> None:
 def read(file: str, map_location: Any = None) -> dict[str, dict[str, tuple[Any, ...]]]:
     """The data of the Record in `file` (see ``Record.load``), checked."""
     _check_archive(file)
+    _torch.weights_only_reads_complex()
     try:
         blob = torch.load(file, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, EOFError, struct.error, UnicodeDecodeError) as error:  # the pickle stream
+        if "PytorchStreamReader" in str(error):  # torch < 2.5 wraps the archive's error into the pickle's
+            raise RecordError(_truncated(file, "a tensor its pickle refers to is missing")) from error
         raise RecordError(
             "Record.load: a Record file holds only plain data and is read with `torch.load(weights_only=True)`, "
             f"got {file!r}, whose pickle it refuses (it needs code to load, or is damaged). Load only files "
@@ -189,6 +192,7 @@ def _write_atomically(blob: dict[str, Any], file: str) -> None:
             torch.save(blob, f)
             f.flush()
             os.fsync(f.fileno())
+        _torch.weights_only_reads_complex()
         try:  # mmap: parses the pickle without reading the tensors' bytes
             torch.load(temporary, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as error:
