@@ -21,6 +21,10 @@ _OLDER_TORCH_WARNINGS = (
     "ignore:The .grad attribute of a Tensor that is not a leaf Tensor is being accessed:UserWarning",
     # torch 2.11-2.12: its own notice on building any sparse tensor
     "ignore:Sparse invariant checks are implicitly disabled:UserWarning",
+    # torch 2.6: inductor's own notice when it caches a compiled graph
+    "ignore:Skipping serialization of skipfiles_inline_module_allowlist:UserWarning",
+    # torch 2.4: activation checkpointing's own use of its deprecated CPU autocast API
+    r"ignore:`torch.cpu.amp.autocast\(args...\)` is deprecated:FutureWarning",
 )
 """Warnings that older torch releases raise from their own code (the suite turns warnings into
 errors); on torch 2.13, which CI runs, none of them is ignored."""
@@ -31,3 +35,13 @@ def pytest_collection_modifyitems(items: list) -> None:
         for item in items:
             for spec in _OLDER_TORCH_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(spec))
+
+
+@pytest.fixture(autouse=True)
+def _denormals_back_on():
+    """torch before 2.5 compiles inductor's CPU kernels with -ffast-math, and loading one turns on
+    flush-to-zero for the process, which later tests (Hypothesis's subnormal floats) trip on:
+    turn it off again after each test there."""
+    yield
+    if torch.__version__ < (2, 5):
+        torch.set_flush_denormal(False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -131,7 +132,10 @@ class NoOpGlobalHook:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.handle = global_hooks.register_module_forward_hook(self._noop, with_kwargs=True)
+        if "with_kwargs" in inspect.signature(global_hooks.register_module_forward_hook).parameters:
+            self.handle = global_hooks.register_module_forward_hook(self._noop, with_kwargs=True)
+        else:  # torch 2.4: global hooks take no kwargs
+            self.handle = global_hooks.register_module_forward_hook(lambda m, args, out: None)
 
     @staticmethod
     def _noop(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -99,6 +99,10 @@ def test_the_whole_package_type_checks(tmp_path: pathlib.Path) -> None:
     pyproject = SOURCE_ROOT / "pyproject.toml"
     if not pyproject.exists():
         pytest.skip("funhooks is installed without its repository (pip install -e . from a checkout)")
+    import torch
+
+    # torch's annotations change between releases: the ignores that 2.13's need may be unused on older ones
+    older = ["--no-warn-unused-ignores"] if torch.__version__ < (2, 13) else []
     stdout, stderr, status = api.run(["--config-file", str(pyproject), "--cache-dir", str(tmp_path / "cache"),
-                                      str(SOURCE_ROOT / "funhooks")])
+                                      *older, str(SOURCE_ROOT / "funhooks")])
     assert status == 0, stdout + stderr
