@@ -77,9 +77,6 @@ class _Recorder:
         self.inner = _torch.unwrap(model)
         self.plan = Plan.get(self.inner, specs, caller)
         self.plan.traced()  # built now: building it while dynamo traces a call would be traced too
-        # where dynamo cannot trace a recording (see `_torch.TRACES_RECORDING`), compiled code calls
-        # the same recording in a frame it skips
-        self.eager = None if _torch.TRACES_RECORDING else torch.compiler.disable(self._traced)
         self.backward = _backward_error(specs, caller)
         self.args = self.plan.args  # the keyword arguments that are per-call values, not the model's
         _check_args(self.inner, self.args, specs, caller)
@@ -109,8 +106,10 @@ class _Recorder:
         if self.backward is not None:
             raise self.backward
         if _torch.is_compiling():
-            traced = self._traced if self.eager is None else self.eager
-            return traced(fn, args, kwargs, values)
+            if _torch.TRACES_RECORDING:
+                return self._traced(fn, args, kwargs, values)
+            # dynamo cannot trace it on this torch: the same recording, in a frame dynamo skips
+            return torch.compiler.disable(self._traced)(fn, args, kwargs, values)
         plan = self.current()
         frame = Frame(plan, self.caller, values=values)
         attached = Attached(plan, frame, copies=bool(frame.level))
