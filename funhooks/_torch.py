@@ -171,9 +171,45 @@ def backward_hook(module: nn.Module, hooks: list, pre_hooks: list) -> Any:
     return torch.utils.hooks.BackwardHook(module, hooks, pre_hooks)
 
 
-def dynamo_context(wrapper: nn.Module) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The compile settings of a ``torch.compile`` wrapper, as a function decorator."""
-    return wrapper.dynamo_ctx  # type: ignore[return-value]
+COMPILED_CALL = "_compiled_call_impl"
+"""The instance attribute ``module.compile()`` sets: the module's ``_call_impl``, compiled, which
+``Module.__call__`` calls instead of the plain one."""
+
+
+def compiled_in_place(module: nn.Module) -> Any:
+    """The compiled call ``module.compile()`` gave `module`, or None."""
+    return module.__dict__.get(COMPILED_CALL)
+
+
+def compile_attr(owner: nn.Module) -> str:
+    """The instance attribute through which a compiled module is called: the ``forward`` of a
+    ``torch.compile`` wrapper, the compiled call of a module compiled in place."""
+    return "forward" if is_compile_wrapper(owner) else COMPILED_CALL
+
+
+def compiled_model(owner: nn.Module) -> nn.Module:
+    """The model a compiled module runs: a ``torch.compile`` wrapper's inner model, or the module
+    compiled in place itself."""
+    return owner._orig_mod if is_compile_wrapper(owner) else owner  # type: ignore[return-value]
+
+
+def dynamo_context(owner: nn.Module, compiled: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+    """The compile settings of a compiled module, as a function decorator: a ``torch.compile``
+    wrapper's own; for a module compiled in place, those its compiled call (`compiled`) was made
+    with, or None where they cannot be found."""
+    if is_compile_wrapper(owner):
+        return owner.dynamo_ctx  # type: ignore[return-value]
+    # dynamo is imported already: the module was compiled
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            found = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(found, _TorchDynamoContext):
+            return found
+    return None
 
 
 def is_compile_wrapper(module: nn.Module) -> bool:

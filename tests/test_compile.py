@@ -71,18 +71,27 @@ def test_capture_records_inside_a_separately_compiled_submodule() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
-@pytest.mark.parametrize("route", ["compiled capture", "with_hooks on a compiled model"])
+@pytest.mark.parametrize("route", ["compiled capture", "with_hooks on a compiled model",
+                                   "with_hooks on a model compiled in place", "capture of a model compiled in place"])
 def test_compiled_recording_gives_the_eager_record_on_every_torch(route: str) -> None:
-    """Both ways of recording compiled code give the eager Record and output on every torch
-    release, graph breaks allowed (2.12 raised AttributeError from dynamo here), and leave no
-    hooks; the model recorded after a ReLU(inplace=True) changed its input."""
+    """Every way of recording compiled code (a compiled capture; a run or a capture on a model
+    compiled before it, by ``torch.compile(model)`` or in place by ``model.compile()``) gives the
+    eager Record and output on every torch release, graph breaks allowed (2.12 raised
+    AttributeError from dynamo here), and leaves no hooks; the model recorded after a
+    ReLU(inplace=True) changed its input."""
     model, eager = small(), small()
     x = torch.randn(3, 4)
     specs = [fh.outputs("**"), fh.inputs("2"), fh.observe("0", lambda m, args, out: out.sum(), name="total")]
     if route == "compiled capture":
         out, rec = torch.compile(fh.capture(model, specs))(x)
+    elif route == "capture of a model compiled in place":
+        model.compile()
+        model(x)
+        out, rec = fh.capture(model, specs)(x)
     else:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model) if route == "with_hooks on a compiled model" else model
+        if compiled is model:
+            model.compile()
         compiled(x)  # compiled before the run
         with fh.with_hooks(compiled, specs) as run:
             out = compiled(x)
@@ -179,3 +188,77 @@ def test_compiled_capture_of_every_kind_of_spec_equals_eager(separator: str) -> 
     assert list(rec) == list(eager_rec) == ["0", f"1.a{separator}b", "2", "3"]
     assert torch.allclose(out, eager_out, atol=1e-6) and rec.equal(eager_rec, atol=1e-5)
     fh.testing.assert_no_hooks(model)
+
+
+@RECORDS_IN_COMPILE
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # dynamo's, on a block's input
+@pytest.mark.parametrize("where", ["the model", "one block"])
+def test_runs_on_modules_compiled_in_place_record_in_the_compiled_code(where: str) -> None:
+    """``module.compile()`` (the model, or one block of it, as per-block compiling does): runs
+    record through a recorder compiled like the module, with no graph break, no new graph
+    over more runs than dynamo's recompile limit, and the eager Record; the module is called
+    through its compiled code again after the block."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model, eager = small(), small()
+    compiled = model if where == "the model" else model[2]
+    compiled.compile()
+    x = torch.randn(3, 4)
+    model(x)  # compiled before the runs
+    counters.clear()
+    specs = [fh.outputs("**", clone=True), fh.inputs("2"), fh.edit("0", lambda m, a, o: o * 2)]  # `0` is eager with one block
+    expected_out, expected = fh.capture(eager, [specs[0], fh.inputs("2", clone=True), specs[2]])(x)
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        with fh.with_hooks(model, specs) as run:
+            out = model(x)
+        assert list(run.record) == ["0", "1", "2"]
+        assert run.record.equal(expected, atol=1e-6) and torch.allclose(out, expected_out, atol=1e-6)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1  # the run's recorder, once
+    fh.testing.assert_no_hooks(model)
+    assert model.__dict__.keys() == eager.__dict__.keys() | ({"_compiled_call_impl"} if compiled is model else set())
+    model(x)
+    assert counters["stats"]["unique_graphs"] == 1  # the module's own compiled code, unchanged
+
+
+@RECORDS_IN_COMPILE
+def test_a_plan_made_before_module_compile_is_made_again() -> None:
+    """A run before ``model.compile()``, one after it and one after compiling is undone: each
+    records the eager Record the way the model is called then (through the compiled recorder
+    only while the model is compiled: no graph break)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model, eager = small(), small()
+    x = torch.randn(3, 4)
+    _, expected = fh.capture(eager, fh.outputs("**", clone=True))(x)
+    records = []
+    for state in ("eager", "compiled", "undone"):
+        if state == "compiled":
+            model.compile()
+        elif state == "undone":
+            model._compiled_call_impl = None
+        counters.clear()
+        with fh.with_hooks(model, fh.outputs("**", clone=True)) as run:
+            model(x)
+        records.append(run.record)
+        assert not counters["graph_break"]
+        assert counters["stats"]["unique_graphs"] == (1 if state == "compiled" else 0)
+    assert all(rec.equal(expected, atol=1e-6) for rec in records)
+
+
+def test_a_copy_made_in_a_block_of_a_module_compiled_in_place_is_the_plain_copy() -> None:
+    """``copy.deepcopy`` drops a module's compiled call (PyTorch's own ``__getstate__``); a copy
+    made inside a block on a module compiled in place is the same as one made outside it."""
+    model = small()
+    model.compile()
+    x = torch.randn(3, 4)
+    model(x)
+    outside = copy.deepcopy(model)
+    with fh.with_hooks(model, fh.outputs("0")):
+        inside = copy.deepcopy(model)
+    assert inside.__dict__.keys() == outside.__dict__.keys()
+    assert "_compiled_call_impl" not in inside.__dict__
+    fh.testing.assert_no_hooks(inside)
+    assert torch.allclose(inside(x), model(x))

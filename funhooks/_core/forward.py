@@ -210,9 +210,13 @@ class Forward:
         reduced: Any = type(module).__reduce_ex__(module, protocol)  # type: ignore[arg-type, call-arg]
         if len(reduced) < 3 or not isinstance(reduced[2], dict):
             return reduced
-        state = {k: v for k, v in reduced[2].items() if v is not self and not (k == "__reduce_ex__" and self.reducing)}
-        if self.saved is not None:
-            state[self.attr] = self.saved
+        state = {}
+        for k, v in reduced[2].items():
+            if v is self:  # what it replaced, if anything (a state that leaves the attribute out stays so)
+                if self.saved is not None:
+                    state[k] = self.saved
+            elif not (k == "__reduce_ex__" and self.reducing):
+                state[k] = v
         return (reduced[0], reduced[1], state, *reduced[3:])
 
 

@@ -6,9 +6,11 @@ closures stored, with no graph break, and nothing of the wrapping exists when th
 runs. Two places use it:
 
 - a capture function being compiled (``torch.compile(fh.capture(model, specs))``);
-- runs on a model compiled before the run: the ``torch.compile`` wrapper's forward is
-  wrapped with :func:`compiled_call`, which calls a *recorder* compiled with the wrapper's
-  own settings, once per plan, so Records come back as values at compiled speed.
+- runs on a model compiled before the run: the way its compiled code is called (the
+  ``torch.compile`` wrapper's forward, or the compiled call ``module.compile()`` put in a
+  module's ``__dict__``) is wrapped with :func:`compiled_call`, which calls a *recorder*
+  compiled with the same settings, once per plan, so Records come back as values at
+  compiled speed.
 
 On torch releases whose dynamo cannot trace this (``_torch.TRACES_RECORDING``), both run
 the model eagerly while it records, with the same Records.
@@ -166,8 +168,9 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _recorder(wrapper: nn.Module, users: list[Compiled]) -> Callable[..., Any]:
-    """The compiled recorder for `users`."""
+def _recorder(wrapper: nn.Module, compiled_fn: Any, users: list[Compiled]) -> Callable[..., Any]:
+    """The recorder for `users`, compiled with the settings of `wrapper` (a ``torch.compile``
+    wrapper, or a module compiled in place whose compiled call is `compiled_fn`)."""
     modules: dict[int, tuple[str, str, str, list[tuple[int, Any, Any]]]] = {}
     for i, compiled in enumerate(users):
         for ref, route, attr, hooked, lean in compiled.items:
@@ -176,26 +179,29 @@ def _recorder(wrapper: nn.Module, users: list[Compiled]) -> Callable[..., Any]:
                 modules.setdefault(id(module), (route, attr, hooked.path, []))[3].append((i, hooked, lean))
     traced = layout(modules.values())
     callers = tuple([c.caller for c in users])
+    in_place = not _torch.is_compile_wrapper(wrapper)  # its plain call: `Module.__call__` would call `compiled_fn`
 
     def recorder(inner: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
-        out = record(inner, inner, traced, frames, args, kwargs)
+        out = record(inner._call_impl if in_place else inner, inner, traced, frames, args, kwargs)
         return out, tuple([f.buffer for f in frames])
 
-    if not _torch.TRACES_RECORDING:  # the model runs eagerly while it records
+    context = _torch.dynamo_context(wrapper, compiled_fn)
+    if not _torch.TRACES_RECORDING or context is None:  # the model runs eagerly while it records
         return recorder
-    return _torch.dynamo_context(wrapper)(_fresh(recorder))
+    return context(_fresh(recorder))
 
 
 def compiled_call(wrapper: nn.Module, inner: Callable[..., Any], users: Any, args: tuple, kwargs: dict) -> Any:
-    """A call of a ``torch.compile`` wrapper for the runs in `users` (``(frame, Compiled)``):
-    the compiled recorder runs the model and returns what the runs' entries stored."""
+    """A call of a compiled module (a ``torch.compile`` wrapper, or a module compiled in place,
+    whose compiled call is `inner`) for the runs in `users` (``(frame, Compiled)``): the
+    compiled recorder runs the model and returns what the runs' entries stored."""
     key = tuple([id(compiled) for _, compiled in users])
     first: Compiled = users[0][1]
     recorder = first.recorders.get(key)
     if recorder is None:
-        recorder = first.recorders[key] = _recorder(wrapper, [compiled for _, compiled in users])
-    out, buffers = recorder(wrapper._orig_mod, *args, **kwargs)
+        recorder = first.recorders[key] = _recorder(wrapper, inner, [compiled for _, compiled in users])
+    out, buffers = recorder(_torch.compiled_model(wrapper), *args, **kwargs)
     if not _torch.in_backward():  # a recomputation (checkpointing) stores nothing again
         for (frame, _), buffer in zip(users, buffers):
             frame.buffer.extend(buffer)  # every traced entry stores `(key, copy, None)`
