@@ -9,6 +9,8 @@ The model is compiled once (``compiled = torch.compile(model)``), before any run
 - then, apart: ``compiled fh.capture`` (``torch.compile(fh.capture(model, fh.outputs("**")))``,
   when funhooks has ``capture``) against ``compiled bare (capture alive)``, measured beside it
   (older funhooks versions kept global hooks installed while a capture function lived);
+- then a copy of the model compiled in place (``model.compile()``):
+  ``compiled in place, bare`` and ``fh.with_hooks on compiled in place``;
 - residue: an unrelated eager model's bare forward, timed before anything else and again
   after the runs on the compiled model (``unrelated bare, after / before``): what the runs
   left in the process (older funhooks versions left a global hook for good).
@@ -25,6 +27,7 @@ Run: ``python benchmarks/bench_compile.py`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +112,22 @@ def main() -> None:
                 cases["compiled fh.capture"] = lambda: compiled_capture(x)
             results["capture"] = _common.time_cases(cases, baseline="compiled bare (capture alive)", **timing)
             print(_common.format_table("compiled capture", results["capture"]))
+            del compiled_capture
+        # Phase 3: a copy of the model compiled in place, by `model.compile()`.
+        in_place = copy.deepcopy(model)
+        in_place.compile(backend=backend)
+
+        def hooked_in_place() -> tuple[Any, fh.Record]:
+            with fh.with_hooks(in_place, spec) as run:
+                y = in_place(x)
+            return y, run.record
+
+        _common.check(torch.allclose(in_place(x), y_ref, atol=ATOL), "the model compiled in place computes otherwise")
+        cases = {"compiled in place, bare": lambda: in_place(x)}
+        if _check("fh.with_hooks on compiled in place", hooked_in_place, y_ref, ref, failures):
+            cases["fh.with_hooks on compiled in place"] = hooked_in_place
+        results["in place"] = _common.time_cases(cases, baseline="compiled in place, bare", **timing)
+        print(_common.format_table("model.compile()", results["in place"]))
     for name, why in failures.items():
         print(f"bench_compile: {name!r} failed its check and was not timed: {why}")
     path = _common.write(NAME, args.out, {

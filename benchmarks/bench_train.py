@@ -16,6 +16,16 @@ timing):
 - ``hand hooks, fastai-style stats``: forward hooks on every Linear computing the same
   statistics with ``.item()`` in the hook, as fastai's ``ActivationStats`` does (cpu=False);
   ``ActivationStats``' numbers are checked to equal these exactly before timing.
+- ``floor: one-line wrappers + exact reduction``: what any design that wraps each module's
+  forward and gives fastai's statistics to the bit must pay, with none of funhooks' run,
+  Record or fold: each Linear's forward wrapped for the step by a one-line Python function
+  keeping its output, then the step's outputs stacked and reduced by the exact batched
+  reduction ``ActivationStats`` uses (``funhooks._exact.row_stats``); checked equal to
+  ``ActivationStats``' numbers.
+- ``floor: gradient + update kernels``: the kernels ``GradientStats`` and ``UpdateRatio`` run
+  per step (stack each shape's gradients and sum / sum of squares / zero count them; copy the
+  parameters before the update, subtract after it, two norms), written into the loop by hand;
+  checked close to their results.
 
 Model: the deep-narrow MLP (48 x (Linear(64, 64), ReLU)), batch 32, SGD, MSE loss,
 one thread, flush-denormal on. Targets (issue 16): ``fh.train`` <= 1.05x,
@@ -49,6 +59,8 @@ QUICK_FRAMEWORK_STEPS = 6
 FRAMEWORK_ROUNDS = 7
 NAME = "train"
 PARAMS_CASE = "fh.fit + GradientStats() + UpdateRatio()"
+FLOOR_STATS = "floor: one-line wrappers + exact reduction"
+FLOOR_PARAMS = "floor: gradient + update kernels"
 BATCHES_PER_CALL = 8
 QUICK_DEPTH = 4
 LR = 1e-3
@@ -127,6 +139,81 @@ def _fastai_style(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -
     return call
 
 
+def _floor_stats(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], list]:
+    """One-line forward wrappers keeping each Linear's output, and the exact batched reduction."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    rows: list[torch.Tensor] = []
+
+    def call() -> list:
+        rows.clear()
+        for x, y in batches:
+            kept: list[torch.Tensor] = []
+            for m in linears:
+                m.forward = _keeping(m.forward, kept)  # type: ignore[method-assign]
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            for m in linears:
+                del m.forward
+            rows.append(fh._exact.row_stats(torch.stack(kept).flatten(1), fh.stats.NEAR_ZERO))
+        return rows
+
+    return call
+
+
+def _keeping(forward: Callable[..., torch.Tensor], kept: list) -> Callable[..., torch.Tensor]:
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = forward(*args, **kwargs)
+        kept.append(out.detach())
+        return out
+
+    return wrapped
+
+
+def _floor_params(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], list]:
+    """GradientStats' and UpdateRatio's kernels written into the loop: per shape, a stack of the
+    gradients with sum, sum of squares and zero count; a stack of the parameters before the
+    update, subtracted from one after it, and the two norms."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    groups = [[m.weight for m in linears], [m.bias for m in linears]]
+    tables: list[list[torch.Tensor]] = []
+
+    def call() -> list:
+        tables.clear()
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            table = []
+            for params in groups:
+                g = torch.stack([p.grad for p in params]).flatten(1)
+                table.append(torch.stack((g.sum(1), torch.linalg.vector_norm(g, dim=1).square_(), g.eq_(0).sum(1)), 1))
+            before = [torch.stack(params).flatten(1) for params in groups]
+            opt.step()
+            for params, b in zip(groups, before):
+                a = torch.stack(params).flatten(1)
+                table.append(torch.stack((torch.linalg.vector_norm(a.sub_(b), dim=1), torch.linalg.vector_norm(b, dim=1)), 1))
+            tables.append(table)
+        return tables
+
+    return call
+
+
+def _check_floors(stats: Any, params: Any, floor_stats: list, floor_params: list) -> None:
+    """The floors compute what the reducers do: ActivationStats' rows to the bit, the gradient
+    norms and update ratios to float tolerance (the reducers add in float64)."""
+    _common.check(all(torch.equal(e.rows, r) for e, r in zip(stats.entries, floor_stats, strict=True)),
+                  "the exact-reduction floor differs from ActivationStats")
+    grads, updates = params
+    for step, (w, b, dw, db) in enumerate(floor_params):
+        norms = (w[:, 1].double() + b[:, 1].double()).sqrt()
+        ratios = dw.double().square().add(db.double().square()).sqrt()
+        want_norms = torch.tensor([s["norm"] for s in grads.stats[step]], dtype=torch.float64)
+        want_ratios = torch.tensor(updates.ratios[step], dtype=torch.float64)
+        _common.check(torch.allclose(norms, want_norms, rtol=1e-5)
+                      and torch.allclose(ratios[:, 0] / ratios[:, 1], want_ratios, rtol=1e-4),
+                      "the gradient + update floor differs from GradientStats / UpdateRatio")
+
+
 REDUCER_SETS: dict[str, tuple[str, Callable[[], Any]]] = {
     "ActivationStats()": ("fh.fit + ActivationStats()", lambda: fh.ActivationStats()),
     "GradientStats() + UpdateRatio()": (PARAMS_CASE, lambda: [fh.GradientStats(), fh.UpdateRatio()]),
@@ -194,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"fh.fit + ActivationStats(every={EVERY})": lambda m, o: _fit(m, batches, o, EVERY),
         PARAMS_CASE: lambda m, o: _fit_params(m, batches, o),
         "hand hooks, fastai-style stats": lambda m, o: _fastai_style(m, batches, o),
+        FLOOR_STATS: lambda m, o: _floor_stats(m, batches, o),
+        FLOOR_PARAMS: lambda m, o: _floor_params(m, batches, o),
     }
     cases, models = {}, {}
     for name, build in builders.items():
@@ -207,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hand = cases["hand hooks, fastai-style stats"]()
     # fastai's own test compares with ==: every statistic must be the hooks' to the bit
     _common.check(res.stats == hand, "ActivationStats differs from the hand-written fastai-style hooks")
+    _check_floors(res, cases[PARAMS_CASE](), cases[FLOOR_STATS](), cases[FLOOR_PARAMS]())
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = _common.time_cases(cases, baseline="bare loop", rounds=args.rounds, warmup=args.warmup,
