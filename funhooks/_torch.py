@@ -133,6 +133,8 @@ peek_transform = torch._C._functorch.peek_interpreter_stack
 """The innermost active ``torch.func`` interpreter, or None outside transforms (a C call)."""
 graph_task_id = torch._C._current_graph_task_id
 """The id of the backward pass running in this thread, -1 outside one (a C call)."""
+jit_tracing = torch._C._get_tracing_state
+"""The state of a ``torch.jit.trace`` running in this thread, None outside one (a C call)."""
 
 
 def transform_level() -> int:

@@ -117,6 +117,26 @@ def test_a_transform_of_the_model_inside_a_block_raises_pointing_to_capture(tran
     fh.testing.assert_no_hooks(model)
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace.* is deprecated:DeprecationWarning")  # 2.13 deprecates tracing
+def test_jit_trace_inside_a_block_passes_its_check_and_traces_the_editors() -> None:
+    """`torch.jit.trace` inside a block that stores outputs (with or without gradients) passes
+    its own check, which traces again without gradients and compares the graphs (it failed:
+    the stored value was an alias in one trace and the output itself in the other, and the
+    tracer names values after the variables holding them). Editors are traced into the graph;
+    the block records every call jit makes."""
+    model = _mlp()
+    x = torch.randn(5, 4)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), fh.with_hooks(model, [fh.outputs("**"), fh.edit("2", lambda m, a, o: -o)]) as run:
+            traced = torch.jit.trace(model, x)
+        calls = [len(run.record.calls(p, "output")) for p in run.record]
+        assert list(run.record) == ["0", "1", "2"] and calls[0] >= 1 and calls == calls[:1] * 3  # jit traces twice
+        with torch.no_grad():
+            assert torch.allclose(traced(x), -model(x))  # the edit is in the traced graph
+        fh.testing.assert_no_hooks(model)
+
+
 def test_pure_functions_called_inside_a_block_are_unseen_by_it() -> None:
     """`vmap(activation_grads(...))` and `vmap(capture(...))` inside a block return their own
     batched Records; the block around them stores nothing of their calls."""

@@ -45,6 +45,7 @@ __all__ = ["GradSlot", "backward_hook", "call_spec", "checked_edit", "param_hook
 
 Tensor = torch.Tensor
 Key = tuple[str, str]
+_tracing = _torch.jit_tracing
 _OWN_ERRORS = (ExtraError, LoopError, RecordError, ReducerError, SelectorError, SpecError, StaleTensorError,
                TransformError)
 """funhooks' own errors, raised by its own spec functions: their message already says what to do."""
@@ -154,7 +155,10 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
 
             def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
                 if isinstance(output, Tensor):
-                    if output.requires_grad:  # without autograd history, detach() would only make an alias
+                    # without autograd history, detach() would only make an alias; but `torch.jit.trace`
+                    # names a graph's values after the variables holding them, and its check traces
+                    # again without gradients: every trace stores an alias, so both graphs are alike
+                    if output.requires_grad or _tracing():
                         output = output.detach()
                     try:
                         frame.buffer.append((key, output, output._version))
