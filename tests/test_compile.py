@@ -262,3 +262,41 @@ def test_a_copy_made_in_a_block_of_a_module_compiled_in_place_is_the_plain_copy(
     assert "_compiled_call_impl" not in inside.__dict__
     fh.testing.assert_no_hooks(inside)
     assert torch.allclose(inside(x), model(x))
+
+
+def test_non_strict_export_inside_a_block_exports_the_editors() -> None:
+    """``torch.export.export(model, strict=False)`` inside a block runs the model in Python: the
+    run's editors are in the exported program, and the model is left as it was."""
+    model = small()
+    x = torch.randn(3, 4)
+    with fh.with_hooks(model, fh.edit("2", lambda m, a, o: -o)):
+        program = torch.export.export(model, (x,), strict=False)
+    fh.testing.assert_no_hooks(model)
+    assert torch.allclose(program.module()(x), -model(x), atol=1e-6)
+
+
+@RECORDS_IN_COMPILE
+@pytest.mark.filterwarnings("ignore:While compiling, we found certain side effects:UserWarning")
+def test_strict_export_of_a_capture_gives_its_values() -> None:
+    """A module calling a capture function (its model registered as a submodule) exports in
+    strict mode, one graph: the program returns the edited output and the stored values.
+    (Export warns of "side effects" on the modules: the recording sets their ``forward`` in
+    their ``__dict__`` and restores it, inside the trace.)"""
+    model = small()
+    f = fh.capture(model, [fh.outputs("0", clone=True), fh.edit("2", lambda m, a, o: -o)])
+
+    class Exported(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out, rec = f(x)
+            return out, rec["0"]["output"]
+
+    x = torch.randn(3, 4)
+    program = torch.export.export(Exported(), (x,), strict=True)
+    out, stored = program.module()(x)
+    with torch.no_grad():
+        assert torch.allclose(out, -model(x), atol=1e-6) and torch.allclose(stored, model[0](x), atol=1e-6)
+    fh.testing.assert_no_hooks(model)
