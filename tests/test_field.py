@@ -122,9 +122,9 @@ def test_a_transform_of_the_model_inside_a_block_raises_pointing_to_capture(tran
 def test_jit_trace_inside_a_block_passes_its_check_and_traces_the_editors() -> None:
     """`torch.jit.trace` inside a block that stores outputs (with or without gradients) passes
     its own check, which traces again without gradients and compares the graphs (it failed:
-    the stored value was an alias in one trace and the output itself in the other, and the
-    tracer names values after the variables holding them). Editors are traced into the graph;
-    the block records every call jit makes."""
+    the entry detached the output in one trace only, and the tracer names a value after the
+    variable that passes it to an op). Editors are traced into the graph; the block records
+    every call jit makes."""
     model = _mlp()
     x = torch.randn(5, 4)
     for grad in (True, False):

@@ -155,10 +155,11 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
 
             def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
                 if isinstance(output, Tensor):
-                    # without autograd history, detach() would only make an alias; but `torch.jit.trace`
-                    # names a graph's values after the variables holding them, and its check traces
-                    # again without gradients: every trace stores an alias, so both graphs are alike
-                    if output.requires_grad or _tracing():
+                    # without autograd history, detach() would only make an alias. Under `torch.jit.trace`
+                    # no op is called here: the tracer names a value after the variable of the frame that
+                    # passes it to an op, and its check traces again without gradients, so a detach in
+                    # one trace only would make the two graphs differ
+                    if output.requires_grad and not _tracing():
                         output = output.detach()
                     try:
                         frame.buffer.append((key, output, output._version))
