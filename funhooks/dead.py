@@ -28,7 +28,7 @@ from .selector import Selector, select
 from .spec import Spec, observe
 from .step import Step
 
-__all__ = ["ACTIVATIONS", "NEAR_ZERO", "DeadUnits", "DeadUnitsResult"]
+__all__ = ["ACTIVATIONS", "NEAR_ZERO", "DeadUnits", "DeadUnitsResult", "is_activation"]
 
 NEAR_ZERO = 1e-6
 """A unit's magnitude at or below this counts as zero (``fh.testing.check_dead_units``' too)."""
@@ -37,7 +37,28 @@ ACTIVATIONS: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Hardswish, nn.Hardtanh, nn.Softplus,
 )
-"""The default layers: activation modules, where units die."""
+"""PyTorch's activation modules, where units die (with Hugging Face's, the default layers; see
+:func:`is_activation`)."""
+
+_HF_ACTIVATIONS = "transformers.activations"
+_HF_IDENTITY = "LinearActivation"
+
+
+def is_activation(path: str, module: nn.Module) -> bool:
+    """Whether `module` is an activation: one of :data:`ACTIVATIONS`, or one of Hugging Face's
+    own activation modules (the classes of ``transformers.activations``, such as GPT-2's
+    ``NewGELUActivation`` and BERT's ``GELUActivation``; not its identity, ``LinearActivation``).
+
+    Example:
+        >>> from torch import nn
+        >>> from funhooks.dead import is_activation
+        >>> is_activation("1", nn.ReLU()), is_activation("0", nn.Linear(2, 2))
+        (True, False)
+    """
+    if isinstance(module, ACTIVATIONS):
+        return True
+    cls = type(module)
+    return cls.__module__ == _HF_ACTIVATIONS and cls.__name__ != _HF_IDENTITY
 
 NAME = "dead_units"
 
@@ -89,7 +110,8 @@ class DeadUnits:
     """The fraction of dead units per layer at every recorded train step, and throughout.
 
     Args:
-        modules: the layers (a selector); None: the activation modules (:data:`ACTIVATIONS`).
+        modules: the layers (a selector); None: the activation modules (:func:`is_activation`:
+            PyTorch's and Hugging Face's).
         every: record train iterations with ``iteration % every == 0``; None: all.
         near_zero: a magnitude at or below this counts as zero (:data:`NEAR_ZERO`).
 
@@ -121,7 +143,7 @@ class DeadUnits:
     @property
     def specs(self) -> tuple[Spec, ...]:
         """One observer spec storing each unit's peak magnitude over the batch."""
-        where = select(ACTIVATIONS) if self.modules is None else self.modules
+        where = select(is_activation) if self.modules is None else self.modules
         return (observe(where, unit_peaks, name=NAME, detach=False),)
 
     def records(self, iteration: int, training: bool) -> bool:

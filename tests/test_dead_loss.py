@@ -100,6 +100,38 @@ def test_two_ranks_halves_of_a_batch_merge_into_the_joint_batch() -> None:
     assert stats.result(a).dead == [[pytest.approx(2 / 3)]]
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_dead_units_finds_hugging_face_activations_by_default(family: str) -> None:
+    """`DeadUnits()` on a Hugging Face model whose MLPs use transformers' own activation modules
+    (GPT-2's `NewGELUActivation`, BERT's `GELUActivation`): its default layers are those (one
+    per block, and BERT's head's); it raised SelectorError, matching no module."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=32)
+        model, acts = transformers.GPT2LMHeadModel(config), ("transformer.h.0.mlp.act", "transformer.h.1.mlp.act")
+    else:
+        config = transformers.BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
+                                         intermediate_size=32, vocab_size=32, max_position_embeddings=16)
+        model = transformers.BertForMaskedLM(config)
+        acts = ("bert.encoder.layer.0.intermediate.intermediate_act_fn",
+                "bert.encoder.layer.1.intermediate.intermediate_act_fn", "cls.predictions.transform.transform_act_fn")
+    batches = [{"input_ids": torch.randint(0, 32, (2, 8))} for _ in range(2)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(m: nn.Module, batch: dict) -> torch.Tensor:
+        opt.zero_grad()
+        loss = m(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    res = fh.fit(model, batches, step=step, reducers=fh.DeadUnits())
+    assert res.paths == acts
+    assert all(0.0 <= f <= 1.0 for path in res.paths for f in res.layer(path))
+    fh.testing.assert_no_hooks(model)
+
+
 def test_dead_units_arguments_are_checked() -> None:
     """A negative near_zero is a one-line ReducerError."""
     with pytest.raises(fh.ReducerError) as err:
