@@ -60,6 +60,7 @@ def is_activation(path: str, module: nn.Module) -> bool:
     cls = type(module)
     return cls.__module__ == _HF_ACTIVATIONS and cls.__name__ != _HF_IDENTITY
 
+
 NAME = "dead_units"
 
 
