@@ -20,7 +20,7 @@ timing):
   forward and gives fastai's statistics to the bit must pay, with none of funhooks' run,
   Record or fold: each Linear's forward wrapped for the step by a one-line Python function
   keeping its output, then the step's outputs stacked and reduced by the exact batched
-  reduction ``ActivationStats`` uses (``funhooks._exact.row_stats``); checked equal to
+  reduction ``ActivationStats`` uses (``funhooks.reducers._exact.row_stats``); checked equal to
   ``ActivationStats``' numbers.
 - ``floor: gradient + update kernels``: the kernels ``GradientStats`` and ``UpdateRatio`` run
   per step (stack each shape's gradients and sum / sum of squares / zero count them; copy the
@@ -114,7 +114,7 @@ def _fastai_style(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -
         o = o.detach().float()
         current.append({
             "mean": o.mean().item(), "std": o.std().item(),
-            "near_zero": (o <= fh.stats.NEAR_ZERO).long().sum().item() / o.numel(),
+            "near_zero": (o <= fh.reducers.activation_stats.NEAR_ZERO).long().sum().item() / o.numel(),
         })
 
     for m in model.modules():
@@ -155,7 +155,7 @@ def _floor_stats(model: nn.Module, batches: list, opt: torch.optim.Optimizer) ->
             opt.step()
             for m in linears:
                 del m.forward
-            rows.append(fh._exact.row_stats(torch.stack(kept).flatten(1), fh.stats.NEAR_ZERO))
+            rows.append(fh.reducers._exact.row_stats(torch.stack(kept).flatten(1), fh.reducers.activation_stats.NEAR_ZERO))
         return rows
 
     return call

@@ -14,16 +14,9 @@ Example:
     [(3, 8), (3, 2)]
 """
 
-import sys as _sys
 from importlib import metadata as _metadata
 
-from . import activation, distributed, plot, progress, pure, selector, testing
-from ._fastai import Hook, Hooks, hook_output, hook_outputs
-from .activation import activation_grads
-from .callback import HookCallback
-from .collect import collect
-from .dataset import ActivationDataset
-from .dead import DeadUnits, DeadUnitsResult
+from . import distributed, testing
 from .distributed import merge_across_ranks
 from .errors import (
     ExtraError,
@@ -40,22 +33,50 @@ from .errors import (
     StoreError,
     TransformError,
 )
-from .fold import Reducer, fit, fold, fold_all, running
-from .folding import Folding, folding
-from .gradient import GradientStats, GradientStatsResult
-from .intervene import Arg, ablate, arg, patch, scale, steer
-from .loop import evaluate, train
-from .loss import LossCurve, LossCurveResult
-from .mean import OutputMeans
-from .ops import Op, op, op_edit, op_inputs, op_outputs
-from .pure import capture, functional
-from .record import Record, RecordNode
-from .run import Run, with_hooks
-from .selector import Selector, select
-from .spec import EVENTS, Spec, edit, grads, inputs, observe, outputs
-from .stats import ActivationStats, ActivationStatsResult
-from .step import Step
-from .store import ActivationWriter, WriterState
+from .records import Record, RecordNode
+from .reducers import (
+    ActivationStats,
+    ActivationStatsResult,
+    DeadUnits,
+    DeadUnitsResult,
+    GradientStats,
+    GradientStatsResult,
+    HookCallback,
+    LossCurve,
+    LossCurveResult,
+    OutputMeans,
+    UpdateRatio,
+    UpdateRatioResult,
+    plot,
+)
+from .runs import Run, activation_grads, capture, functional, with_hooks
+from .specs import (
+    EVENTS,
+    Arg,
+    Hook,
+    Hooks,
+    Op,
+    Selector,
+    Spec,
+    ablate,
+    arg,
+    edit,
+    grads,
+    hook_output,
+    hook_outputs,
+    inputs,
+    observe,
+    op,
+    op_edit,
+    op_inputs,
+    op_outputs,
+    outputs,
+    patch,
+    scale,
+    select,
+    steer,
+)
+from .store import ActivationDataset, ActivationWriter, WriterState, collect
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -68,14 +89,20 @@ from .summary import (
     num_features_model,
     total_params,
 )
-from .update import UpdateRatio, UpdateRatioResult
-from .watch import OptimizerWatch
-
-# The modules `select`, `functional` and `grads` were renamed (`selector`, `pure`,
-# `activation`) so that no module shares a name with a function exported here; their old
-# import paths keep working, and pickles that name them still load.
-for _old, _new in (("select", selector), ("functional", pure), ("grads", activation)):
-    _sys.modules[f"{__name__}.{_old}"] = _new
+from .training import (
+    Folding,
+    OptimizerWatch,
+    Reducer,
+    Step,
+    evaluate,
+    fit,
+    fold,
+    fold_all,
+    folding,
+    progress,
+    running,
+    train,
+)
 
 
 def __getattr__(name: str) -> object:
@@ -83,7 +110,7 @@ def __getattr__(name: str) -> object:
     if name in _INTEGRATIONS:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.integrations.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

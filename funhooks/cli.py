@@ -135,7 +135,7 @@ def _input(model: Any, size: Sequence[int], dtype_name: str | None) -> Any:
 
 
 def _summary(args: argparse.Namespace) -> int:
-    from .summary import module_summary
+    from .summary.utilities import module_summary
 
     model = _build_model(args.target)
     xb = [_input(model, size, args.dtype) for size in args.input_size]

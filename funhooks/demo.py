@@ -24,15 +24,15 @@ import attrs
 import torch
 from torch import nn
 
-from . import plot
-from .dead import DeadUnits, DeadUnitsResult
 from .errors import ExtraError
-from .fold import Reducer, fit
-from .gradient import GradientStats, GradientStatsResult
-from .loss import LossCurve
-from .stats import ActivationStats, ActivationStatsResult
-from .summary import ModuleSummary, module_summary
-from .update import UpdateRatio, UpdateRatioResult
+from .reducers import plot
+from .reducers.activation_stats import ActivationStats, ActivationStatsResult
+from .reducers.dead_units import DeadUnits, DeadUnitsResult
+from .reducers.loss_curve import LossCurve
+from .reducers.param_grads import GradientStats, GradientStatsResult
+from .reducers.update_ratio import UpdateRatio, UpdateRatioResult
+from .summary.utilities import ModuleSummary, module_summary
+from .training.folds import Reducer, fit
 
 __all__ = ["DemoResult", "digits", "digits_cnn", "run"]
 

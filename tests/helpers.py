@@ -60,7 +60,7 @@ def assert_no_global_state() -> None:
     no run entered in this context."""
     for name in GLOBAL_HOOKS:
         assert not getattr(module_hooks, name), name
-    assert fh._core.scope.active() == ()
+    assert fh.runs._core.scope.active() == ()
 
 
 def assert_no_global_hooks() -> None:

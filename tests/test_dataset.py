@@ -112,7 +112,7 @@ def test_a_dataset_pickles_without_its_open_files(store):
 def test_at_most_max_open_shards_stay_mapped(store, monkeypatch):
     """With room for two open shards, reading all eight in any order still gives the rows."""
     ds, want = store
-    monkeypatch.setattr(fh.dataset, "MAX_OPEN_SHARDS", 2)
+    monkeypatch.setattr(fh.store.dataset, "MAX_OPEN_SHARDS", 2)
     fresh = fh.ActivationDataset(ds.directory)
     order = torch.randperm(30, generator=torch.Generator().manual_seed(1))
     assert torch.equal(fresh[order]["0/output"], want["0/output"][order])

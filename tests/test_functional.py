@@ -274,4 +274,4 @@ def test_no_hooks_left_after_errors(transform: str) -> None:
     with pytest.raises(fh.HookError):
         call(torch.ones(3, 2))
     fh.testing.assert_no_hooks(model)
-    assert fh._core.scope.active() == ()
+    assert fh.runs._core.scope.active() == ()

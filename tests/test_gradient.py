@@ -187,7 +187,7 @@ def test_every_records_ceil_n_over_every_and_pauses_the_rest() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
 
-    def count(layers: fh.watch.Layers) -> dict:
+    def count(layers: fh.training.Layers) -> dict:
         seen.append(layers.paths)
         return {}
 

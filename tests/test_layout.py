@@ -1,6 +1,12 @@
-"""The package layout docs/architecture.md describes is the one the code has: every module
-is in its table, imports only modules above it (so the table reads bottom-up, and no import
-cycle can form), private torch APIs stay in ``_torch.py``, and no file outgrows a read."""
+"""The package layout docs/architecture.md describes is the one the code has.
+
+The map's table has one row per package (and per top-level module), with what it may import.
+These tests hold the code to it: every module belongs to a row, every import (module level,
+inside functions and under ``TYPE_CHECKING`` alike) goes only to its own unit or to a unit the
+row allows, private modules and names stay inside their package, no import cycle forms (the run
+core's type-only cycle excepted, as the map says), private torch APIs stay in ``_torch.py``, and
+no file outgrows a read.
+"""
 
 from __future__ import annotations
 
@@ -9,27 +15,27 @@ import graphlib
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "funhooks"
-MAX_LINES = 400
-ROW = re.compile(r"^\| (`[^|]+`) \|", re.M)
-NAME = re.compile(r"`([\w/]+?)(?:\.py|/)?`")
-CORE_ROW = re.compile(r"\*\*the run core[^|]*?\):(.*?)\|", re.S)
+MAX_LINES = 600
+MAX_TOP_MODULES = 12
+ROW = re.compile(r"^\| `([\w/.]+)` \|[^|]*\| ([^|]*) \|$", re.M)
+CORE = "funhooks.runs._core"
+TORCH_INTERNALS = {"_modules", "_parameters", "_buffers", "_call_impl", "_compiled_call_impl",
+                   "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"}
 
 
-def _rows() -> list[set[str]]:
-    """The table's rows in order, each the set of dotted module names its first cell names;
-    the `_core/` row names the subpackage and the submodules its description lists."""
+def _units() -> dict[str, set[str]]:
+    """The map's rows: unit (``records``, ``errors``, ...) -> the units it may import."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    rows = []
+    units = {}
     for match in ROW.finditer(text):
-        names = {"funhooks." + n.replace("/", "") for n in NAME.findall(match.group(1))}
-        if "funhooks._core" in names:
-            core = CORE_ROW.search(text[match.start():])
-            assert core, "the `_core/` row lists its submodules after '**the run core ...**):'"
-            names |= {"funhooks._core." + n for n in re.findall(r"`(\w+)` \(", core.group(1))}
-        rows.append(names)
-    return rows
+        name = match.group(1).removesuffix("/").removesuffix(".py")
+        allowed = {n.removesuffix("/").removesuffix(".py") for n in re.findall(r"`([\w/.]+)`", match.group(2))}
+        units[name] = allowed
+    return units
 
 
 def _modules() -> dict[str, Path]:
@@ -42,52 +48,148 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The funhooks modules `name` imports when it is imported (module level, outside
-    ``if TYPE_CHECKING:``); imports inside functions run later and are not counted."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        statements = node.body if isinstance(node, ast.Try) else [node]
-        for stmt in statements:
-            if isinstance(stmt, ast.ImportFrom):
-                base = stmt.module or ""
-                if stmt.level:
-                    parts = package.split(".")[: len(package.split(".")) - stmt.level + 1]
-                    base = ".".join([*parts, stmt.module] if stmt.module else parts)
-                # `from x import y`: module x.y if there is one, else a name in module x
-                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in stmt.names}
-            elif isinstance(stmt, ast.Import):
-                found |= {alias.name for alias in stmt.names}
-    return {m for m in found if m in known and m != name}
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
-def test_every_module_is_in_the_architecture_table_and_every_row_exists() -> None:
-    modules = set(_modules()) - {"funhooks"}
-    listed = set().union(*_rows())
-    assert sorted(modules - listed) == [], "add these modules to docs/architecture.md's table"
-    assert sorted(listed - modules) == [], "docs/architecture.md's table names modules that do not exist"
+def _package(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
 
-def test_modules_import_only_modules_above_them_in_the_table() -> None:
-    """Module-level imports follow the table (a row may import its own row's modules), so
-    the table is a reading order and the import graph has no cycle."""
+def _imports(name: str, path: Path, known: set[str]) -> list[tuple[int, str, tuple[str, ...]]]:
+    """Every funhooks import of `name`, anywhere in its source: (line, module, names taken)."""
+    package = _package(name, path)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, node.module] if node.module else parts)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub, ()) if sub in known else (node.lineno, base, (alias.name,)))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
+    return [(line, m, names) for line, m, names in found if m in known and m != name]
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not part.endswith("__")
+
+
+def test_every_unit_is_a_row_of_the_map_and_every_row_exists() -> None:
+    units = {_unit(m) for m in _modules()} - {"", "__main__"}
+    rows = set(_units())
+    assert sorted(units - rows) == [], "add these packages or modules to docs/architecture.md's table"
+    assert sorted(rows - units) == [], "docs/architecture.md's table names units that do not exist"
+
+
+def test_imports_follow_the_map() -> None:
+    """A module imports its own unit and the units its row allows, nothing else: the rows
+    read bottom-up, so no import runs back up a layer, inside functions included."""
+    units, modules = _units(), _modules()
+    wrong = []
+    for name, path in modules.items():
+        unit = _unit(name)
+        if unit in ("", "__main__"):
+            continue  # the package's face re-exports everything
+        for line, dep, _ in _imports(name, path, set(modules)):
+            if _unit(dep) not in {unit, "", *units[unit]}:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {dep} ({unit} may import {sorted(units[unit])})")
+    assert not wrong, "an import the map does not allow:\n" + "\n".join(wrong)
+
+
+def test_private_modules_and_names_stay_in_their_package() -> None:
+    """A `_x` module is imported only inside the package that holds it, a `_name` is taken only
+    from its own module, and no attribute `_name` is read off something imported from another
+    module (`Record._trusted`, `run._as_specs`)."""
     modules = _modules()
-    rank = {name: i for i, row in enumerate(_rows()) for name in row}
-    graph = {name: _imports(name, path, set(modules)) - {"funhooks"} for name, path in modules.items()}
-    wrong = sorted(f"{name} imports {dep}" for name, deps in graph.items() if name in rank
-                   for dep in deps if rank[dep] > rank[name])
-    assert not wrong, "move these modules' rows in docs/architecture.md, or the imports:\n" + "\n".join(wrong)
+    wrong = []
+    for name, path in modules.items():
+        package = _package(name, path)
+        imported: set[str] = set()
+        for line, dep, names in _imports(name, path, set(modules)):
+            parts = dep.split(".")
+            owners = [".".join(parts[:i]) for i, part in enumerate(parts) if _is_private(part)]
+            if any(package != owner and not package.startswith(owner + ".") for owner in owners):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports private module {dep}")
+            wrong += [f"{path.relative_to(ROOT)}:{line} imports private name {n} from {dep}" for n in names
+                      if _is_private(n)]
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("funhooks")):
+                imported |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("funhooks")}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
+                    and _is_private(node.attr)):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not wrong, "private code used outside its home:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle() -> None:
+    """The import graph, counting imports inside functions and type-only ones, has no cycle;
+    only the run core's type-only imports (``if TYPE_CHECKING``) are left out, as the map says."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = {dep for _, dep, _ in _imports(name, path, set(modules))}
+        if name.startswith(CORE):
+            deps -= _type_only(name, path, set(modules))
+        graph[name] = {d for d in deps if not name.startswith(d + ".")} - {"funhooks"}
     tuple(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+
+
+def _type_only(name: str, path: Path, known: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test).endswith("TYPE_CHECKING")]
+    out = set()
+    for block in blocks:
+        for stmt in block.body:
+            if isinstance(stmt, ast.ImportFrom) and stmt.level:
+                package = _package(name, path).split(".")
+                base = ".".join([*package[: len(package) - stmt.level + 1], *([stmt.module] if stmt.module else [])])
+                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in stmt.names}
+    return out
+
+
+def test_the_top_level_holds_few_modules_and_no_alias_tricks() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"group these top-level modules into packages: {top}"
+    assert "sys.modules" not in (PACKAGE / "__init__.py").read_text()
+
+
+def test_no_public_name_shadows_a_submodule() -> None:
+    """`fh.fold` is a function and there is no module `funhooks.fold`: a package's
+    re-exported names and its submodules' names never coincide."""
+    import importlib
+
+    clashes = []
+    for init in PACKAGE.rglob("__init__.py"):
+        package = ".".join(init.relative_to(ROOT).parent.parts)
+        subs = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        module = importlib.import_module(package)
+        for name in getattr(module, "__all__", ()):
+            value = getattr(module, name)
+            if name in subs and getattr(value, "__name__", None) != f"{package}.{name}":
+                clashes.append(f"{package}.{name}")
+    assert not clashes, f"these names hide a submodule of the same name: {clashes}"
 
 
 def _private_torch(tree: ast.AST) -> list[str]:
     """Dotted torch names in `tree` with a private part (`torch._C`, `torch.utils._pytree`,
-    `nn.Module._call_impl`) or reaching `torch.utils.hooks`."""
+    `nn.Module._call_impl`) or reaching `torch.utils.hooks`, and reads of a module's own
+    tables (`m._modules`, `m._parameters`, `m._buffers`, `m._call_impl`, its hook dicts)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             name = ast.unparse(node)
+            if node.attr in TORCH_INTERNALS:
+                found.append(f"line {node.lineno}: {name}")
+                continue
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             name = ".".join([node.module or "", *(a.name for a in node.names)])
         elif isinstance(node, ast.Import):
@@ -111,14 +213,39 @@ def test_private_torch_apis_are_used_only_in_the_torch_module() -> None:
 
 def test_the_private_api_check_sees_the_usual_spellings() -> None:
     code = ("import torch.utils._pytree as p\nfrom torch._C import _functorch\nx = nn.Module._call_impl\n"
-            "y = torch.utils.hooks.RemovableHandle\nz = torch.nn.functional.relu\nv = torch.__version__\n")
+            "y = torch.utils.hooks.RemovableHandle\nz = torch.nn.functional.relu\nv = torch.__version__\n"
+            "w = model._modules\n")
     assert [f.split(": ")[1] for f in _private_torch(ast.parse(code))] == [
         "torch.utils._pytree", "torch._C._functorch", "nn.Module._call_impl", "torch.utils.hooks.RemovableHandle",
-        "torch.utils.hooks",
+        "torch.utils.hooks", "model._modules",
     ]
+
+
+@pytest.mark.parametrize("rule", ["cycle", "private", "up"])
+def test_the_layout_checks_catch_what_they_guard(rule: str, tmp_path: Path) -> None:
+    """Each rule fails on a small package that breaks it (so no check here passes vacuously)."""
+    pkg = {"cycle": {"a.py": "from . import b\n", "b.py": "def f():\n    from . import a\n"},
+           "private": {"a.py": "from .sub import _x\n", "sub/__init__.py": "", "sub/_x.py": ""},
+           "up": {"a.py": "def f():\n    from .sub import c\n", "sub/__init__.py": "", "sub/c.py": ""}}[rule]
+    for rel, text in pkg.items():
+        (tmp_path / "funhooks" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "funhooks" / rel).write_text(text)
+    mods = {}
+    for path in sorted((tmp_path / "funhooks").rglob("*.py")):
+        parts = list(path.relative_to(tmp_path).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    edges = {(n, dep) for n, p in mods.items() for _, dep, _ in _imports(n, p, set(mods))}
+    if rule == "cycle":
+        assert {("funhooks.a", "funhooks.b"), ("funhooks.b", "funhooks.a")} <= edges
+    elif rule == "private":
+        assert ("funhooks.a", "funhooks.sub._x") in edges and _is_private("_x")
+    else:
+        assert ("funhooks.a", "funhooks.sub.c") in edges and _unit("funhooks.sub.c") == "sub"
 
 
 def test_no_file_is_longer_than_a_read() -> None:
     files = [p for d in ("funhooks", "tests", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these files (at most {MAX_LINES} lines each, one concept per module): {long}"
+    assert not long, f"find the second idea in these files (at most {MAX_LINES} lines each): {long}"

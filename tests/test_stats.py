@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import funhooks as fh
-from funhooks import stats as fhstats
+from funhooks.reducers import activation_stats as fhstats
 
 MSE = kit.MSE
 
@@ -321,7 +321,7 @@ def test_good_arguments_are_kept() -> None:
 
 LSTM_MESSAGE = (
     "ActivationStats: statistics need a tensor output, got tuple from a LSTM module. Select modules with tensor "
-    "outputs with `modules=`, e.g. `modules=fh.select(fh.stats.LeafModules()) & ~fh.select(LSTM)`."
+    "outputs with `modules=`, e.g. `modules=fh.select(fh.reducers.LeafModules()) & ~fh.select(LSTM)`."
 )
 
 
@@ -344,6 +344,6 @@ def test_non_tensor_output_says_which_modules_to_select() -> None:
     with pytest.raises((fh.ReducerError, fh.HookError)) as err:
         fh.fit(model, batches, MSE, kit.frozen_opt(model), fh.ActivationStats())
     assert LSTM_MESSAGE in str(err.value)
-    fixed = fh.ActivationStats(modules=fh.select(fhstats.LeafModules()) & ~fh.select(nn.LSTM))
+    fixed = fh.ActivationStats(modules=fh.select(fh.reducers.LeafModules()) & ~fh.select(nn.LSTM))
     assert fh.fit(model, batches, MSE, kit.frozen_opt(model), fixed).paths == ("head",)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import funhooks as fh
-from funhooks import _exact
+from funhooks.reducers import _exact
 
 MSE = kit.MSE
 

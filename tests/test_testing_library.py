@@ -123,7 +123,7 @@ def test_no_hook_is_left_after_an_exception_at_a_random_point(data):
         for h in handles:
             h.remove()
     assert_no_hooks(model)
-    assert fh._core.scope.active() == ()
+    assert fh.runs._core.scope.active() == ()
 
 
 @given(st.data())

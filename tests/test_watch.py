@@ -27,7 +27,7 @@ def _no_optimizer_hooks(*opts: torch.optim.Optimizer) -> bool:
     return all(not o._optimizer_step_pre_hooks and not o._optimizer_step_post_hooks for o in opts)
 
 
-def _weights(layers: fh.watch.Layers) -> dict[str, torch.Tensor]:
+def _weights(layers: fh.training.Layers) -> dict[str, torch.Tensor]:
     return {p: ps[0].detach().clone() for p, ps in zip(layers.paths, layers.params)}
 
 
@@ -35,7 +35,7 @@ def test_before_sees_old_parameters_and_after_new_ones() -> None:
     """`before` runs before the update (its value is the carry), `after` after it; the
     stored value is `after`'s, one call per optimizer step, in the step's Record."""
 
-    def moved(layers: fh.watch.Layers, before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def moved(layers: fh.training.Layers, before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {p: (ps[0] - before[p]).abs().sum() for p, ps in zip(layers.paths, layers.params)}
 
     model = _model()
@@ -55,7 +55,7 @@ def test_each_optimizer_sees_the_layers_it_updates() -> None:
     opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)]
     seen = []
 
-    def norms(layers: fh.watch.Layers) -> dict[str, torch.Tensor]:
+    def norms(layers: fh.training.Layers) -> dict[str, torch.Tensor]:
         seen.append(layers.paths)
         return {p: ps[0].grad.norm() for p, ps in zip(layers.paths, layers.params)}
 
@@ -99,7 +99,7 @@ def test_wrapped_optimizers_are_watched_through_their_optimizer() -> None:
 def test_a_watch_that_raises_is_a_hook_error_and_leaves_nothing() -> None:
     """An exception in a watch function surfaces as HookError; the optimizer's hooks are removed."""
 
-    def boom(layers: fh.watch.Layers) -> dict:
+    def boom(layers: fh.training.Layers) -> dict:
         raise ValueError("bad watch")
 
     model = _model()
@@ -155,7 +155,7 @@ def test_equal_watches_of_two_reducers_run_once() -> None:
     assert res[0].stats[2] == res[1].stats[1]
 
 
-def _grad_paths(layers: fh.watch.Layers) -> dict[str, torch.Tensor]:
+def _grad_paths(layers: fh.training.Layers) -> dict[str, torch.Tensor]:
     return {p: torch.stack([q.grad.norm() for q in ps]) for p, ps in zip(layers.paths, layers.params)}
 
 

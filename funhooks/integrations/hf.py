@@ -1,0 +1,150 @@
+"""Reducers in the Hugging Face ``Trainer``: a ``TrainerCallback`` that folds them over training.
+
+``FoldCallback(reducers)`` takes the reducers ``fh.fit`` takes (``ActivationStats``,
+``HookCallback``, ``GradientStats``, yours) and runs them, unchanged, on the optimizer steps
+of a ``transformers.Trainer``: one Step per optimizer step (``gradient_accumulation_steps``
+micro-batches each), the specs attached from ``on_step_begin`` to ``on_step_end``, the
+optimizer watches read around the update of the Trainer's optimizer (after its gradient
+clipping). The Trainer hands callbacks no loss, so the Step's loss is made, as the Trainer
+makes the loss it logs, from the ``loss`` the model returned on the step's micro-batches (a
+model called with ``labels``): their sum when the Trainer passed ``num_items_in_batch`` (the
+model then divides by the whole step's token count), their mean otherwise; None when the loss
+is computed outside the model. Evaluation runs outside the steps and is
+never recorded. ``cb.result`` holds the results in the shape of `reducers`.
+
+The Trainer calls no callback when training raises, so a step open at that moment stays
+attached until the callback is closed: use it as a context manager (``with
+fh.hf.FoldCallback(...) as cb:``) or call ``cb.close()``; the next ``trainer.train()`` closes
+it too.
+
+Needs the ``hf`` extra (``pip install 'funhooks[hf]'``); ``import funhooks`` never imports
+transformers.
+
+Cost: what the reducers cost in ``fh.fit``, plus a run on the model's root per step (its
+loss, and its keyword arguments' names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from funhooks.errors import ExtraError
+from funhooks.specs.spec import inputs, observe
+from funhooks.training._recorder import Recorder
+from funhooks.training.folds import Reducer
+
+from ._trainer import Results, Stepwise
+
+try:
+    import transformers
+except ImportError:
+    raise ExtraError(
+        "funhooks.hf: the Trainer callback needs transformers, got it not installed. "
+        "Install the extra: pip install 'funhooks[hf]'."
+    ) from None
+
+__all__ = ["FoldCallback"]
+
+LOSS = "model_loss"
+"""The record name of the loss the model returned, in the callback's own run on the root."""
+
+
+def model_loss(module: Any, args: tuple, output: Any) -> torch.Tensor | None:
+    """A copy of the ``loss`` of a model output (a ``ModelOutput``, a dict); None without one.
+    (A copy: the Trainer scales the loss in place after the model returns it.)"""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss.detach().clone() if isinstance(loss, torch.Tensor) else None
+
+
+class FoldCallback(Results, transformers.TrainerCallback):
+    """Fold reducers over the optimizer steps of a ``transformers.Trainer``.
+
+    Args:
+        reducers: a dict or a list of reducers (a single reducer gives its result).
+
+    Attributes:
+        result: the reducers' results in the shape of `reducers`, over the steps trained so
+            far (read it after ``trainer.train()``).
+        states: their states (for ``fh.merge_across_ranks`` on each rank).
+
+    Raises:
+        ReducerError: at construction, for an entry that lacks the reducer protocol.
+        SpecError, SelectorError: when training starts, for specs or watches that do not fit
+            the model.
+
+    Example:
+        >>> import tempfile, torch, transformers, funhooks as fh
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=32,
+        ...                                  bos_token_id=0, eos_token_id=0)
+        >>> _ = torch.manual_seed(0)
+        >>> model = transformers.GPT2LMHeadModel(config)
+        >>> ids = torch.randint(0, 32, (16, 8))
+        >>> data = [{"input_ids": i, "labels": i} for i in ids]
+        >>> cb = fh.hf.FoldCallback({"grads": fh.GradientStats(), "loss": fh.LossCurve()})
+        >>> with tempfile.TemporaryDirectory() as out, cb:
+        ...     args = transformers.TrainingArguments(out, per_device_train_batch_size=4, num_train_epochs=2,
+        ...                                           report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+        ...     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+        ...     trainer.remove_callback(transformers.PrinterCallback)  # no printed logs
+        ...     _ = trainer.train()
+        >>> len(cb.result["loss"]), cb.result["grads"].paths[:2]
+        (8, ('transformer.wte', 'transformer.wpe'))
+    """
+
+    def __init__(self, reducers: Mapping[Any, Reducer] | Sequence[Reducer]) -> None:
+        self._fold = Stepwise(reducers, "FoldCallback")
+        self._losses: Recorder | None = None
+        self._losses_open = False
+        self._epoch = 0
+
+    def close(self) -> None:
+        """Drop a step left open (training raised): nothing stays attached."""
+        if self._losses_open and self._losses is not None:
+            self._losses.abort()
+        self._losses_open = False
+        self._fold.abort()
+
+    def __enter__(self) -> FoldCallback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        """Resolve the reducers' specs on the model and their watches on its optimizer."""
+        self.close()
+        self._fold.start(model, optimizer)
+        specs = [observe("", model_loss, name=LOSS, detach=False), inputs("")]
+        self._losses = Recorder(model, specs, (), None, "FoldCallback")
+        self._epoch = -1
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Count epochs from 0."""
+        self._epoch += 1
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The first micro-batch of an optimizer step opens the step."""
+        self._fold.begin(max(self._epoch, 0))
+        if self._losses is not None and not self._losses_open:
+            self._losses.open()
+            self._losses_open = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After the optimizer's update the step ends, with the mean of the model's losses."""
+        if self._losses_open and self._losses is not None:
+            self._losses_open = False
+            record = self._losses.close()
+            if "" in record:
+                losses = [loss for loss in record.calls("", LOSS) if loss is not None]
+                summed = any("num_items_in_batch" in kwargs for _, kwargs in record.calls("", "input"))
+                if losses:
+                    self._fold.add(torch.stack(losses).sum() if summed else torch.stack(losses).mean())
+        self._fold.end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A step left open (training stopped mid-accumulation) is dropped."""
+        self.close()

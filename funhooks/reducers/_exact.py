@@ -1,0 +1,326 @@
+"""ActivationStats' exact reductions: fastai's statistics of many activations at once, to the bit.
+
+fastai's hook computes ``o.float().mean()``, ``o.float().std()``, ``(o <= near_zero).sum()``
+and ``o.histc(bins, low, high)`` of each output, a handful of kernels per module and three
+host syncs. Here a step's small activations are stacked and reduced together, with results
+equal to those per-tensor calls bit for bit: ``x.mean(1)`` sums each row as ``row.mean()``
+does, the std is summed in double like torch's and redone in torch's order for the rare row
+near a float32 rounding boundary (:func:`round_std`), the near-zero count is an exact float
+sum of 0/1 and the histogram repeats histc's own float32 arithmetic.
+
+Two steps of one iteration (two ranks' halves of a batch) combine exactly by module path
+(:func:`combine`: Chan's formula for means and variances, sums of counts and histograms).
+
+Cost: per kept activation, a few attribute reads in the hook (a copy on the module's first
+recorded step, and on every step where a later op changes it in place) and a version read at
+the end of the step; per step, one stack per (shape, dtype) and about a dozen kernels over it
+(sums in double: 12 bytes moved per element, three passes); a large, non-contiguous or
+non-CPU activation costs three reductions in its hook.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+from torch import nn
+
+from funhooks import _torch
+from funhooks.errors import ReducerError, StaleTensorError
+from funhooks.specs.selector import path_label as where
+
+from . import _shared as red
+
+__all__ = ["REDUCE_IN_HOOK_NUMEL", "Entry", "Snapshot", "combine", "empty_entry", "reduce_step", "round_std",
+           "row_stats"]
+
+REDUCE_IN_HOOK_NUMEL = (1 << 15) - 1
+"""Contiguous CPU activations of at most this many elements are kept by the hook and
+reduced with the step's others; the rest are reduced in the hook by ``x.mean()`` and
+``x.std()`` themselves. PyTorch reduces a tensor this small on one thread whatever
+``torch.get_num_threads()`` says (its grain size is ``1 << 15``), in the order the batched
+reduction reproduces, so both ways give torch's own numbers to the bit."""
+
+Tensor = torch.Tensor
+
+SOURCE = "_funhooks_source"
+"""The attribute by which a kept activation names the output it stands for: the output, its
+version counter at the hook, its module, and whether this is the module's first copy."""
+
+_CHANGED_LATER: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Per module: whether some op changed its output in place after the hook saw it (an
+``inplace=True`` activation, a ``+=`` residual), learned from the copy kept on the first
+recorded step that reached it. Modules whose output nothing changes are then kept without a
+copy; the others are copied in the hook."""
+
+
+@attrs.frozen
+class Snapshot:
+    """The hook of ActivationStats: a small output kept for the step's batched reduction
+    (without a copy where earlier steps showed nothing changes it later), or the large one
+    reduced on the spot."""
+
+    near_zero: float
+    with_hist: bool
+    hist_bins: int
+    hist_range: tuple[float, float]
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not isinstance(output, Tensor):
+            kind = type(module).__name__
+            raise ReducerError(
+                f"ActivationStats: statistics need a tensor output, got {type(output).__name__} from a {kind} module. "
+                f"Select modules with tensor outputs with `modules=`, e.g. "
+                f"`modules=fh.select(fh.reducers.LeafModules()) & ~fh.select({kind})`."
+            )
+        n = output.numel()
+        if n == 0:  # an empty batch: NaN statistics, no counts (no kernel reads it)
+            hist = output.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
+            return (0, output.new_full((3,), math.nan, dtype=torch.float64), hist)
+        if n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous():
+            if _torch.is_compiling():  # a compiled model: the graph hands back a copy, no alias to check
+                return output.detach()
+            return keep(module, output, n)
+        return self.reduce(output.detach())
+
+    def reduce(self, o: Tensor) -> tuple[int, Tensor, Tensor | None]:
+        """``(n, (mean, std, near-zero count), histogram)`` of `o`, by fastai's very calls."""
+        x = o.float()
+        n = x.numel()
+        mean = x.mean()
+        std = x.std() if n > 1 else torch.full_like(mean, math.nan)  # torch warns on one value
+        row = torch.stack((mean.double(), std.double(), torch.le(x, self.near_zero).sum().double()))
+        return (n, row, x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None)
+
+
+def keep(module: nn.Module, output: Tensor, n: int) -> Tensor:
+    """The activation as the step's reduction will read it.
+
+    An output nothing changed after the hook on earlier steps is kept as ``output.data``, an
+    alias with a version counter of its own (the run's in-place check must not fire on it),
+    noting the output's own counter, which :func:`_check` compares at the end of the step.
+    Other outputs are copied; the first copy of a module's output also notes the module, so
+    that the end of the step learns whether the output changed.
+    """
+    changed = _CHANGED_LATER.get(module)
+    if changed is False and type(output) is Tensor and output.untyped_storage().nbytes() == n * output.element_size():
+        try:
+            version = output._version  # it owns its storage; an inference tensor has no counter
+        except RuntimeError:
+            return output.clone()
+        alias = output.data
+        alias.__dict__[SOURCE] = (output, version, module, False)
+        return alias
+    copy = output.detach().clone()
+    if changed is None and not output.is_inference():
+        copy.__dict__[SOURCE] = (output, output._version, module, True)
+    return copy
+
+
+def _check(source: tuple, path: str, iteration: int) -> None:
+    """Check a value as stored by the hook: a kept alias whose output changed since the hook
+    raises; a first copy teaches :data:`_CHANGED_LATER` about its module.
+
+    Raises:
+        StaleTensorError: when an output kept without a copy was changed in place after the
+            hook (a module that changes its outputs on some steps only); from then on its
+            output is copied, so a new run gets its statistics on every step.
+    """
+    output, version, module, learning = source
+    changed = output._version != version
+    if learning:
+        _CHANGED_LATER[module] = changed
+    elif changed:
+        _CHANGED_LATER[module] = True
+        raise StaleTensorError(
+            f"ActivationStats: an output kept without a copy must not change after the hook, got the output of module "
+            f"{where(path)} changed in place on train iteration {iteration}, which earlier steps never did, so its "
+            "statistics on this step are lost. Its output is copied from now on: run the training again to get "
+            "them on every step."
+        )
+
+
+SUM_ORDER_SLACK = 2.0**-35
+"""Two sums in double of the same ``n < 2**15`` non-negative terms, added in different
+orders, differ by at most ``2 (n - 1) 2**-53 < 2**-37`` of the sum, and two stds from them
+by less than ``2**-37`` of the std: with 4x margin, an std whose ``1 -/+ 2**-35`` neighbours
+round to one float32 is that float32 whichever order the sum took."""
+
+
+_SLACK = torch.tensor((1 - SUM_ORDER_SLACK, 1 + SUM_ORDER_SLACK), dtype=torch.float64)
+
+
+def round_std(d: Tensor) -> Tensor:
+    """``row.std()`` of each row of float32 values whose deviations from the float32 mean,
+    in double, are the rows of `d`: torch's float32 answer, bit for bit.
+
+    torch adds the squares one after the other, in double, then rounds ``sqrt(sum / (n - 1))``
+    to float32. A vectorised sum adds them in another order and may differ in the last bits
+    of the double; rounded to float32 it is the same except within :data:`SUM_ORDER_SLACK`
+    of a rounding boundary, where (a row in a thousand or so) the sum is redone in torch's
+    order with a running sum (``cumsum``, sequential like torch's loop).
+    """
+    n = d.shape[1]
+    approx = torch.linalg.vector_norm(d, dim=1).div_(math.sqrt(n - 1))
+    bounds = torch.outer(approx, _SLACK).float()
+    std = bounds[:, 1]
+    if bounds.diff(dim=1).any():  # NaN too; a CPU tensor: reading it is no device sync
+        rows = bounds[:, 0].ne(std).nonzero().squeeze(1)
+        exact = d.index_select(0, rows).square_().cumsum_(1)[:, -1].div_(n - 1).sqrt_().float()
+        std.index_copy_(0, rows, exact)
+    return std
+
+
+def row_stats(x: Tensor, near_zero: float) -> Tensor:
+    """``(mean, std, near-zero count)`` of every row of the float32 CPU matrix `x`, bit for
+    bit those of ``row.mean()``, ``row.std()`` and ``(row <= near_zero).sum()``.
+
+    ``x.mean(1)`` sums each row as ``row.sum()`` does (verified over many sizes; ``x.std(1)``
+    is Welford's and differs in the last bit now and then, see :func:`round_std`). The
+    comparison writes floats so that it runs as a vectorised kernel (bool outputs do not);
+    float sums of 0/1 are exact below ``2**24``.
+    """
+    n = x.shape[1]
+    mean = x.mean(1)
+    if n > 1:
+        std = round_std(torch.sub(x, mean.double().unsqueeze(1)))  # in double: float32 minus float64
+    else:
+        std = torch.full_like(mean, math.nan)
+    near = torch.le(x, near_zero, out=torch.empty_like(x)).sum(1)
+    return torch.stack((mean, std, near), 1)
+
+
+def batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
+    """``torch.histc(row, bins, lo, hi)`` for every row of `x` at once: histc's own float32
+    arithmetic, ``(value - lo) * bins / (hi - lo)`` truncated, ``hi`` in the last bin."""
+    lo32, hi32 = torch.tensor((lo, hi), dtype=torch.float32)
+    width = float(hi32 - lo32)  # histc's width: a float32 difference of float32 bounds
+    inside = (x >= lo) & (x <= hi)
+    pos = (x - float(lo32)).mul_(bins).div_(width).long().clamp_(0, bins - 1)
+    return torch.zeros(x.shape[0], bins, dtype=x.dtype, device=x.device).scatter_add_(1, pos, inside.to(x.dtype))
+
+
+class Entry(NamedTuple):
+    """One recorded step: the paths of the modules that ran (module order), their output
+    sizes, and per-row statistics.
+
+    ``rows[order[i]]`` is ``(mean, std, near-zero count)`` of module ``paths[i]``, and
+    ``hist[order[i]]`` its histogram. A module that did not run on the step is not here.
+    """
+
+    iteration: int
+    paths: tuple[str, ...]
+    ns: tuple[int, ...]
+    order: tuple[int, ...]
+    rows: Tensor
+    hist: Tensor | None
+
+
+def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
+                iteration: int) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
+    """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
+    checked by :func:`_check` first: kept activations of one shape and dtype are stacked
+    and reduced together; ``order[i]`` is value i's row."""
+    first, uniform = values[0], type(values[0]) is not tuple
+    for v, p in zip(values, paths):  # one pass: check each, and see whether all share a shape
+        if type(v) is tuple:
+            uniform = False
+            continue
+        source = v.__dict__.pop(SOURCE, None)
+        if source is not None:
+            _check(source, p, iteration)
+        if uniform and (v.shape != first.shape or v.dtype != first.dtype):
+            uniform = False
+    if uniform:  # the common case: every activation kept, all of one shape
+        x = torch.stack(values).flatten(1)
+        if x.dtype != torch.float32:
+            x = x.float()
+        hist = batched_hist(x, snap.hist_bins, *snap.hist_range) if snap.with_hist else None
+        return tuple(range(len(values))), (x.shape[1],) * len(values), row_stats(x, snap.near_zero), hist
+    groups: dict[Any, list[int]] = {}
+    for i, v in enumerate(values):
+        key = None if type(v) is tuple else (v.shape, v.dtype)  # None: reduced in the hook
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [i]
+        else:
+            members.append(i)
+    pieces, hists, order, ns = [], [], [0] * len(values), [0] * len(values)
+    row = 0
+    for key, members in groups.items():
+        if key is None:
+            pieces += [values[i][1][None] for i in members]
+            hists += [values[i][2][None] for i in members] if snap.with_hist else []
+            for i in members:
+                ns[i] = values[i][0]
+        else:
+            x = torch.stack([values[i] for i in members]).flatten(1)
+            if x.dtype != torch.float32:
+                x = x.float()
+            pieces.append(row_stats(x, snap.near_zero))
+            if snap.with_hist:
+                hists.append(batched_hist(x, snap.hist_bins, *snap.hist_range))
+            for i in members:
+                ns[i] = x.shape[1]
+        for i in members:
+            order[i] = row
+            row += 1
+    rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # float64 where a big one is (exact counts)
+    hist = None if not snap.with_hist else hists[0] if len(hists) == 1 else torch.cat(hists)
+    return tuple(order), tuple(ns), rows, hist
+
+
+def empty_entry(iteration: int, snap: Snapshot) -> Entry:
+    """A recorded step on which no selected module ran."""
+    hist = torch.zeros(0, snap.hist_bins) if snap.with_hist else None
+    return Entry(iteration, (), (), (), torch.zeros(0, 3, dtype=torch.float64), hist)
+
+
+def in_module_order(entry: Entry) -> Entry:
+    if entry.order == tuple(range(len(entry.order))):
+        return entry
+    index = torch.tensor(entry.order, device=entry.rows.device)
+    hist = None if entry.hist is None else entry.hist.index_select(0, index)
+    return entry._replace(order=tuple(range(len(entry.order))), rows=entry.rows.index_select(0, index), hist=hist)
+
+
+def spread(entry: Entry, paths: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`entry`'s sizes, rows and histograms (module order) placed at the positions of `paths`;
+    zeros where its module did not run."""
+    where = torch.tensor([paths.index(p) for p in entry.paths], dtype=torch.long, device=device)
+    ns = torch.zeros(len(paths), dtype=torch.float64, device=device)
+    ns.index_copy_(0, where, torch.tensor(entry.ns, dtype=torch.float64, device=device))
+    rows = torch.zeros(len(paths), 3, dtype=torch.float64, device=device)
+    rows.index_copy_(0, where, entry.rows.to(device, torch.float64))
+    if entry.hist is None:
+        return ns, rows, None
+    hist = torch.zeros(len(paths), entry.hist.shape[1], dtype=entry.hist.dtype, device=device)
+    return ns, rows, hist.index_copy_(0, where, entry.hist.to(device))
+
+
+def combine(a: Entry, b: Entry) -> Entry:
+    """One step seen in two parts (two ranks), by module path: a module that ran in one part
+    keeps that part's statistics; one that ran in both gets those of the joint batch (Chan's
+    exact merge of means and squared deviations, written symmetrically: combining a with b
+    gives the very floats of combining b with a)."""
+    a, b = in_module_order(a), in_module_order(b)
+    paths = red.module_order([a.paths, b.paths])
+    device = a.rows.device
+    na, ra, ha = spread(a, paths, device)
+    nb, rb, hb = spread(b, paths, device)
+    n = na + nb
+    m2a = torch.where(na > 1, ra[:, 1].square() * (na - 1), 0.0)
+    m2b = torch.where(nb > 1, rb[:, 1].square() * (nb - 1), 0.0)
+    mean = (na * ra[:, 0] + nb * rb[:, 0]) / n
+    delta = rb[:, 0] - ra[:, 0]
+    m2 = m2a + m2b + delta * delta * (na * nb / n)
+    std = torch.where(n > 1, (m2 / (n - 1)).sqrt(), math.nan)
+    both = torch.stack((mean, std, ra[:, 2] + rb[:, 2]), 1)
+    rows = torch.where((na == 0)[:, None], rb, torch.where((nb == 0)[:, None], ra, both))
+    hist = None if ha is None or hb is None else ha + hb
+    ns = tuple(sum(e.ns[e.paths.index(p)] for e in (a, b) if p in e.paths) for p in paths)
+    return Entry(a.iteration, paths, ns, tuple(range(len(paths))), rows, hist)
+

@@ -1,0 +1,210 @@
+"""What the library's reducers share: default layer selectors, argument checks, the
+``every`` rule, cons-list states and the module order of paths seen on different steps.
+
+Reducer states are cons lists, ``()`` or ``(rest, entry)``: adding a step is O(1) and copies
+nothing, and :func:`unroll` / :func:`roll` turn them into lists and back.
+
+Cost: nothing per step beyond a tuple per recorded step; :func:`module_order` is a
+topological sort over the distinct path orders seen, run when a result is read.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+from torch import nn
+
+from funhooks.errors import ReducerError
+from funhooks.records.record import Record
+from funhooks.specs.selector import Selector, Where, select
+
+__all__ = ["LeafModules", "OwnParams", "Steps", "entry_paths", "module_order", "roll", "unroll"]
+
+
+@attrs.frozen
+class LeafModules:
+    """The default module selector of the hook callbacks: leaf modules with parameters
+    (fastai's choice), or every leaf module with ``include_paramless=True``.
+
+    Example:
+        >>> from torch import nn
+        >>> import funhooks as fh
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 1)))
+        >>> [p for p, _ in fh.select(fh.reducers.LeafModules()).resolve(model)]
+        ['0', '2.0']
+    """
+
+    include_paramless: bool = False
+
+    def __call__(self, path: str, module: nn.Module) -> bool:
+        if next(module.children(), None) is not None:
+            return False
+        return self.include_paramless or next(module.parameters(), None) is not None
+
+
+
+@attrs.frozen
+class OwnParams:
+    """The default selector of the parameter reducers: modules that hold parameters of their
+    own (``recurse=False``), so that every parameter of the model belongs to exactly one
+    selected module, leaf or not (an ``nn.MultiheadAttention``'s ``in_proj_weight``).
+
+    Example:
+        >>> from torch import nn
+        >>> import funhooks as fh
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.MultiheadAttention(2, 1))
+        >>> [p for p, _ in fh.select(fh.reducers.OwnParams()).resolve(model)]
+        ['0', '2', '2.out_proj']
+    """
+
+    def __call__(self, path: str, module: nn.Module) -> bool:
+        return next(module.parameters(recurse=False), None) is not None
+
+
+def where(modules: Where | None, include_paramless: bool) -> Selector:
+    """`modules` as a selector; None: :class:`LeafModules`."""
+    return select(LeafModules(include_paramless) if modules is None else modules)
+
+
+def to_selector(modules: Where | None) -> Selector | None:
+    """The attrs converter of a ``modules=`` field: None stays None."""
+    return None if modules is None else select(modules)
+
+
+def check_every(caller: str) -> Callable[[Any, Any, Any], None]:
+    """The attrs validator of ``every``: a positive int or None."""
+
+    def check(instance: Any, attribute: Any, every: Any) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
+            raise ReducerError(
+                f"{caller}: `every` is a positive int or None, got {every!r}. "
+                "Pass every=1 (or None) to record every train step, every=k for one in k."
+            )
+
+    return check
+
+
+def check_bool(caller: str) -> Callable[[Any, Any, Any], None]:
+    """The attrs validator of a flag."""
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise ReducerError(f"{caller}: `{attribute.name}` is a bool, got {value!r}. Pass True or False.")
+
+    return check
+
+
+def is_number(value: Any) -> bool:
+    """A real number that is not a bool and not NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def records(every: int | None, iteration: int, training: bool) -> bool:
+    """The ``every`` rule: train iterations with ``iteration % every == 0``; never evaluation."""
+    return training and (every is None or iteration % every == 0)
+
+
+def last_values(record: Record, name: str) -> tuple[list[str], list[Any]]:
+    """The paths (module order) of the modules that stored `name`, and each one's last value
+    (a module called twice: its last call, as fastai's)."""
+    found = record.calls_by_path(name)
+    return list(found), [calls[-1] for calls in found.values()]
+
+
+def last_calls(record: Record, name: str, caller: str) -> list[Any]:
+    """The last value of `name` of every module that stored it, in module order; a step
+    without any is refused (its steps ran without the reducer's specs)."""
+    out = last_values(record, name)[1]
+    if not out:
+        raise ReducerError(
+            f"{caller}: a recorded train step holds the records of the reducer's specs, got a Step whose record "
+            f"has paths {list(record)} and no {name!r}. Run the steps with `specs=reducer.specs`, or use fh.fit."
+        )
+    return out
+
+
+class Steps:
+    """What results over one entry per recorded step share (each entry with an ``iteration``
+    and its ``paths``): the iterations recorded and the number of steps."""
+
+    __slots__ = ()
+    entries: tuple[Any, ...]
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        """The train iterations recorded."""
+        return tuple(e.iteration for e in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def entry_paths(result: Any) -> tuple[str, ...]:
+    """Every path of a result's entries, in module order (the attrs default of its ``paths``)."""
+    return module_order(e.paths for e in result.entries)
+
+
+def unroll(state: tuple) -> list[Any]:
+    """The entries of a cons-list state, oldest first."""
+    out = []
+    while state:
+        state, entry = state
+        out.append(entry)
+    out.reverse()
+    return out
+
+
+def roll(entries: Sequence[Any]) -> tuple:
+    """A cons-list state holding `entries`, the last one on top."""
+    state: tuple = ()
+    for entry in entries:
+        state = (state, entry)
+    return state
+
+
+def path_key(path: str) -> tuple:
+    """A stand-in for module order between two paths no step orders: numbered parts by number."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split("."))
+
+
+def module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    """Every path of `orders` once, in module order.
+
+    Each of `orders` lists some paths in module order (the modules that ran on one step), so
+    together they say which of two paths comes first wherever a step ran both; paths no step
+    orders (never run together) are put by :func:`path_key`. The answer depends on the set
+    of orders only, not on their sequence, so merging states in any order gives the same.
+    """
+    distinct = set(orders)
+    if len(distinct) == 1:  # the same modules ran on every step
+        return next(iter(distinct))
+    later: dict[str, set[str]] = {}
+    for seq in distinct:
+        for p in seq:
+            later.setdefault(p, set())
+        for a, b in itertools.pairwise(seq):
+            later[a].add(b)
+    waiting = dict.fromkeys(later, 0)
+    for nexts in later.values():
+        for b in nexts:
+            waiting[b] += 1
+    ready = [(path_key(p), p) for p, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    out: list[str] = []
+    while ready:
+        _, p = heapq.heappop(ready)
+        out.append(p)
+        for b in later[p]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                heapq.heappush(ready, (path_key(b), b))
+    if len(out) < len(later):  # contradicting orders (states of different models): the rest by name
+        out += sorted(set(later) - set(out), key=path_key)
+    return tuple(out)
+

@@ -1,0 +1,125 @@
+"""HookCallback: fastai's ``HookCallback`` as a pure fold reducer.
+
+A frozen value (see :mod:`funhooks.fold` for the protocol): its one observer spec runs
+``hook(module, input, output)`` (or the backward hook's arguments) on the selected modules,
+``step`` adds one recorded train step's values to an immutable state, ``result`` gives
+fastai's ``hooks.stored`` per step. ``every=k`` records the train iterations with
+``iteration % k == 0`` (``ceil(n / k)`` of ``n``); under :func:`funhooks.fit` the others run
+with the hooks paused.
+
+Cost: whatever ``hook`` costs, per selected module call; the state keeps its return values
+(on the CPU by default, fastai's ``cpu=True``) for every recorded step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from funhooks.errors import ReducerError
+from funhooks.specs.selector import Selector
+from funhooks.specs.spec import Spec, observe
+from funhooks.training.step import Step
+
+from . import _shared as red
+
+__all__ = ["HookCallback"]
+
+
+def _check_hook(instance: Any, attribute: Any, hook: Any) -> None:
+    if not callable(hook):
+        raise ReducerError(
+            f"HookCallback: `hook` is a callable `hook(module, input, output)`, got {hook!r}. Pass a function."
+        )
+
+
+def _check_name(instance: Any, attribute: Any, name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ReducerError(
+            f"HookCallback: `name` is a non-empty str or None, got {name!r}. "
+            "Pass the record name, or None for the hook's __name__."
+        )
+
+
+
+@attrs.frozen
+class HookCallback:
+    """fastai's ``HookCallback`` as a reducer: ``hook(m, i, o)`` per module, per recorded step.
+
+    Args:
+        hook: ``hook(module, input, output)`` (for ``is_forward=False``:
+            ``hook(module, grad_input, grad_output)``); its return value is kept.
+        modules: a selector; None: leaf modules with parameters.
+        every: record train iterations with ``iteration % every == 0``; None: all.
+        is_forward: a forward hook (True) or a backward hook (False).
+        detach: detach the hook's arguments first.
+        cpu: move the hook's arguments to the CPU first (fastai's default).
+        include_paramless: with ``modules=None``, also hook leaves without parameters.
+        name: the record name (default ``hook.__name__``); give two callbacks whose hooks
+            share a name different ones.
+
+    Result: a tuple, one entry per recorded train step, each a list of ``hook`` values in
+    module order (fastai's ``hooks.stored``; a module called twice gives its last call).
+
+    Raises:
+        ReducerError: at construction, for a `hook` that is not callable, ``every <= 0``, a
+            flag that is not a bool or an empty `name`.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> batches = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(5)]
+        >>> def shape(m, i, o):
+        ...     return tuple(o.shape)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> fh.fit(model, batches, nn.functional.mse_loss, opt, fh.HookCallback(shape, every=2))
+        ([(8, 4), (8, 1)], [(8, 4), (8, 1)], [(8, 4), (8, 1)])
+    """
+
+    hook: Callable[..., Any] = attrs.field(validator=_check_hook)
+    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
+    every: int | None = attrs.field(default=None, validator=red.check_every("HookCallback"))
+    is_forward: bool = attrs.field(default=True, validator=red.check_bool("HookCallback"))
+    detach: bool = attrs.field(default=True, validator=red.check_bool("HookCallback"))
+    cpu: bool = attrs.field(default=True, validator=red.check_bool("HookCallback"))
+    include_paramless: bool = attrs.field(default=False, validator=red.check_bool("HookCallback"))
+    name: str | None = attrs.field(default=None, kw_only=True, validator=_check_name)
+
+    @property
+    def record_name(self) -> str:
+        """The name its values are stored under in each Step's record."""
+        return self.name or str(getattr(self.hook, "__name__", type(self.hook).__name__))
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """One observer spec on the selected modules."""
+        event = "forward" if self.is_forward else "backward"
+        where = red.where(self.modules, self.include_paramless)
+        return (observe(where, self.hook, event=event, name=self.record_name, detach=self.detach, cpu=self.cpu),)
+
+    def records(self, iteration: int, training: bool) -> bool:
+        """True for the train iterations this callback records."""
+        return red.records(self.every, iteration, training)
+
+    def init(self) -> tuple:
+        """The empty state."""
+        return ()
+
+    def step(self, state: tuple, step: Step) -> tuple:
+        """Add the step's hook values when the step is recorded."""
+        if not red.records(self.every, step.iteration, step.training):
+            return state
+        values = red.last_calls(step.record, self.record_name, "HookCallback")
+        return (state, (step.iteration, values))
+
+    def merge(self, a: tuple, b: tuple) -> tuple:
+        """The state of two disjoint chunks of steps, in iteration order."""
+        return red.roll(sorted(red.unroll(a) + red.unroll(b), key=lambda entry: entry[0]))
+
+    def result(self, state: tuple) -> tuple[list[Any], ...]:
+        """One list of hook values per recorded step."""
+        return tuple(values for _, values in red.unroll(state))
+

@@ -1,0 +1,149 @@
+"""LossCurve: the training loss of every step and its moving average, as a reducer.
+
+It needs no hooks: it reads ``step.loss``, keeping the tensors on their device (no
+``.item()`` per step) until the result is read, which copies them to the host at once and
+computes the exponential moving average there: fastai's smoothed loss, debiased,
+``ema_t = (beta * m_{t-1} + (1 - beta) * loss_t) / (1 - beta ** t)`` with the raw average
+``m``.
+
+Cost: one tuple per train step; the state keeps every step's 0-d loss tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+
+from funhooks.errors import ReducerError
+from funhooks.specs.spec import Spec
+from funhooks.training.step import Step
+
+from . import _shared as red
+
+__all__ = ["BETA", "LossCurve", "LossCurveResult"]
+
+BETA = 0.98
+"""fastai's smoothing of the loss (``Recorder``'s ``SmoothenValue``)."""
+
+
+def _check_beta(instance: Any, attribute: Any, beta: Any) -> None:
+    if not red.is_number(beta) or not 0 <= beta < 1:
+        raise ReducerError(f"LossCurve: `beta` is a number in [0, 1), got {beta!r}. Pass e.g. beta={BETA} (fastai's).")
+
+
+class _Entry(NamedTuple):
+    iteration: int
+    loss: torch.Tensor
+    parts: int
+    """How many ranks' losses `loss` sums (1 until states of one iteration merge)."""
+
+
+@attrs.frozen
+class LossCurve:
+    """The loss of every train step and its debiased exponential moving average.
+
+    Args:
+        beta: the smoothing (:data:`BETA`, fastai's); 0: no smoothing.
+
+    Result: a :class:`LossCurveResult`. States merge (``merge``): chunks of steps
+    concatenate; two ranks' losses of one iteration average.
+
+    Raises:
+        ReducerError: at construction, for a `beta` outside ``[0, 1)``.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 1)
+        >>> batches = [(torch.ones(4, 2), torch.zeros(4, 1))] * 3
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.LossCurve())
+        >>> len(res.losses), res.ema[0] == res.losses[0], res.iterations
+        (3, True, (0, 1, 2))
+    """
+
+    beta: float = attrs.field(default=BETA, validator=_check_beta)
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """None: only ``step.loss`` is read."""
+        return ()
+
+    def init(self) -> tuple:
+        """The empty state: a cons list of losses."""
+        return ()
+
+    def step(self, state: tuple, step: Step) -> tuple:
+        """Add the loss of a train step (one that has a loss)."""
+        if not step.training or step.loss is None:
+            return state
+        return (state, _Entry(step.iteration, step.loss, 1))
+
+    def merge(self, a: tuple, b: tuple) -> tuple:
+        """Chunks of steps in iteration order; one iteration's losses from two ranks average."""
+        by_iteration: dict[int, _Entry] = {}
+        for entry in red.unroll(a) + red.unroll(b):
+            seen = by_iteration.get(entry.iteration)
+            if seen is not None:
+                entry = _Entry(entry.iteration, seen.loss + entry.loss.to(seen.loss.device), seen.parts + entry.parts)
+            by_iteration[entry.iteration] = entry
+        return red.roll([by_iteration[k] for k in sorted(by_iteration)])
+
+    def result(self, state: tuple) -> LossCurveResult:
+        """The losses in step order and their moving average (one copy to the host)."""
+        entries = red.unroll(state)
+        if not entries:
+            return LossCurveResult((), [], [], self.beta)
+        device = entries[0].loss.device
+        losses = torch.stack([e.loss.detach().float().to(device) / e.parts for e in entries]).tolist()
+        return LossCurveResult(tuple(e.iteration for e in entries), losses, _ema(losses, self.beta), self.beta)
+
+
+def _ema(losses: list[float], beta: float) -> list[float]:
+    out, avg = [], 0.0
+    for t, loss in enumerate(losses, 1):
+        avg = beta * avg + (1 - beta) * loss
+        out.append(avg / (1 - beta**t))
+    return out
+
+
+@attrs.frozen(eq=False)
+class LossCurveResult:
+    """The result of :class:`LossCurve`: ``iterations``, ``losses`` and their ``ema``.
+
+    Example:
+        >>> from funhooks.reducers.loss_curve import LossCurveResult
+        >>> res = LossCurveResult((0, 1), [1.0, 3.0], [1.0, 2.01], 0.98)
+        >>> res.last
+        2.01
+    """
+
+    iterations: tuple[int, ...]
+    losses: list[float]
+    ema: list[float]
+    beta: float
+
+    @property
+    def last(self) -> float:
+        """The moving average at the last step (NaN without steps)."""
+        return self.ema[-1] if self.ema else math.nan
+
+    def __len__(self) -> int:
+        return len(self.losses)
+
+    def plot(self, *, epoch_len: int | None = None, figsize: tuple[float, float] = (8, 4)) -> Any:
+        """The loss at every step (thin), its moving average (thick) and, given `epoch_len`
+        (steps per epoch), the epoch boundaries (the ``plot`` extra).
+
+        Returns:
+            A matplotlib Figure (``fig.savefig("loss.png")`` writes it).
+        """
+        from . import plot
+
+        return plot.plot_loss(self, epoch_len=epoch_len, figsize=figsize)
+
+    def __repr__(self) -> str:
+        return f"LossCurveResult({len(self)} steps, last ema={self.last:.4g})"

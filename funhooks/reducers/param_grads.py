@@ -1,0 +1,193 @@
+"""GradientStats: per-layer statistics of the gradients the optimizer applies, as a reducer.
+
+It reads the gradients at each optimizer step through an :class:`~funhooks.OptimizerWatch`,
+so they are the ones the update uses: accumulated over micro-batches, unscaled by a
+``GradScaler``, clipped by whatever clipped them before the step (under Lightning, read in
+``on_before_optimizer_step``, before Lightning's own clipping). Per layer (a module with
+parameters of its own, all of them together) and step: the L2 norm, the mean, the standard
+deviation and the fraction of exact zeros of its gradients. A step the optimizer skipped
+(a ``GradScaler`` that found an inf) has none; a layer without gradients on a step is absent
+from it.
+
+The step's Record holds, under ``"gradient_stats"``, each layer's sums ``(count, sum, sum of
+squares, zero count)`` in float64: they add across micro-steps and shards, and the statistics
+are derived from them when a result is read.
+
+Cost: per recorded step, the gradients are stacked by shape (one copy) and reduced with
+four kernels per shape (sum, norm, zero count) and three to add them by layer, on their
+device, in float32 within a tensor and float64 across tensors; nothing is read to the host
+until a result is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import attrs
+import torch
+
+from funhooks.specs.selector import Selector
+from funhooks.training.watch import Layers, OptimizerWatch
+
+from . import _layered as lay
+from . import _params
+from . import _shared as red
+
+__all__ = ["GradientStats", "GradientStatsResult"]
+
+NAME = "gradient_stats"
+COLUMNS = ("norm", "mean", "std", "zeros")
+
+
+@attrs.frozen
+class _GradientRows:
+    """The watch's function: ``{path: (count, sum, sum of squares, zeros)}`` of each layer's
+    gradients (what :func:`finish` turns into statistics when a result is read)."""
+
+    def __call__(self, layers: Layers) -> dict[str, torch.Tensor]:
+        plan = _params.plan(layers.cache, layers.params)
+        grads = [p.grad for p in plan.flat]
+        if any(g is None or g.is_sparse for g in grads):
+            return _some_gradients(layers)
+        return _rows(plan.groups, cast(list[torch.Tensor], grads), layers.paths)
+
+
+def _some_gradients(layers: Layers) -> dict[str, torch.Tensor]:
+    """The rows when some parameters have no gradient (or a sparse one) on this step."""
+    present: list[str] = []
+    tensors: list[torch.Tensor] = []
+    owners: list[int] = []
+    for i, params in enumerate(layers.params):
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            owners += [len(present)] * len(grads)
+            present.append(layers.paths[i])
+            tensors += [g.to_dense() if g.is_sparse else g for g in grads]
+    if not tensors:
+        return {}
+    return _rows(_params.Groups(tensors, owners, len(present)), tensors, present)
+
+
+def _rows(groups: _params.Groups, grads: list[torch.Tensor], paths: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
+    """Per layer, the sums its statistics come from: ``(count, sum, sum of squares, zeros)`` of
+    its gradients, in float64 (the sums accumulated in float32 within a tensor, float64 across
+    them; the zero counts exact below 2**24 elements per tensor)."""
+    table = []
+    for x in groups.stacks(grads):  # a copy: its 0/1 flags of zeros are written over it
+        total, squares = x.sum(1), torch.linalg.vector_norm(x, dim=1).square_()
+        zeros = x.eq_(0).sum(1)  # a float sum of 0/1: exact below 2**24
+        table.append(torch.stack((torch.full_like(zeros, x.shape[1], dtype=torch.float64), total, squares, zeros), 1))
+    return dict(zip(paths, groups.by_layer(table).unbind(0)))
+
+
+def finish(sums: torch.Tensor) -> torch.Tensor:
+    """``(norm, mean, std, zero fraction)`` rows from ``(count, sum, sum of squares, zeros)``
+    rows: the std (unbiased) is good to about ``1e-6 * (1 + mean**2 / std**2)``."""
+    n, total, squares, zeros = sums.unbind(1)
+    mean = total / n
+    std = ((squares - total * mean) / (n - 1)).clamp_min_(0).sqrt_()
+    return torch.stack((squares.sqrt(), mean, std, zeros / n), 1)
+
+
+@attrs.frozen
+class GradientStats(lay.Reducer):
+    """Per-layer gradient statistics at every recorded optimizer step: norm, mean, std, zeros.
+
+    Args:
+        modules: the layers (a selector); None: every module with parameters of its own.
+        every: record train iterations with ``iteration % every == 0``; None: all.
+
+    Result: a :class:`GradientStatsResult`. States merge (``merge``): chunks of steps
+    concatenate; two ranks' states of one iteration hold the same all-reduced gradients
+    (DDP), so the merge keeps the first's values rather than counting them twice. Under
+    FSDP2 each rank reads its shards and the per-layer sums are added across ranks at the
+    step (one all-reduce of a small table), so every rank already holds the whole model's
+    statistics.
+
+    Raises:
+        ReducerError: at construction, for ``every <= 0``.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> batches = [(torch.randn(16, 4), torch.randn(16, 1)) for _ in range(3)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.GradientStats())
+        >>> res.paths, len(res.stats), sorted(res.stats[0][0])
+        (('0', '2'), 3, ['mean', 'norm', 'std', 'zeros'])
+        >>> norms, means, stds, zeros = res.layer_stats("2")
+        >>> abs(norms[-1] - torch.cat([p.grad.flatten() for p in model[2].parameters()]).norm().item()) < 1e-5
+        True
+    """
+
+    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
+    every: int | None = attrs.field(default=None, validator=red.check_every("GradientStats"))
+    NAME = NAME
+    WIDTH = len(COLUMNS)
+
+    @property
+    def watches(self) -> tuple[OptimizerWatch, ...]:
+        """One watch reading the selected layers' gradients just before each update."""
+        where = red.OwnParams() if self.modules is None else self.modules
+        return (OptimizerWatch(where, _GradientRows(), name=NAME),)
+
+    def result(self, state: tuple) -> GradientStatsResult:
+        """The statistics of every recorded step.
+
+        Raises:
+            ReducerError: when steps were recorded and none holds gradient statistics (steps
+                run without the reducer's watches, e.g. by ``fh.train`` without ``watches=``).
+        """
+        return GradientStatsResult(lay.table(state, "GradientStats", NAME, finish))
+
+
+@attrs.frozen(eq=False)
+class GradientStatsResult(lay.TableResult):
+    """The result of :class:`GradientStats`: per recorded step, per layer path statistics.
+
+    ``paths`` lists every layer that had gradients on some recorded step, in module order;
+    ``stats[step]`` is aligned with it, None where the layer had none on that step.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 1)
+        >>> batches = [(torch.ones(4, 2), torch.zeros(4, 1))] * 2
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.GradientStats())
+        >>> res.iterations, res.paths
+        ((0, 1), ('',))
+    """
+
+    table: lay.Table
+
+    @property
+    def stats(self) -> list[list[dict[str, float] | None]]:
+        """Per recorded step, per layer of ``paths``: ``{"norm", "mean", "std", "zeros"}`` as
+        Python floats (``zeros``: the fraction of exact zeros); None where it had no gradient."""
+        return [[dict(zip(COLUMNS, row[p])) if p in row else None for p in self.paths] for row in self.table.rows()]
+
+    def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float], list[float]]:
+        """``(norms, means, stds, zeros)`` of layer `idx` (an index into ``paths``, or a path)
+        over the recorded steps; NaN for a step without its gradient.
+
+        Raises:
+            ReducerError: for an index out of range or an unknown path.
+        """
+        columns = [self.table.column(idx, k, "layer_stats") for k in range(len(COLUMNS))]
+        return columns[0], columns[1], columns[2], columns[3]
+
+    def plot(self, *, figsize: tuple[float, float] = (12, 7)) -> Any:
+        """Norm, mean, std and share of zeros of every layer over the steps (the ``plot`` extra).
+
+        Returns:
+            A matplotlib Figure with four Axes (``fig.savefig("grads.png")`` writes it).
+        """
+        from . import plot
+
+        return plot.plot_gradient_stats(self, figsize=figsize)
+
+    def __repr__(self) -> str:
+        return f"GradientStatsResult({len(self)} steps, paths={list(self.paths)})"

@@ -1,0 +1,280 @@
+"""Figures for activation statistics (the optional ``plot`` extra: matplotlib).
+
+matplotlib is imported only when a plot is drawn, never by ``import funhooks``. Figures are
+built with ``matplotlib.figure.Figure`` rather than pyplot, so drawing keeps no global
+figure state, needs no display, and ``fig.savefig("x.png")`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from funhooks.errors import ExtraError
+
+__all__ = ["color_dim", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats", "plot_loss", "plot_update_ratio"]
+
+LAYER_STATS_TITLES = ("mean", "std", "% near zero")
+
+
+def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") -> Any:
+    """A matplotlib Figure on the Agg canvas, without touching pyplot's global state.
+
+    Raises:
+        ExtraError: without matplotlib, naming `extra` to install.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ExtraError(
+            f"{caller}: plotting needs matplotlib, got it not installed. "
+            f"Install the extra: pip install 'funhooks[{extra}]'."
+        ) from None
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_layer_stats(result: Any, idx: int | str, *, figsize: tuple[float, float] = (12, 3)) -> Any:
+    """Plot the mean, std and near-zero share of module `idx` over the recorded steps.
+
+    Args:
+        result: an :class:`~funhooks.reducers.activation_stats.ActivationStatsResult`.
+        idx: a module index or path.
+        figsize: the figure size in inches.
+
+    Returns:
+        A matplotlib Figure with three Axes. Steps on which the module did not run (NaN)
+        leave a gap; the lines of such a module get a dot per step, so a step between two
+        gaps still shows.
+
+    Raises:
+        ExtraError: without matplotlib (install ``funhooks[plot]``).
+        ReducerError: for an index out of range.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> batches = [(torch.randn(8, 2), torch.randn(8, 1)) for _ in range(4)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.ActivationStats())
+        >>> fig = fh.plot.plot_layer_stats(res, 0)
+        >>> [ax.get_title() for ax in fig.axes]
+        ['mean', 'std', '% near zero']
+    """
+    fig = figure("plot_layer_stats", figsize)
+    series = result.layer_stats(idx)
+    axs = fig.subplots(1, len(LAYER_STATS_TITLES))
+    gaps = any(math.isnan(v) for v in series[0])
+    for values, ax, title in zip(series, axs, LAYER_STATS_TITLES):
+        ax.plot(result.iterations, values, marker="." if gaps else None)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+    fig.tight_layout()
+    return fig
+
+
+def color_dim(result: Any, idx: int | str, *, ax: Any = None, figsize: tuple[float, float] = (10, 5)) -> Any:
+    """Draw fastai's "colorful dimension" image of module `idx`: histograms over steps.
+
+    Args:
+        result: an :class:`~funhooks.reducers.activation_stats.ActivationStatsResult` folded with ``with_hist=True``.
+        idx: a module index or path.
+        ax: the matplotlib Axes to draw on; None: a new figure's.
+        figsize: the size of a new figure, in inches.
+
+    Returns:
+        The Axes drawn on (``ax.figure.savefig("x.png")`` writes it); a step on which the
+        module did not run is an empty (zero) column.
+
+    Raises:
+        ExtraError: without matplotlib (install ``funhooks[plot]``).
+        ReducerError: for an index out of range or a result without histograms.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> batches = [(torch.randn(8, 2), torch.randn(8, 1)) for _ in range(4)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, fh.ActivationStats(with_hist=True))
+        >>> ax = fh.plot.color_dim(res, "0")
+        >>> ax.images[0].get_array().shape
+        (40, 4)
+    """
+    image = result.hist(idx)
+    if ax is None:
+        ax = figure("color_dim", figsize).subplots()
+    ax.imshow(image.numpy(), origin="lower", aspect="auto")
+    ax.axis("off")
+    return ax
+
+
+# -- the per-layer reducers ----------------------------------------------------------------------
+
+MAX_LEGEND = 12
+"""Layers named in a legend; more lines than this are left unnamed (colour only)."""
+
+GRADIENT_PANELS = (("norm", "gradient norm", True), ("mean", "mean", False), ("std", "std", True),
+                   ("zeros", "% zeros", False))
+
+
+def _lines(ax: Any, iterations: tuple[int, ...], series: list[tuple[str, list[float]]], *, log: bool = False) -> None:
+    """One line per layer over the iterations (a dot per step where gaps would hide it)."""
+    for i, (label, values) in enumerate(series):
+        gaps = any(math.isnan(v) for v in values)
+        ax.plot(iterations, values, color=f"C{i % 10}", marker="." if gaps else None, linewidth=1.2, label=label)
+    if log and any(v > 0 for _, values in series for v in values):
+        ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    if 1 < len(series) <= MAX_LEGEND:
+        ax.legend(fontsize=7, ncol=2)
+
+
+def plot_gradient_stats(result: Any, *, figsize: tuple[float, float] = (12, 7)) -> Any:
+    """Gradient norm, mean, std and share of zeros of every layer over the recorded steps.
+
+    Args:
+        result: a :class:`~funhooks.GradientStatsResult`.
+        figsize: the figure size in inches.
+
+    Returns:
+        A matplotlib Figure with four Axes, one line per layer (norm and std on a log scale).
+
+    Raises:
+        ExtraError: without matplotlib (install ``funhooks[plot]``).
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, [(torch.randn(8, 2), torch.randn(8, 1))] * 3, nn.functional.mse_loss, opt,
+        ...              fh.GradientStats())
+        >>> [ax.get_title() for ax in fh.plot.plot_gradient_stats(res).axes]
+        ['gradient norm', 'mean', 'std', '% zeros']
+    """
+    fig = figure("plot_gradient_stats", figsize)
+    axes = fig.subplots(2, 2).flatten()
+    columns = [result.layer_stats(i) for i in range(len(result.paths))]
+    for k, (ax, (_, title, log)) in enumerate(zip(axes, GRADIENT_PANELS)):
+        scale = 100.0 if k == 3 else 1.0
+        _lines(ax, result.iterations, [(p, [scale * v for v in c[k]]) for p, c in zip(result.paths, columns)], log=log)
+        ax.set_title(title)
+    fig.suptitle("Gradients per layer, at each optimizer step")
+    fig.tight_layout()
+    return fig
+
+
+def plot_update_ratio(result: Any, *, figsize: tuple[float, float] = (8, 4)) -> Any:
+    """log10 of every layer's update-to-parameter ratio over the steps, with the 1e-3 line.
+
+    Args:
+        result: an :class:`~funhooks.UpdateRatioResult`.
+        figsize: the figure size in inches.
+
+    Returns:
+        A matplotlib Figure with one Axes.
+
+    Raises:
+        ExtraError: without matplotlib (install ``funhooks[plot]``).
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, [(torch.randn(8, 2), torch.randn(8, 1))] * 3, nn.functional.mse_loss, opt,
+        ...              fh.UpdateRatio())
+        >>> fh.plot.plot_update_ratio(res).axes[0].get_ylabel()
+        'log10(|update| / |param|)'
+    """
+    from .update_ratio import HEALTHY_RATIO
+
+    fig = figure("plot_update_ratio", figsize)
+    ax = fig.subplots()
+    logs = result.log10()
+    _lines(ax, result.iterations, [(p, [row[i] for row in logs]) for i, p in enumerate(result.paths)])
+    ax.axhline(math.log10(HEALTHY_RATIO), color="grey", linestyle="--", linewidth=1)
+    ax.set_ylabel("log10(|update| / |param|)")
+    ax.set_title("Update-to-parameter ratio per layer (dashed: 1e-3)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_dead_units(result: Any, *, figsize: tuple[float, float] = (8, 4)) -> Any:
+    """The share of dead units of every layer over the steps.
+
+    Args:
+        result: a :class:`~funhooks.DeadUnitsResult`.
+        figsize: the figure size in inches.
+
+    Returns:
+        A matplotlib Figure with one Axes.
+
+    Raises:
+        ExtraError: without matplotlib (install ``funhooks[plot]``).
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, [(torch.randn(8, 2), torch.randn(8, 1))] * 3, nn.functional.mse_loss, opt,
+        ...              fh.DeadUnits())
+        >>> fh.plot.plot_dead_units(res).axes[0].get_ylabel()
+        '% dead units'
+    """
+    fig = figure("plot_dead_units", figsize)
+    ax = fig.subplots()
+    dead = result.dead
+    _lines(ax, result.iterations, [(p, [100 * row[i] for row in dead]) for i, p in enumerate(result.paths)])
+    ax.set_ylim(-2, 102)
+    ax.set_ylabel("% dead units")
+    ax.set_title("Dead units per layer (zero on every example of the batch)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss(result: Any, *, epoch_len: int | None = None, figsize: tuple[float, float] = (8, 4)) -> Any:
+    """The loss at every step, its moving average and, given `epoch_len`, the epoch boundaries.
+
+    Args:
+        result: a :class:`~funhooks.LossCurveResult`.
+        epoch_len: steps per epoch (dotted lines between epochs); None: none.
+        figsize: the figure size in inches.
+
+    Returns:
+        A matplotlib Figure with one Axes.
+
+    Raises:
+        ExtraError: without matplotlib (install ``funhooks[plot]``).
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, [(torch.randn(8, 2), torch.randn(8, 1))] * 4, nn.functional.mse_loss, opt,
+        ...              fh.LossCurve())
+        >>> [line.get_label() for line in fh.plot.plot_loss(res, epoch_len=2).axes[0].lines[:2]]
+        ['loss per step', 'moving average']
+    """
+    fig = figure("plot_loss", figsize)
+    ax = fig.subplots()
+    ax.plot(result.iterations, result.losses, color="C0", alpha=0.35, linewidth=1, label="loss per step")
+    ax.plot(result.iterations, result.ema, color="C0", linewidth=2.5, label="moving average")
+    if epoch_len:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        for boundary in range(epoch_len, len(result), epoch_len):
+            ax.axvline(boundary, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.set_title("Training loss")
+    ax.legend()
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,300 @@
+"""Entries: the small function a run calls for one (spec, module), built once per plan.
+
+An entry does one spec's work on the hot path. The plain ``outputs`` entry is a
+``detach()`` (skipped without autograd history), a version-counter read and a list append
+into the frame's buffer. Observers get their hook arguments detached / gathered / moved /
+cloned as flagged; editors return the replacement, checked against what it replaces;
+``grads`` registers tensor hooks on the outputs (removed when the run exits); backward
+events go through PyTorch's per-call ``BackwardHook``, set up only for the calls the run sees.
+
+While a spec's own function runs, its run sees no module call, so a function that calls the
+model again cannot recurse into its own hooks. Its exceptions come
+back as one ``HookError`` naming the spec and the module.
+
+Cost: one Python call per (spec, module call), plus the flagged tensor work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from funhooks import _torch
+from funhooks.errors import (
+    ExtraError,
+    HookError,
+    LoopError,
+    RecordError,
+    ReducerError,
+    SelectorError,
+    SpecError,
+    StaleTensorError,
+    TransformError,
+)
+from funhooks.specs.selector import path_label as where
+from funhooks.specs.spec import Spec
+
+from .values import copies_of, preparer, snapshot, unchecked
+
+if TYPE_CHECKING:
+    from .frame import Frame
+
+__all__ = ["GradSlot", "backward_hook", "call_spec", "checked_edit", "param_hook", "post_entry", "pre_entry"]
+
+Tensor = torch.Tensor
+Key = tuple[str, str]
+_tracing = _torch.jit_tracing
+_OWN_ERRORS = (ExtraError, LoopError, RecordError, ReducerError, SelectorError, SpecError, StaleTensorError,
+               TransformError)
+"""funhooks' own errors, raised by its own spec functions: their message already says what to do."""
+
+
+# -- calling a spec's function ------------------------------------------------------------------
+
+
+def _hook_error(caller: str, spec: Spec, path: str, err: Exception) -> HookError:
+    if isinstance(err, _OWN_ERRORS):  # funhooks' own function: its message says what to do
+        return HookError(f"{caller}: {spec!r} stopped at module {where(path)}: {err}")
+    return HookError(
+        f"{caller}: the function of {spec!r} raised {type(err).__name__} on module {where(path)}: {err}. "
+        "Fix the function; the model's hooks were removed."
+    )
+
+
+def call_spec(frame: Frame, spec: Spec, path: str, args: tuple) -> Any:
+    """``spec.fn(*args)``, its errors as one HookError. While it runs, its own frame sees no
+    module call (``frame.calling``), so a function calling the model cannot recurse."""
+    frame.calling += 1
+    try:
+        return spec.fn(*args)
+    except HookError:
+        raise
+    except Exception as err:
+        raise _hook_error(frame.caller, spec, path, err) from err
+    finally:
+        frame.calling -= 1
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(_describe(v) for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def _fits(old: Any, new: Any) -> bool:
+    """Whether an editor's `new` value has the structure and tensor shapes of `old`."""
+    if isinstance(old, Tensor) or isinstance(new, Tensor):
+        return isinstance(old, Tensor) and isinstance(new, Tensor) and old.shape == new.shape
+    a, sa = _torch.flatten(old)
+    b, sb = _torch.flatten(new)
+    if len(a) != len(b) or sa[0] != sb[0]:
+        return False
+    return all(_fits(x, y) if isinstance(x, Tensor) or isinstance(y, Tensor) else True for x, y in zip(a, b))
+
+
+def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: Any, new: Any) -> Any:
+    if new is None or _fits(old, new):
+        return new
+    raise HookError(
+        f"{frame.caller}: an editor returns a value with the structure and shapes of the {what} it replaces "
+        f"(or None), got {_describe(new)} from {spec!r} on module {where(path)}, where the {what} is "
+        f"{_describe(old)}. Return a value shaped like the {what}."
+    )
+
+
+# -- the entries -------------------------------------------------------------------------------
+
+PreEntry = Callable[["Frame", nn.Module, tuple, dict], Any]
+PostEntry = Callable[["Frame", nn.Module, tuple, dict, Any], Any]
+
+
+def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
+    """The entry of a ``forward_pre`` spec: store the inputs, observe, or edit the args.
+    `copies`: the spec stores copies, with no version to check."""
+    prep, path, store = preparer(spec), key[0], unchecked if copies else snapshot
+    if copies and spec.role == "input" and not spec.gather:
+        return copies_of(spec, key, pre=True)
+    if spec.role == "input":
+
+        def store_input(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
+            value = args if prep is None else prep(args)
+            named = (kwargs if prep is None else prep(kwargs)) if kwargs else {}
+            frame.buffer.append((key, *store((value, named))))
+
+        return store_input
+
+    if spec.is_edit:
+
+        def edit_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            new = call_spec(frame, spec, path, (module, args))
+            if new is not None and not isinstance(new, tuple):
+                new = (new,)
+            return checked_edit(frame, spec, path, "args", args, new)
+
+        return edit_args
+
+    def observe_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        value = call_spec(frame, spec, path, (module, args if prep is None else prep(args)))
+        frame.buffer.append((key, *store(value)))
+
+    return observe_args
+
+
+def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
+    """The entry of a ``forward`` spec (store the output, observe, edit it) or of a ``grads``
+    spec (watch the output's gradient). `copies`: as for :func:`pre_entry`."""
+    prep, path, store = preparer(spec), key[0], unchecked if copies else snapshot
+    if copies and spec.role == "output" and not spec.gather:
+        return copies_of(spec, key, pre=False)
+    if spec.role == "output":
+        if spec.detach and not (spec.cpu or spec.gather or spec.clone or copies):
+
+            def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                if isinstance(output, Tensor):
+                    # without autograd history, detach() would only make an alias. Under `torch.jit.trace`
+                    # no op is called here: the tracer names a value after the variable of the frame that
+                    # passes it to an op, and its check traces again without gradients, so a detach in
+                    # one trace only would make the two graphs differ
+                    if output.requires_grad and not _tracing():
+                        output = output.detach()
+                    try:
+                        frame.buffer.append((key, output, output._version))
+                    except RuntimeError:  # an inference tensor: no version counter, so a copy
+                        frame.buffer.append((key, output.clone(), None))
+                else:
+                    frame.buffer.append((key, *snapshot(prep(output))))  # type: ignore[misc]
+
+            return store_output
+
+        def store_any(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            frame.buffer.append((key, *store(output if prep is None else prep(output))))
+
+        return store_any
+
+    if spec.role in ("grad", "grad_output"):
+        as_tuple = spec.role == "grad_output"
+
+        def watch_grad(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            leaves, structure = _torch.flatten(output)
+            if as_tuple:  # fastai's grad_output: the tensors, as a tuple
+                leaves = [t for t in leaves if isinstance(t, Tensor)]
+            wanted = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+            if not wanted:
+                return
+            if frame.level:
+                raise TransformError(
+                    f"{frame.caller}: {spec!r} needs autograd's backward, got it inside a torch.func transform "
+                    f"at module {where(path)}. Use `fh.activation_grads(model, where, loss_fn)` for gradients "
+                    "of activations under `grad`/`vmap`."
+                )
+            slot = GradSlot(len(leaves), structure, as_tuple)
+            for i in wanted:
+                frame.grad_hooks.append(leaves[i].register_hook(slot.hook(frame, i, prep)))
+            frame.buffer.append((key, slot, None))
+
+        return watch_grad
+
+    if spec.is_edit:
+
+        def edit_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            new = call_spec(frame, spec, path, (module, args, output))
+            return checked_edit(frame, spec, path, "output", output, new)
+
+        return edit_output
+
+    fn = spec.fn
+
+    def observe_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if prep is not None:
+            args, output = prep(args), prep(output)
+        frame.calling += 1  # `call_spec`, inlined: this entry runs on every call of every observed module
+        try:
+            value = fn(module, args, output)
+        except HookError:
+            raise
+        except Exception as err:
+            raise _hook_error(frame.caller, spec, path, err) from err
+        finally:
+            frame.calling -= 1
+        if store is snapshot and isinstance(value, Tensor):
+            try:
+                frame.buffer.append((key, value, value._version))
+                return
+            except RuntimeError:  # an inference tensor
+                pass
+        frame.buffer.append((key, *store(value)))
+
+    return observe_output
+
+
+class GradSlot:
+    """A ``grads`` value completed by tensor hooks during backward: one value per backward
+    pass through the call (``retain_graph=True``, gradient penalties), in pass order."""
+
+    __slots__ = ("as_tuple", "n", "passes", "structure")
+
+    def __init__(self, n: int, structure: Any, as_tuple: bool) -> None:
+        self.n, self.structure, self.as_tuple = n, structure, as_tuple
+        self.passes: dict[int, list[Any]] = {}
+
+    def hook(self, frame: Frame, i: int, prep: Callable[[Any], Any] | None) -> Callable[[Tensor], None]:
+        def on_grad(grad: Tensor) -> None:
+            if frame.open:
+                parts = self.passes.get(pass_id := _torch.backward_pass())
+                if parts is None:
+                    parts = self.passes[pass_id] = [None] * self.n
+                parts[i] = grad if prep is None else prep(grad)
+
+        return on_grad
+
+    def values(self) -> list[Any]:
+        if self.as_tuple:
+            return [tuple(parts) for parts in self.passes.values()]
+        return [_torch.unflatten(parts, self.structure) for parts in self.passes.values()]
+
+
+def backward_hook(spec: Spec, key: Key) -> Callable[[Frame], Callable[..., Any]]:
+    """For a ``backward`` / ``backward_pre`` spec: given a frame, the hook PyTorch's
+    ``BackwardHook`` calls with ``(module, grad_input, grad_output)`` or ``(module, grad_output)``."""
+    prep, path = preparer(spec), key[0]
+    what = "grad_input" if spec.event == "backward" else "grad_output"
+
+    def for_frame(frame: Frame) -> Callable[..., Any]:
+        def on_backward(module: nn.Module, *grads: Any) -> Any:
+            if not frame.open:
+                frame.late.add(key)
+                return None
+            if spec.is_edit:
+                new = call_spec(frame, spec, path, (module, *grads))
+                return checked_edit(frame, spec, path, what, grads[0], new)
+            if prep is not None:
+                grads = tuple([prep(g) for g in grads])
+            frame.buffer.append((key, *snapshot(call_spec(frame, spec, path, (module, *grads)))))
+            return None
+
+        return on_backward
+
+    return for_frame
+
+
+def param_hook(spec: Spec, key: Key, param: Tensor, frame: Frame) -> Callable[[Tensor], Any]:
+    """A gradient hook on `param` for `frame`: ``fn(param, grad)``."""
+    prep, path = preparer(spec), key[0]
+
+    def on_grad(grad: Tensor) -> Any:
+        if not frame.open:
+            return None
+        if spec.is_edit:
+            return checked_edit(frame, spec, path, "gradient", grad, call_spec(frame, spec, path, (param, grad)))
+        value = call_spec(frame, spec, path, (param, grad if prep is None else prep(grad)))
+        frame.buffer.append((key, *snapshot(value)))
+        return None
+
+    return on_grad

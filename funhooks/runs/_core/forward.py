@@ -1,0 +1,299 @@
+"""Wrapped forwards: how runs reach the modules they hook, and the one hot loop.
+
+While a run hooks a module, the module's ``forward`` is a :class:`Forward` set in the
+module's own ``__dict__`` (``_call_impl`` for the rare class whose ``forward`` an instance
+attribute cannot replace: a property, or a custom ``__getattribute__``). Nothing is
+registered with PyTorch: ``Module.__call__`` keeps its hook-free fast path for every
+module, hooked or not, where any forward hook (even a global no-op one) sends every module
+call down PyTorch's slower hooked path.
+
+A call goes through :func:`call` only for the runs (*users*) entered in the calling
+context (see ``scope``); calls from other threads or tasks run the module as if no run
+existed. Entries see what forward hooks would see: the arguments after the module's own
+forward-pre hooks, the output before its forward hooks. Nested runs share one ``Forward``
+per module and may exit in any order; when the last one leaves, the ``__dict__`` is
+restored exactly. A module copied (``copy.copy``, ``deepcopy``, pickle) inside a block gets
+a plain forward: the ``Forward`` also sets an instance ``__reduce_ex__`` that leaves itself
+out of the copy.
+
+Cost: per hooked module call, one Python call around the forward, a context-variable read,
+a ``torch.func`` level read and an autograd-state read; per run, a few dict writes per
+hooked module at entry and exit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from funhooks import _torch
+from funhooks.errors import TransformError
+from funhooks.specs.selector import path_label as where
+
+from . import op_mode as ops
+from . import scope
+from .hooked import Hooked
+
+__all__ = ["Forward", "attribute", "call", "install", "uninstall"]
+
+_ATTRIBUTE: dict[type, str] = {}
+_active = scope.active
+_peek = _torch.peek_transform
+_graph_task = _torch.graph_task_id
+_LOCK = threading.RLock()
+"""Guards wrapping and unwrapping: runs entered in two threads at once share the wrappers."""
+
+Users = tuple[tuple[Any, Any], ...]
+Route = Callable[[nn.Module, Callable[..., Any], Users, tuple, dict], Any]
+
+
+def attribute(cls: type) -> str:
+    """The instance attribute through which a run wraps modules of `cls`: ``forward``, or
+    ``_call_impl`` where an instance ``forward`` would not be found (a property, a custom
+    ``__getattribute__``)."""
+    name = _ATTRIBUTE.get(cls)
+    if name is None:
+        found = inspect.getattr_static(cls, "forward", None)
+        plain = cls.__getattribute__ is nn.Module.__getattribute__ and not hasattr(type(found), "__set__")
+        name = _ATTRIBUTE[cls] = "forward" if plain else "_call_impl"
+    return name
+
+
+def _escape(frame: Any, hooked: Hooked) -> TransformError:
+    return TransformError(
+        f"{frame.caller}: values stored by side effect cannot leave a torch.func transform, got module "
+        f"{where(hooked.path)} called inside `vmap`/`grad` while the `{frame.caller}` block was entered outside it. "
+        "Call `fh.capture(model, specs)` inside the transform instead: its Record comes back batched."
+    )
+
+
+def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple, kwargs: dict,
+         checked: bool = True) -> Any:
+    """One call of a hooked module for the runs in `users` (``(frame, hooked)`` pairs).
+
+    Forward-pre editors, then forward-pre observers; the module (inside the op mode of
+    ``ops`` when a user's table has op entries); editors, then gradient watchers, then
+    observers: a recording sees the values after every editor of the call.
+    A call made while autograd runs a backward pass is a recomputation (activation
+    checkpointing): editors and gradient watchers run, nothing is stored again.
+    `checked` is False inside a dynamo trace, which runs neither check.
+    """
+    replay = False
+    if checked:
+        level = _torch.transform_level()
+        for frame, hooked in users:
+            if frame.level != level:
+                raise _escape(frame, hooked)
+        replay = _graph_task() != -1
+    if len(users) == 1 and users[0][1].plain:  # the common case: observers only
+        frame, hooked = users[0]
+        output = inner(*args, **kwargs)
+        if not replay:
+            for entry in hooked.obs:
+                entry(frame, module, args, kwargs, output)
+        return output
+    for frame, hooked in users:
+        for pre in hooked.pre_edits:
+            new = pre(frame, module, args, kwargs)
+            if new is not None:
+                args = new
+    if not replay:
+        for frame, hooked in users:
+            for pre in hooked.pre_obs:
+                pre(frame, module, args, kwargs)
+    backward = None
+    if checked and torch.is_grad_enabled():
+        full = [make(frame) for frame, hooked in users for make in hooked.backward]
+        pre_hooks = [make(frame) for frame, hooked in users for make in hooked.backward_pre]
+        if full or pre_hooks:
+            backward = _torch.backward_hook(module, full, pre_hooks)
+            args = backward.setup_input_hook(args)
+    around = (users if users[0][1].around else ()) if len(users) == 1 else tuple([u for u in users if u[1].around])
+    if around:
+        output = ops.call(module, inner, around, around[0][1].path, args, kwargs, replay)
+    else:
+        output = inner(*args, **kwargs)
+    for frame, hooked in users:
+        for post in hooked.edits:
+            new = post(frame, module, args, kwargs, output)
+            if new is not None:
+                output = new
+    for frame, hooked in users:
+        for post in hooked.grads:
+            post(frame, module, args, kwargs, output)
+    if not replay:
+        for frame, hooked in users:
+            for post in hooked.obs:
+                post(frame, module, args, kwargs, output)
+    if backward is not None:
+        output = backward.setup_output_hook(output)
+    return output
+
+
+class Forward:
+    """A module's ``forward`` (or ``_call_impl``) while at least one run hooks it.
+
+    ``users`` is a tuple of ``(frame, hooked)``, outermost run first, replaced (never
+    mutated) so a call in progress keeps the users it started with. ``route`` runs a call for
+    the users in scope: :func:`call`, or for a ``torch.compile`` wrapper the compiled recorder
+    of ``trace``. A plan keeps one ``Forward`` per hooked module and reuses it run after run;
+    between runs it holds the module only weakly.
+    """
+
+    __slots__ = ("__weakref__", "attr", "inner", "module", "reducer", "reducing", "ref", "route", "saved", "solo",
+                 "users")
+
+    def __init__(self, module: nn.Module, attr: str, route: Route = call) -> None:
+        self.ref = weakref.ref(module)
+        self.attr = attr
+        self.route = route
+        self.module: Any = None  # the module, while installed
+        self.inner: Any = None  # what `module.<attr>` was, while installed
+        self.saved: Any = None  # the instance attribute it replaced, if any
+        self.reducer = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
+        self.reducing = False  # whether it is set now
+        self.users: Users = ()
+        # the common case, read by one load: `(frame, observers)` of the one user, when it only
+        # observes and was entered outside transforms; else None
+        self.solo: tuple[Any, tuple] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, inner = self.module, self.inner
+        if inner is None:  # unwrapped since the caller looked it up: call what is there now
+            return getattr(self.ref(), self.attr)(*args, **kwargs)
+        active = _active()
+        if not active:
+            return inner(*args, **kwargs)
+        solo = self.solo
+        if solo is not None and solo[0] in active and not solo[0].calling and _peek() is None:
+            # the common case, inlined from `call`: one run, observers only, no transform
+            output = inner(*args, **kwargs)
+            if _graph_task() == -1:  # not a recomputation during backward
+                frame = solo[0]
+                for entry in solo[1]:
+                    entry(frame, module, args, kwargs, output)
+            return output
+        mine = tuple([u for u in self.users if u[0] in active and not u[0].calling])
+        return self.route(module, inner, mine, args, kwargs) if mine else inner(*args, **kwargs)
+
+    # -- looking like the forward it wraps ------------------------------------------------
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(module.forward) sees the real one
+        return self.inner
+
+    @property
+    def __self__(self) -> Any:
+        return getattr(self.inner, "__self__", None)
+
+    @property
+    def __func__(self) -> Any:
+        return getattr(self.inner, "__func__", self.inner)
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.inner, "__name__", self.attr)
+
+    def __repr__(self) -> str:
+        return f"<funhooks-wrapped {self.inner!r}>"
+
+    # -- copies made inside a block are plain ----------------------------------------------
+
+    def reduce_ex(self, protocol: int) -> Any:
+        """The module's own reduction, without the run's instance attributes (``copy.copy``,
+        ``copy.deepcopy`` and pickle all ask an object's ``__reduce_ex__``)."""
+        module = self.ref()
+        reduced: Any = type(module).__reduce_ex__(module, protocol)  # type: ignore[arg-type, call-arg]
+        if len(reduced) < 3 or not isinstance(reduced[2], dict):
+            return reduced
+        state = {}
+        for k, v in reduced[2].items():
+            if v is self:  # what it replaced, if anything (a state that leaves the attribute out stays so)
+                if self.saved is not None:
+                    state[k] = self.saved
+            elif not (k == "__reduce_ex__" and self.reducing):
+                state[k] = v
+        return (reduced[0], reduced[1], state, *reduced[3:])
+
+
+def _solo(users: Users) -> tuple[Any, tuple] | None:
+    """``Forward.solo`` for `users`."""
+    if len(users) != 1:
+        return None
+    frame, hooked = users[0]
+    return (frame, hooked.obs) if hooked.plain and not frame.level else None
+
+
+def install(frame: Any, items: list[tuple[weakref.ref, Forward, Any]]) -> list[Forward]:
+    """Make `frame` a user of the wrapped forward of each module in `items`
+    (``(module_ref, forward, hooked)``, from the plan), wrapping the modules not wrapped
+    yet; returns the ``Forward`` objects `frame` uses."""
+    installed: list[Forward] = []
+    with _LOCK:
+        try:
+            for ref, fwd, hooked in items:
+                module = ref()
+                if module is None:
+                    continue
+                d = module.__dict__
+                current = d.get(fwd.attr)
+                if type(current) is Forward and current.module is module:  # wrapped by a run already
+                    current.solo = None
+                    current.users = (*current.users, (frame, hooked))
+                    installed.append(current)
+                    continue
+                if fwd.inner is not None:  # still in use under someone else's forward: never reuse
+                    fwd = Forward(module, fwd.attr, fwd.route)
+                fwd.saved, fwd.module, fwd.users = current, module, ((frame, hooked),)
+                fwd.solo = (frame, hooked.obs) if hooked.plain and not frame.level else None
+                fwd.inner = getattr(module, fwd.attr)
+                d[fwd.attr] = fwd
+                if "__reduce_ex__" not in d:
+                    d["__reduce_ex__"] = fwd.reducer
+                    fwd.reducing = True
+                installed.append(fwd)
+        except BaseException:  # interrupted half-way: leave no module wrapped
+            _uninstall(frame, installed)
+            raise
+    return installed
+
+
+def uninstall(frame: Any, installed: list[Forward]) -> None:
+    """Remove `frame` from each wrapped forward; restore the modules it was the last user of.
+
+    A forward someone else replaced since (wrapping ours) stays in place, with no users.
+    """
+    with _LOCK:
+        _uninstall(frame, installed)
+
+
+def _uninstall(frame: Any, installed: list[Forward]) -> None:
+    for fwd in reversed(installed):
+        users = fwd.users
+        fwd.solo = None
+        if len(users) == 1 and users[0][0] is frame:
+            fwd.users = ()
+        else:
+            fwd.users = users = tuple([u for u in users if u[0] is not frame])
+            if users:
+                fwd.solo = _solo(users)
+                continue
+        d = fwd.module.__dict__
+        if fwd.reducing:
+            if d.get("__reduce_ex__") is fwd.reducer:
+                del d["__reduce_ex__"]
+            fwd.reducing = False
+        if d.get(fwd.attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
+            continue
+        if fwd.saved is None:
+            del d[fwd.attr]
+        else:
+            d[fwd.attr] = fwd.saved
+        fwd.inner = None  # before `module`: a racing call reads `module` first, then `inner`
+        fwd.module = fwd.saved = None

@@ -1,0 +1,164 @@
+"""Frames: one run's private mutable state, and the Record built from it.
+
+A frame holds the buffer its entries append ``(key, value, check)`` to, the tensor hooks its
+``grads`` entries registered (removed when the frame closes, so nothing stays on a
+persistent tensor such as a parameter a module returns), the backward events that arrived
+after it closed, the ``torch.func`` level it was opened at (a call at another level
+would store values that escape their transform), and for interventions the call's per-call
+values (``fh.arg`` placeholders) and how often each intervention has applied.
+
+Building the Record groups the buffer by module path in module order and compares each
+stored tensor's version counter with the one read when it was stored: a difference means a
+later in-place op changed it, and the Record would be silently wrong.
+
+Cost: about 0.35 µs per stored value to build; a version read per stored tensor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from funhooks import _torch
+from funhooks.errors import StaleTensorError
+from funhooks.records.record import Record
+from funhooks.specs.selector import path_label as where
+
+from .entries import GradSlot
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["Frame"]
+
+
+class Frame:
+    """One run's mutable state: what its entries stored, and the hooks they registered."""
+
+    __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "open", "plan", "values",
+                 "watches")
+
+    def __init__(self, plan: Plan, caller: str, level: int | None = None,
+                 values: dict[str, Any] | None = None) -> None:
+        self.plan = plan
+        self.values: dict[str, Any] = {} if values is None else values  # `fh.arg` name -> this call's value
+        self.counts: dict[Any, int] = {}  # intervention entry -> how often it applied in this frame
+        self.caller = caller
+        self.buffer: list[tuple[Any, Any, Any]] = []
+        self.grad_hooks: list[Any] = []
+        self.late: set[tuple[str, str]] = set()
+        self.calling = 0  # > 0 while one of its specs' own functions runs: it sees no call then
+        if level is None:
+            interpreter = _torch.peek_transform()
+            level = 0 if interpreter is None else interpreter.level()
+        self.level = level
+        self.open = True
+        self.watches: dict[int, Any] | None = None  # FSDP-sharded parameters watched (``sharded``)
+
+    def close(self) -> None:
+        """Stop storing and remove the tensor hooks (gradients arriving later are noted)."""
+        self.open = False
+        for handle in self.grad_hooks:
+            handle.remove()
+        self.grad_hooks = []
+        self.watches = None
+
+    def record(self) -> Record:
+        """The Record of everything stored so far (a snapshot)."""
+        return _build(self)
+
+    def take(self) -> Record:
+        """The Record of everything stored so far; the buffer starts afresh."""
+        record = _build(self)
+        self.buffer = []
+        return record
+
+
+def _stale(caller: str, key: tuple[str, str], spec: Any) -> StaleTensorError:
+    path, name = key
+    return StaleTensorError(
+        f"{caller}: a stored tensor must not change after it is stored, got the {name!r} of module "
+        f"{where(path)} (spec {spec!r}) changed in place by a later op such as `inplace=True`. "
+        "Pass `clone=True` to the spec to store a copy."
+    )
+
+
+def _notes(frame: Frame, data: dict[str, dict[str, Any]], waiting: set[tuple[str, str]]) -> dict[Any, str]:
+    """Why some of the plan's paths and names are absent, where that can be known."""
+    notes: dict[Any, str] = dict(frame.plan.notes)
+    for path, name in waiting:
+        if name not in data.get(path, ()):
+            notes[(path, name)] = (
+                f"its output needed a gradient but none reached it while the `{frame.caller}` block was open "
+                "(the backward ran after the block exited, or not at all): call `backward()` inside the block"
+            )
+    for path, name in frame.late:
+        notes[(path, name)] = (
+            f"the backward pass reached it after the `{frame.caller}` block had exited: call `backward()` inside the block"
+        )
+    return notes
+
+
+def _add(data: dict[str, dict[str, Any]], key: tuple[str, str], value: Any) -> bool:
+    """Add one call's value; True when the (path, name) now holds a list of several."""
+    node = data.setdefault(key[0], {})
+    calls = node.get(key[1])
+    if calls is None:
+        node[key[1]] = (value,)
+        return False
+    if type(calls) is tuple:
+        node[key[1]] = [*calls, value]
+    else:
+        calls.append(value)
+    return True
+
+
+def _build(frame: Frame) -> Record:
+    """Group the buffer into a Record, checking that no stored tensor changed since."""
+    plan, caller = frame.plan, frame.caller
+    data: dict[str, dict[str, Any]] = {}
+    several = False  # a (path, name) with more than one call: its calls are a list until the end
+    waiting: set[tuple[str, str]] = set()
+    for key, value, check in frame.buffer:
+        if check is not None:
+            if type(check) is int:
+                if value._version != check:
+                    raise _stale(caller, key, plan.spec_of.get(key))
+            elif any(t._version != v for t, v in check):
+                raise _stale(caller, key, plan.spec_of.get(key))
+        if type(value) is GradSlot:  # one value per backward pass, maybe none
+            values = value.values()
+            if not values:
+                waiting.add(key)
+            for value in values:
+                several |= _add(data, key, value)
+            continue
+        path, name = key
+        node = data.get(path)
+        if node is None:
+            data[path] = {name: (value,)}
+            continue
+        calls = node.get(name)
+        if calls is None:
+            node[name] = (value,)
+        elif type(calls) is tuple:
+            node[name], several = [*calls, value], True
+        else:
+            calls.append(value)
+    if several:
+        for node in data.values():
+            for name, calls in node.items():
+                if type(calls) is list:
+                    node[name] = tuple(calls)
+    rank = plan.name_rank
+    if len(rank) > 1:  # names in spec order, whatever order the entries ran in
+        for path, node in data.items():
+            if len(node) > 1 and any(rank[a] > rank[b] for a, b in zip(node, list(node)[1:])):
+                data[path] = {name: node[name] for name in sorted(node, key=rank.__getitem__)}
+    paths = list(data)
+    if paths != plan.paths:  # not every module, or not in module order: sort if needed
+        order = plan.order
+        if any(order[a] > order[b] for a, b in zip(paths, paths[1:])):
+            data = {p: data[p] for p in sorted(data, key=order.__getitem__)}
+    if waiting or frame.late or plan.notes:
+        return Record._trusted(data, _notes(frame, data, waiting))
+    return Record._trusted(data)

@@ -1,0 +1,246 @@
+"""Ops inside a forward: specs on the torch functions a hooked module calls.
+
+A spec whose ``hook`` is ``around`` (``fh.op_outputs``, ``fh.op_inputs``, ``fh.op_edit``,
+interventions with ``op=``) runs *during* the module's own forward call: :func:`call` enters
+a ``TorchFunctionMode`` for that call only, for the runs that see it, and leaves it when the
+forward returns. Every torch function called meanwhile (ops, tensor methods, operators such
+as ``a + b``) reaches the mode; one named by an op spec is run with the spec's entries
+around it, in the order of the module-level hot loop: input stores, the op, editors (every
+run's, in run order), output stores; a recording sees the value after every editor.
+
+An op is named by its function or its name, and every spelling of it matches:
+``torch.add``, ``Tensor.add`` and ``a + b`` are all ``add`` (``a += b`` is ``add_``).
+By default only the module's own code counts: an op called inside one of its submodules'
+calls is not the module's (``fh.op(name, deep=True)`` counts them too); telling them apart
+walks up the Python frames of a matched op to the first module call. A module call in which
+an op spec matched nothing raises :class:`SelectorError`, listing the ops that were called.
+
+Cost: nothing for modules without op specs, and nothing for any module outside the calls of
+a selected one. During a selected module's forward, one Python ``__torch_function__`` per
+torch function call (about 1.5 µs here, pass-through included), and for a matched op a
+walk of a few frames and its entries. Inside a ``torch.compile`` trace frames cannot be
+walked: only ``deep=True`` op specs work there.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from funhooks import _torch
+from funhooks.errors import SelectorError, TransformError
+from funhooks.specs.selector import path_label as where
+from funhooks.specs.spec import Spec
+
+from .entries import call_spec, checked_edit
+from .values import preparer, snapshot, unchecked
+
+if TYPE_CHECKING:
+    from .frame import Frame
+
+__all__ = ["OpEntry", "call", "op_entry", "op_name"]
+
+Key = tuple[str, str]
+_NAMES: dict[Any, str] = {}
+"""Each torch function seen so far -> its op name."""
+_REFLECTED = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod", "and", "or",
+                        "xor", "lshift", "rshift"})
+"""Operators whose ``__r<op>__`` / ``__i<op>__`` spellings name the same op."""
+_ALIASES = {"truediv": "div"}
+_SHOWN_OPS = 24
+"""How many of the ops a module called a "matched nothing" error lists."""
+_PROPERTIES: set[str] = set()
+"""Names of property reads (``t.shape``, ``t.dtype``): not listed as ops a module called."""
+
+
+def op_name(func: Any) -> str:
+    """The op a torch function is: its name, with operator spellings folded
+    (``__add__``/``__radd__`` -> ``add``, ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``)."""
+    found = _NAMES.get(func)
+    if found is not None:
+        return found
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a property read: name it by the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+        _PROPERTIES.add(name)
+    elif name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        if core[:1] in ("r", "i") and core[1:] in _REFLECTED:
+            core = _ALIASES.get(core[1:], core[1:]) + ("_" if core[0] == "i" else "")
+        name = _ALIASES.get(core, core)
+    _NAMES[func] = name
+    return name
+
+
+class OpEntry:
+    """One op spec on one module: which op it takes (name, ``call`` index, ``deep``) and
+    what it does there: store the inputs or the output, or edit the output."""
+
+    __slots__ = ("call", "deep", "edit", "name", "spec", "store_in", "store_out")
+
+    def __init__(self, spec: Spec, name: str, call: int | None, deep: bool) -> None:
+        self.spec, self.name, self.call, self.deep = spec, name, call, deep
+        self.store_in: Callable[[Frame, Any], None] | None = None
+        self.store_out: Callable[[Frame, Any], None] | None = None
+        self.edit: Callable[[Frame, nn.Module, tuple, dict, Any], Any] | None = None
+
+
+def _store(spec: Spec, key: Key, copies: bool) -> Callable[[Frame, Any], None]:
+    prep, keep = preparer(spec), unchecked if copies else snapshot
+
+    def store(frame: Frame, value: Any) -> None:
+        frame.buffer.append((key, *keep(value if prep is None else prep(value))))
+
+    return store
+
+
+def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
+    """The entry of an ``around`` spec on the module at ``key[0]``, the `rank`-th module its
+    selector matched. `copies`: store copies (inside compiled graphs and transforms)."""
+    action, path = spec.fn, key[0]
+    op = action.op
+    entry = OpEntry(spec, op.name, op.call, op.deep)
+    kind = action.kind
+    if kind == "output":
+        entry.store_out = _store(spec, key, copies)
+    elif kind == "input":
+        entry.store_in = _store(spec, key, copies)
+    elif kind == "edit":
+
+        def edit_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            new = call_spec(frame, spec, path, (module, args, kwargs, output))
+            return checked_edit(frame, spec, path, f"output of `{op.name}`", output, new)
+
+        entry.edit = edit_op
+    else:  # an intervention: counted per frame, so a Record with several calls gives call k to the k-th
+        apply = action.fn.apply
+
+        def intervene_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            count = frame.counts.get(entry, 0)
+            frame.counts[entry] = count + 1
+            return apply(output, spec, path, rank, count, frame.values, frame.caller)
+
+        entry.edit = intervene_op
+    return entry
+
+
+def _own(start: Any, mark: Any) -> bool:
+    """Whether the op whose caller's frame is `start` was called by the module whose
+    forward `mark`'s frame called, and not inside one of its submodules' calls."""
+    codes = _torch.MODULE_CALL_CODES
+    f = start
+    while f is not None and f is not mark:
+        if f.f_code in codes and f.f_back is not mark:  # another module's call, below ours
+            return False
+        f = f.f_back
+    return f is mark
+
+
+class _Mode(TorchFunctionMode):
+    """The mode of one hooked module call: the op entries of every run that sees it."""
+
+    def __init__(self, module: nn.Module, users: tuple, mark: Any, replay: bool) -> None:
+        super().__init__()
+        self.module, self.users, self.mark, self.replay = module, users, mark, replay
+        self.counts: dict[OpEntry, int] = {}  # matches per entry in this call
+        self.outside: dict[OpEntry, int] = {}  # matches inside submodules, not counted
+        self.seen: set[str] = set()  # the ops called, for the error when a spec matched none
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = _NAMES.get(func) or op_name(func)
+        self.seen.add(name)
+        found = None
+        for frame, hooked in self.users:
+            entries = hooked.ops.get(name)
+            if entries:
+                found = [(frame, e) for e in entries] if found is None else found + [(frame, e) for e in entries]
+        if found is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._run(func, found, args, kwargs or {})
+
+    def _run(self, func: Any, found: list, args: tuple, kwargs: dict) -> Any:
+        own = None
+        taken = []
+        for frame, entry in found:
+            if not entry.deep:
+                if own is None:
+                    own = _own(sys._getframe(2), self.mark)  # 0: here, 1: __torch_function__, 2: what called the op
+                if not own:
+                    self.outside[entry] = self.outside.get(entry, 0) + 1
+                    continue
+            count = self.counts.get(entry, 0)
+            self.counts[entry] = count + 1
+            if entry.call is None or entry.call == count:
+                taken.append((frame, entry))
+        if not self.replay:
+            for frame, entry in taken:
+                if entry.store_in is not None:
+                    entry.store_in(frame, args)
+        output = func(*args, **kwargs)
+        module = self.module
+        for frame, entry in taken:
+            if entry.edit is not None:
+                new = entry.edit(frame, module, args, kwargs, output)
+                if new is not None:
+                    output = new
+        if not self.replay:
+            for frame, entry in taken:
+                if entry.store_out is not None:
+                    entry.store_out(frame, output)
+        return output
+
+    def check(self, module: nn.Module, path: str) -> None:
+        """Raise when an op spec matched no op of this call (or fewer than its ``call`` index)."""
+        for frame, hooked in self.users:
+            for entries in hooked.ops.values():
+                for entry in entries:
+                    n = self.counts.get(entry, 0)
+                    if n > (entry.call or 0):
+                        continue
+                    raise _unmatched(frame.caller, entry, module, path, n, self.outside.get(entry, 0),
+                                     sorted(self.seen))
+
+
+def _unmatched(caller: str, entry: OpEntry, module: nn.Module, path: str, n: int, outside: int,
+               called: list[str]) -> SelectorError:
+    called = [name for name in called if name not in _PROPERTIES]
+    shown = called[:_SHOWN_OPS] + (["..."] if len(called) > _SHOWN_OPS else [])
+    if entry.call is not None and n:
+        got = f"{n} call{'s' if n != 1 else ''} of `{entry.name}` where the spec takes call {entry.call}"
+        fix = f"Pick a `call` index below {n}"
+    else:
+        got = f"no call of `{entry.name}`"
+        fix = f"Pick one of the ops called while it ran, {shown}, or select the module that calls it"
+    if outside:
+        fix = (f"{outside} call{'s' if outside != 1 else ''} of it ran inside its submodules: select the submodule, "
+               f"or pass `fh.op({entry.name!r}, deep=True)` to count those")
+    return SelectorError(
+        f"{caller}: an op spec matches an op called by the module it selects, got {got} in module {where(path)} "
+        f"({type(module).__name__}) for {entry.spec!r}. {fix}."
+    )
+
+
+def call(module: nn.Module, inner: Callable[..., Any], users: tuple, path: str, args: tuple, kwargs: dict,
+         replay: bool) -> Any:
+    """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
+    tables have op entries); then check that every op spec matched."""
+    compiling = _torch.is_compiling()
+    if compiling:
+        for frame, hooked in users:
+            for entries in hooked.ops.values():
+                for entry in entries:
+                    if not entry.deep:
+                        raise TransformError(
+                            f"{frame.caller}: inside `torch.compile`d code an op spec also takes its module's "
+                            f"submodules' ops, as frames cannot be walked there, got {entry.spec!r} on module "
+                            f"{where(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
+                        )
+    mode = _Mode(module, users, None if compiling else sys._getframe(), replay)
+    with mode:
+        output = inner(*args, **kwargs)
+    mode.check(module, path)
+    return output

@@ -1,0 +1,378 @@
+"""Plans: specs resolved against one model, built once and reused run after run.
+
+A plan walks the model once (wrappers looked through: ``module.`` of DDP/DataParallel,
+``_orig_mod.`` of ``torch.compile``), resolves every spec's selector, and keeps per hooked
+module a ``Hooked`` table of entries and the ``Forward`` that will wrap it; modules inside a
+``torch.compile`` wrapper, or inside a module compiled in place (``module.compile()``), are
+recorded by that compiled module's compiled recorder instead. A
+``param_grad`` spec hooks parameters, except FSDP2-sharded ones (``DTensor`` parameters under
+an ``FSDPModule``), which the forward of the FSDP module managing them watches (``sharded``).
+Everything is validated here, before anything is attached: selectors must match, record
+names must not clash, a spec may not select only containers that never run.
+
+Plans are cached per model (held weakly) and spec tuple. A cached plan is reused only while
+the model's structure is what it was (every ``_modules`` dict holds the same children, so
+``ModuleList.insert``/``del``/``pop`` and attribute assignment are seen, and so is the
+replacement of a parameter a ``param_grad`` spec watches, as ``fully_shard`` does, and a
+module compiled in place with ``module.compile()`` since), and only
+if no spec can reach the model itself (a function closing over the model would otherwise keep
+it alive forever): those plans are rebuilt per run.
+
+Cost: building walks the model once (a few µs per module); reusing compares each module's
+children and compiled call (about 0.15 µs per module).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from funhooks import _torch
+from funhooks.errors import SelectorError, SpecError, TransformError
+from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import resolve
+from funhooks.specs.spec import Spec
+
+from . import forward, sharded, trace
+from .hooked import Hooked
+
+__all__ = ["Plan", "as_copy", "never_called"]
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Spec, ...], Plan]] = weakref.WeakKeyDictionary()
+_PLANS_PER_MODEL = 32
+_LOCK = threading.Lock()
+Route = tuple[tuple[str, ...], int]
+"""How traced code reaches a module: the ``_modules`` keys from the model (wrappers' own
+included), and where in them the inner model of its ``torch.compile`` wrapper starts."""
+_REACH_LIMIT = 100_000
+"""How many objects :func:`_reaches` visits before it gives up (and the plan is not cached)."""
+
+
+def never_called(module: nn.Module) -> bool:
+    """Containers without a forward of their own (``ModuleList``, ``ModuleDict``)."""
+    return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
+
+
+def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any, Route]], list, list]:
+    """``(path, module, compile wrapper, route)`` in ``named_modules()`` order, wrappers looked
+    through and a shared module once; with the children of every module seen, to tell later
+    whether the structure changed."""
+    seen: set[int] = set()
+    found: list[tuple[str, nn.Module, Any, Route]] = []
+    full: list[tuple[dict, tuple]] = []
+    empty: list[dict] = []
+    stack: list[tuple[str, nn.Module, Any, Route]] = [("", model, None, ((), 0))]
+    while stack:
+        path, module, owner, (route, start) = stack.pop()
+        while (attr := _torch.wrapper_attr(module)) is not None:
+            if isinstance(module, nn.DataParallel) and len(module.device_ids or ()) > 1:
+                raise TransformError(
+                    f"{caller}: `nn.DataParallel` runs replicas, new module objects no run can see, got one over "
+                    f"devices {module.device_ids} at {where(path)}. Use DistributedDataParallel, or DataParallel "
+                    "on one device."
+                )
+            route = (*route, attr)
+            if owner is None and _torch.is_compile_wrapper(module):
+                owner, start = module, len(route)
+            full.append((module._modules, tuple(module._modules.items())))
+            module = getattr(module, attr)
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if owner is None and _torch.compiled_in_place(module) is not None:  # `module.compile()`
+            owner, start = module, len(route)
+        found.append((path, module, owner, (route, start)))
+        children = module._modules
+        if children:
+            full.append((children, tuple(children.items())))
+            stack.extend(reversed([(f"{path}.{n}" if path else n, c, owner, ((*route, n), start))
+                                   for n, c in children.items() if c is not None]))
+        else:
+            empty.append(children)
+    return found, full, empty
+
+
+def _reaches(start: Any, target: Any) -> bool:
+    """Whether `target` can be reached from `start` through closures, defaults, bound
+    ``self``, partials, containers, object attributes and submodules (not globals, which
+    live as long as their module anyway). Unsure (too many objects) counts as yes."""
+    seen: set[int] = set()
+    stack = [start]
+    while stack:
+        obj = stack.pop()
+        if obj is target:
+            return True
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, complex, bool, type, types.ModuleType,
+                                                torch.Tensor, type(None))):
+            continue
+        seen.add(id(obj))
+        if len(seen) > _REACH_LIMIT:
+            return True
+        if isinstance(obj, nn.Module):
+            stack.extend(obj._modules.values())
+        elif isinstance(obj, types.FunctionType):
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None)
+            stack.extend((obj.__defaults__ or ()) + tuple((obj.__kwdefaults__ or {}).values()))
+            stack.append(getattr(obj, "__wrapped__", None))
+        elif isinstance(obj, types.MethodType):
+            stack += [obj.__self__, obj.__func__]
+        elif isinstance(obj, functools.partial):
+            stack += [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (tuple, list, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack += [*obj.keys(), *obj.values()]
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for cls in type(obj).__mro__:
+                stack.extend(getattr(obj, s, None) for s in cls.__dict__.get("__slots__", ()) if isinstance(s, str))
+    return False
+
+
+def as_copy(spec: Spec) -> Spec:
+    """The spec storing copies: where version counters are not kept (compiled graphs,
+    ``vmap``'s batched tensors) a copy is the only value an in-place op cannot change."""
+    return attrs.evolve(spec, clone=True) if not spec.is_edit and spec.role != "call" else spec
+
+
+def _parameters(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tensor, nn.Module, str]]:
+    """A module's own parameters, and the originals behind its parametrized tensors
+    (``parametrize``, ``weight_norm``), each under its own path: ``(path, parameter, the
+    module holding it, its name there)``."""
+    prefix = f"{path}." if path else ""
+    for name, param in module.named_parameters(recurse=False):
+        yield prefix + name, param, module, name
+    if parametrize.is_parametrized(module):
+        parametrizations: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
+        for tensor, plist in parametrizations.items():
+            for name, param in plist.named_parameters(recurse=False):
+                yield f"{prefix}parametrizations.{tensor}.{name}", param, plist, name
+
+
+_PER_CALL_BACKWARD = ("output_grad", "backward", "backward_pre")
+"""Backward events tied to the module calls a run sees: not available inside compiled code."""
+
+
+def _check_called(found: Iterable[tuple[str, nn.Module]], modules: list[tuple[str, nn.Module]], spec: Spec,
+                  caller: str) -> None:
+    """Refuse selections no wrapper would ever see: modules inside TorchScript, and modules
+    fx inlined into a ``GraphModule``'s code."""
+    root = modules[0][1]
+    called = None
+    if isinstance(root, torch.fx.GraphModule):
+        called = {"", *(str(n.target) for n in root.graph.nodes if n.op == "call_module")}
+    scripted = [p for p, m in modules if isinstance(m, torch.jit.ScriptModule)]
+    for path, _ in found:
+        if any(path.startswith(f"{s}.") for s in scripted):
+            raise TransformError(
+                f"{caller}: hooks on modules inside a TorchScript module never fire, got module "
+                f"{path!r} selected by {spec!r}. Hook the eager model before scripting it."
+            )
+        if called is not None and path not in called:
+            raise TransformError(
+                f"{caller}: fx inlined module {path!r} into the GraphModule's code, so hooks on it "
+                f"never fire, got it selected by {spec!r}; the called modules are {sorted(called)}. "
+                "Hook the eager model, or keep the module a leaf when tracing."
+            )
+
+
+class Plan:
+    """Specs resolved against one model: per hooked module, its entries and its wrapper."""
+
+    def __init__(self, model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
+        walk, self._full, self._empty = _walk(model, caller)
+        modules = [(p, m) for p, m, _, _ in walk]
+        self._dicts = [m.__dict__ for _, m in modules]
+        self._compiled = self._compiled_calls()  # which modules `module.compile()` compiled
+        owner = {id(m): w for _, m, w, _ in walk}
+        self._routes = {id(m): r for _, m, _, r in walk}
+        rank = {id(m): i for i, (_, m) in enumerate(modules)}
+        hooked: dict[int, tuple[str, weakref.ref, list[tuple[Spec, tuple[str, str], int]]]] = {}
+        self.params: list[tuple[Spec, tuple[str, str], weakref.ref]] = []
+        self._watches: dict[int, tuple[str, weakref.ref, sharded.Watch]] = {}  # by FSDP module
+        self._held: list[tuple[dict, tuple]] = []  # the parameters `param_grad` specs watch, by module
+        self.slots: list[tuple[str, str]] = []  # `run.stored`'s order: spec, then module (or given) order
+        self.notes: dict[tuple[str, str | None], str] = {}
+        self.order: dict[str, tuple[int, int]] = {}
+        names: dict[tuple[str, str], Spec] = {}
+        manager = sharded.managers(modules)
+        for spec in specs:
+            found = self._select(spec, model, modules, caller)
+            for nth, (path, module) in enumerate(found):  # nth: the module's index in the spec's selection
+                key = (path, spec.name)
+                if not spec.is_edit:
+                    clash = names.get(key)  # type: ignore[arg-type]
+                    if clash is not None:
+                        raise SpecError(
+                            f"{caller}: two specs store {spec.name!r} on module {path!r}, got {clash!r} and "
+                            f"{spec!r}. Give one of them another `name=`."
+                        )
+                    names[key] = spec  # type: ignore[index]
+                    if spec.hook != "param_grad":
+                        self.slots.append(key)  # type: ignore[arg-type]
+                self.order.setdefault(path, (rank[id(module)], 0))
+                if spec.hook == "param_grad":
+                    self._parameters(spec, module, path, rank[id(module)], manager)
+                    continue
+                if owner[id(module)] is not None and spec.hook in _PER_CALL_BACKWARD:
+                    raise TransformError(
+                        f"{caller}: module {where(path)} runs inside a `torch.compile`d module, where backward "
+                        f"events never reach a run, got {spec!r}. Run on the model before compiling it, or "
+                        "compile `fh.capture(...)` for forward values."
+                    )
+                hooked.setdefault(id(module), (path, weakref.ref(module), []))[2].append((spec, key, nth))  # type: ignore[arg-type]
+        self.params.sort(key=lambda p: not p[0].is_edit)  # editors first: observers see edited gradients
+        for mid, (mpath, ref, _) in self._watches.items():
+            if owner[mid] is not None:
+                raise TransformError(
+                    f"{caller}: `param_grad` specs on FSDP-sharded parameters watch them in the forward of the FSDP "
+                    f"module, which runs inside a `torch.compile`d module here, got module {where(mpath)}. Run the "
+                    "specs on the sharded model before compiling it."
+                )
+            hooked.setdefault(mid, (mpath, ref, []))
+        self.spec_of = {**names, **{key: spec for spec, key, _ in self.params}}  # parameters' keys too
+        for _, _, watch in self._watches.values():
+            self.spec_of.update((key, spec) for param in watch.params.values() for spec, key in param.specs)
+        self.name_rank = {spec.name: i for i, spec in reversed(list(enumerate(specs))) if spec.name is not None}
+        self.specs = specs
+        self.args = tuple(dict.fromkeys(name for spec in specs for name in spec.args))  # per-call values read
+        self.paths = sorted(self.order, key=self.order.__getitem__)  # every path, in module order
+        self._hooked = hooked
+        self.items: list[tuple[weakref.ref, forward.Forward, Hooked]] = []
+        inside: dict[int, tuple[nn.Module, list[tuple[weakref.ref, str, str, Hooked, Any]]]] = {}
+        for mid, (path, ref, entries) in hooked.items():
+            target: Any = ref()
+            attr = forward.attribute(type(target))
+            wrapper = owner[mid]
+            if wrapper is None:
+                self.items.append((ref, forward.Forward(target, attr), Hooked(path, entries, watch=self._watch(mid))))
+            else:  # recorded by the wrapper's compiled recorder, storing copies
+                keys, start = self._routes[mid]
+                copies = _copies(entries)
+                item = (ref, ".".join(keys[start:]), attr, Hooked(path, copies, copies=True), trace.stores_of(copies))
+                inside.setdefault(id(wrapper), (wrapper, []))[1].append(item)
+        self.wrappers = [(weakref.ref(w), forward.Forward(w, _torch.compile_attr(w), trace.compiled_call),
+                          trace.Compiled(group, caller)) for w, group in inside.values()]
+        self._copy_items: list | None = None
+        self._traced: trace.Traced | None = None
+
+    def _select(self, spec: Spec, model: nn.Module, modules: list, caller: str) -> list[tuple[str, nn.Module]]:
+        found = resolve(spec.where, model, caller=caller, spec=spec, modules=modules)
+        _check_called(found, modules, spec, caller)
+        given = spec.where.given()
+        if given is not None:  # an ordered list of modules: `run.stored` follows the list
+            position = {id(m): i for i, m in enumerate(given)}
+            found = tuple(sorted(found, key=lambda pm: position.get(id(pm[1]), len(position))))
+        if spec.hook == "param_grad":
+            return list(found)
+        containers = [(p, m) for p, m in found if never_called(m)]
+        if len(containers) == len(found):
+            path, module = containers[0]
+            raise SelectorError(
+                f"{caller}: {spec!r} selects only containers that never run themselves, got module {where(path)} "
+                f"({type(module).__name__}). Select the modules inside it, e.g. {f'{path}.*' if path else '*'!r}."
+            )
+        for path, module in containers:
+            self.notes[(path, None)] = (
+                f"{where(path)} is a {type(module).__name__}, a container that is never called itself: "
+                f"select the modules inside it ({f'{path}.*' if path else '*'!r})"
+            )
+        return [(p, m) for p, m in found if not never_called(m)]
+
+    def _parameters(self, spec: Spec, module: nn.Module, path: str, rank: int,
+                    manager: Callable[[str], tuple[str, nn.Module] | None]) -> None:
+        holders: dict[int, dict] = {}
+        for i, (ppath, param, holder, name) in enumerate(_parameters(module, path)):
+            holders[id(holder)] = holder._parameters
+            self.order.setdefault(ppath, (rank, i + 1))
+            key = (ppath, spec.name)
+            found = manager(path)
+            shard = None if found is None else sharded.shard_of(found[1], param)
+            if shard is None:
+                self.params.append((spec, key, weakref.ref(param)))  # type: ignore[arg-type]
+                continue
+            mpath, fsdp_module = found  # type: ignore[misc]
+            watch = self._watches.get(id(fsdp_module))
+            if watch is None:
+                watch = self._watches[id(fsdp_module)] = (mpath, weakref.ref(fsdp_module), sharded.Watch(mpath))
+            watch[2].param(ppath, holder, name, shard).add(spec, key)  # type: ignore[arg-type]
+            self.notes.setdefault(key, (
+                f"{where(ppath)} is an FSDP-sharded parameter: its gradient is seen when the forward and the "
+                "backward both run inside the block, at the backward that reduces gradients"
+            ))
+        self._held += [(d, tuple(d.items())) for d in holders.values()]
+
+    def _watch(self, mid: int) -> Any:
+        found = self._watches.get(mid)
+        return None if found is None else found[2].entry
+
+    def copy_items(self) -> list[tuple[weakref.ref, forward.Forward, Hooked]]:
+        """The eager items with entries that store copies (runs inside ``torch.func`` transforms)."""
+        if self._copy_items is None:
+            items = []
+            for ref, fwd, h in self.items:
+                if (module := ref()) is not None:
+                    entries = _copies(self._hooked[id(module)][2])
+                    hooked = Hooked(h.path, entries, copies=True, watch=self._watch(id(module)))
+                    items.append((ref, forward.Forward(module, fwd.attr), hooked))
+            self._copy_items = items
+        return self._copy_items
+
+    def traced(self) -> trace.Traced:
+        """What a trace reads to record every hooked module, storing copies (``trace``)."""
+        if self._traced is None:
+            modules = []
+            for mid, (path, ref, entries) in self._hooked.items():
+                if (module := ref()) is not None:
+                    copies = _copies(entries)
+                    users = [(0, Hooked(path, copies, copies=True), trace.stores_of(copies))]
+                    modules.append((".".join(self._routes[mid][0]), forward.attribute(type(module)), path, users))
+            self._traced = trace.layout(modules)
+        return self._traced
+
+    def current(self) -> bool:
+        """Whether the model still has the structure this plan was built for."""
+        if any(self._empty):
+            return False
+        if not all(len(d) == len(items) and tuple(d.items()) == items for d, items in self._full):
+            return False
+        if not all(len(d) == len(items) and all(k == n and v is p for (k, v), (n, p) in zip(d.items(), items))
+                   for d, items in self._held):  # a parameter replaced (`fully_shard` replaces them all)
+            return False
+        return self._compiled_calls() == self._compiled  # a module compiled in place since, or no more
+
+    def _compiled_calls(self) -> list[Any]:
+        """Each module's compiled call (``module.compile()``), or None (one C-level pass)."""
+        return list(map(dict.get, self._dicts, itertools.repeat(_torch.COMPILED_CALL, len(self._dicts))))
+
+    @staticmethod
+    def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> Plan:
+        """The plan of `specs` on `model`: cached, unless a spec can reach the model."""
+        with _LOCK:
+            cache = _PLANS.get(model)
+            plan = None if cache is None else cache.get(specs)
+        if plan is not None and plan.current():
+            return plan
+        plan = Plan(model, specs, caller)
+        if any(_reaches(spec, model) for spec in specs):
+            return plan
+        with _LOCK:
+            cache = _PLANS.setdefault(model, {})
+            if len(cache) >= _PLANS_PER_MODEL and specs not in cache:
+                cache.pop(next(iter(cache)))
+            cache[specs] = plan
+        return plan
+
+
+def _copies(entries: list[tuple[Spec, tuple[str, str], int]]) -> list[tuple[Spec, tuple[str, str], int]]:
+    return [(as_copy(spec), key, rank) for spec, key, rank in entries]

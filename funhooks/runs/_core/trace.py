@@ -1,0 +1,209 @@
+"""Recording inside compiled code.
+
+Dynamo traces a function that wraps modules' forwards in their ``__dict__`` with plain
+closures, calls the model and restores the ``__dict__``: the compiled graph returns what the
+closures stored, with no graph break, and nothing of the wrapping exists when the graph
+runs. Two places use it:
+
+- a capture function being compiled (``torch.compile(fh.capture(model, specs))``);
+- runs on a model compiled before the run: the way its compiled code is called (the
+  ``torch.compile`` wrapper's forward, or the compiled call ``module.compile()`` put in a
+  module's ``__dict__``) is wrapped with :func:`compiled_call`, which calls a *recorder*
+  compiled with the same settings, once per plan, so Records come back as values at
+  compiled speed.
+
+On torch releases whose dynamo cannot trace this (``_torch.TRACES_RECORDING``), both run
+the model eagerly while it records, with the same Records.
+
+Inside compiled graphs stored values are copies (graphs keep no version counters), and
+backward events are not available (refused when the plan is made).
+
+Dynamo guards everything a trace reads, and checks those guards on every call of the compiled
+code, so what a trace reads is kept to plain data: modules are reached from the model by
+their routes (as the model's own forward reaches them, so each is guarded once), and the
+modules whose specs only store copies of their inputs or outputs (the common case) are one
+str for the whole plan, not tables of closures.
+
+Cost: per run on a compiled model, one compiled call; the first run of a plan compiles its
+recorder (as long as compiling the model took). Per call of compiled code, dynamo's guards:
+one for all the stores of copies, a few dozen per module with other specs (observers, editors).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from funhooks import _torch
+from funhooks.specs.spec import Spec
+
+from .forward import call
+from .frame import Frame
+from .values import COPIES, copied_inputs, copied_output, copier
+
+__all__ = ["Compiled", "Traced", "compiled_call", "layout", "record", "stores_of"]
+
+_MISSING = object()
+
+Group = tuple[str, str, tuple[tuple[int, Any], ...]]
+"""A module with other entries: its route (its ``_modules`` keys from the root, joined by
+dots), the attribute its forward is wrapped under, and ``(frame index, hooked)`` pairs."""
+Traced = tuple[str, tuple[Group, ...]]
+"""What a trace reads to record: the stores of copies as one str (see :func:`layout`), and the
+modules with other entries."""
+_FIELD, _ROW = "\x1f", "\x1e"  # ASCII's unit and record separators
+
+
+def stores_of(entries: Iterable[tuple[Spec, tuple[str, str], int]]) -> tuple[tuple[str, bool, int], ...] | None:
+    """A module's entries as ``(name, stores the inputs, copy)`` (`copy` an index in
+    ``values.COPIES``), when every one of them stores a copy of the inputs or the output; else None."""
+    stores = []
+    for spec, key, _ in entries:
+        copy = copier(spec)
+        if copy is None:
+            return None
+        stores.append((key[1], spec.role == "input", copy))
+    return tuple(stores)
+
+
+def layout(modules: Iterable[tuple[str, str, str, list[tuple[int, Any, Any]]]]) -> Traced:
+    """What a trace reads, from ``(route, attr, path, [(frame index, hooked, stores_of(...))])``
+    per module: a module is plain stores only when every frame's entries on it are.
+
+    The stores are one str, a row per store (route, attr, path, name, ``i``/``o`` for the
+    inputs or the output, copy, frame index): dynamo guards a str with one comparison, where a
+    tuple costs a guard per element, checked on every call. A module whose strings hold a
+    separator (never in practice) is recorded through its table instead."""
+    rows: list[str] = []
+    groups: list[Group] = []
+    for route, attr, path, users in modules:
+        plain = all(lean is not None for _, _, lean in users)
+        fields = [route, attr, path, *(name for _, _, lean in users for name, _, _ in lean or ())]
+        if plain and not any(_FIELD in f or _ROW in f for f in fields):
+            rows += [_FIELD.join((route, attr, path, name, "i" if pre else "o", str(copy), str(i)))
+                     for i, _, lean in users for name, pre, copy in lean]
+        else:
+            groups.append((route, attr, tuple([(i, hooked) for i, hooked, _ in users])))
+    return _ROW.join(rows), tuple(groups)
+
+
+def _at(root: nn.Module, route: str) -> nn.Module:
+    module = root
+    if route:
+        for key in route.split("."):
+            module = module._modules[key]  # type: ignore[assignment]
+    return module
+
+
+def _storing(inner: Callable[..., Any], before: list, after: list) -> Callable[..., Any]:
+    """A forward storing copies (``(buffer, key, copy)`` each) of its inputs and its output."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        for buffer, key, copy in before:
+            buffer.append((key, copied_inputs(copy, args, kwargs), None))
+        output = inner(*args, **kwargs)
+        for buffer, key, copy in after:
+            buffer.append((key, copied_output(copy, output), None))
+        return output
+
+    return forward
+
+
+def _calling(module: nn.Module, inner: Callable[..., Any], users: Any) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return call(module, inner, users, args, kwargs, checked=False)
+
+    return forward
+
+
+def record(fn: Callable[..., Any], root: nn.Module, traced: Traced, frames: list[Frame], args: tuple,
+           kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with the modules of `traced` (reached from `root`) recording
+    into `frames`; traceable."""
+    stores, groups = traced
+    lean: dict[str, tuple[str, list, list]] = {}
+    for row in stores.split(_ROW) if stores else ():
+        route, attr, path, name, pre, copy, i = row.split(_FIELD)
+        found = lean.get(route)
+        if found is None:
+            found = lean[route] = (attr, [], [])
+        (found[1] if pre == "i" else found[2]).append((frames[int(i)].buffer, (path, name), COPIES[int(copy)]))
+    saved = []
+    for route, (attr, before, after) in lean.items():
+        module = _at(root, route)
+        saved.append((module.__dict__, attr, module.__dict__.get(attr, _MISSING)))
+        module.__dict__[attr] = _storing(getattr(module, attr), before, after)
+    for route, attr, users in groups:
+        module = _at(root, route)
+        saved.append((module.__dict__, attr, module.__dict__.get(attr, _MISSING)))
+        module.__dict__[attr] = _calling(module, getattr(module, attr), tuple([(frames[i], h) for i, h in users]))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for d, attr, prev in reversed(saved):
+            if prev is _MISSING:
+                del d[attr]
+            else:
+                d[attr] = prev
+
+
+class Compiled:
+    """One plan's hooked modules inside one ``torch.compile`` wrapper: ``(module_ref, route,
+    attr, hooked, stores_of(...))`` each (routes from the wrapper's inner model; the hooked
+    entries store copies), and the recorders compiled for them."""
+
+    __slots__ = ("caller", "items", "recorders")
+    plain = False  # never the observers-only fast path of a wrapped forward
+
+    def __init__(self, items: list[tuple[weakref.ref, str, str, Any, Any]], caller: str) -> None:
+        self.items, self.caller = items, caller
+        self.recorders: dict[tuple[int, ...], Callable[..., Any]] = {}
+
+
+def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with a code object of its own: dynamo keeps one cache (and one recompile limit)
+    per code object, and every plan's recorder must have its own."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _recorder(wrapper: nn.Module, compiled_fn: Any, users: list[Compiled]) -> Callable[..., Any]:
+    """The recorder for `users`, compiled with the settings of `wrapper` (a ``torch.compile``
+    wrapper, or a module compiled in place whose compiled call is `compiled_fn`)."""
+    modules: dict[int, tuple[str, str, str, list[tuple[int, Any, Any]]]] = {}
+    for i, compiled in enumerate(users):
+        for ref, route, attr, hooked, lean in compiled.items:
+            module = ref()
+            if module is not None:
+                modules.setdefault(id(module), (route, attr, hooked.path, []))[3].append((i, hooked, lean))
+    traced = layout(modules.values())
+    callers = tuple([c.caller for c in users])
+    in_place = not _torch.is_compile_wrapper(wrapper)  # its plain call: `Module.__call__` would call `compiled_fn`
+
+    def recorder(inner: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
+        out = record(inner._call_impl if in_place else inner, inner, traced, frames, args, kwargs)
+        return out, tuple([f.buffer for f in frames])
+
+    context = _torch.dynamo_context(wrapper, compiled_fn)
+    if not _torch.TRACES_RECORDING or context is None:  # the model runs eagerly while it records
+        return recorder
+    return context(_fresh(recorder))
+
+
+def compiled_call(wrapper: nn.Module, inner: Callable[..., Any], users: Any, args: tuple, kwargs: dict) -> Any:
+    """A call of a compiled module (a ``torch.compile`` wrapper, or a module compiled in place,
+    whose compiled call is `inner`) for the runs in `users` (``(frame, Compiled)``): the
+    compiled recorder runs the model and returns what the runs' entries stored."""
+    key = tuple([id(compiled) for _, compiled in users])
+    first: Compiled = users[0][1]
+    recorder = first.recorders.get(key)
+    if recorder is None:
+        recorder = first.recorders[key] = _recorder(wrapper, inner, [compiled for _, compiled in users])
+    out, buffers = recorder(_torch.compiled_model(wrapper), *args, **kwargs)
+    if not _torch.in_backward():  # a recomputation (checkpointing) stores nothing again
+        for (frame, _), buffer in zip(users, buffers):
+            frame.buffer.extend(buffer)  # every traced entry stores `(key, copy, None)`
+    return out

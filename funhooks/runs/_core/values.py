@@ -1,0 +1,163 @@
+"""What entries store: a value and its in-place check (version counters; inference tensors as
+copies), the copies stored inside compiled graphs and transforms, and the transforms a spec's
+flags ask for (detach, gather, cpu, clone).
+
+Cost: a version read per stored tensor; a flagged transform per tensor it applies to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from funhooks import _torch
+from funhooks.distributed import is_distributed
+from funhooks.specs.spec import Spec
+
+if TYPE_CHECKING:
+    from .frame import Frame
+
+__all__ = ["COPIES", "copied_inputs", "copied_output", "copier", "copies_of", "preparer", "snapshot", "unchecked"]
+
+Tensor = torch.Tensor
+Key = tuple[str, str]
+_SCALARS = (bool, int, float, complex, str)
+
+
+# -- stored values ----------------------------------------------------------------------------
+
+
+def _own_copy(t: Tensor) -> Tensor:
+    return t.clone() if t.is_inference() else t
+
+
+def snapshot(value: Any) -> tuple[Any, Any]:
+    """`value`, and what the Record needs to tell later whether it was changed in place.
+
+    Inference tensors (made under ``torch.inference_mode``) keep no version counter, so the
+    change could never be seen: they are stored as copies, which no later op can change.
+    """
+    if isinstance(value, Tensor):
+        try:
+            return value, value._version
+        except RuntimeError:  # an inference tensor
+            return value.clone(), None
+    if value is None or isinstance(value, _SCALARS):
+        return value, None
+    tensors = value if type(value) is tuple and all(isinstance(t, Tensor) for t in value) else _torch.tensor_leaves(value)
+    if not tensors:
+        return value, None
+    try:
+        return value, tuple([(t, t._version) for t in tensors])
+    except RuntimeError:  # an inference tensor among them
+        value = _torch.map_tensors(_own_copy, value)
+        return value, tuple([(t, t._version) for t in _torch.tensor_leaves(value) if not t.is_inference()])
+
+
+def unchecked(value: Any) -> tuple[Any, None]:
+    """For entries that store copies (inside compiled graphs and transforms): nothing can
+    change a private copy, and a version read inside a dynamo trace becomes an op."""
+    return value, None
+
+
+def _copy(t: Tensor) -> Tensor:
+    return t.clone()
+
+
+def _copy_detached(t: Tensor) -> Tensor:
+    return t.detach().clone()
+
+
+def _copy_cpu(t: Tensor) -> Tensor:
+    return t.cpu().clone()
+
+
+def _copy_detached_cpu(t: Tensor) -> Tensor:
+    return t.detach().cpu().clone()
+
+
+COPIES = (_copy, _copy_detached, _copy_cpu, _copy_detached_cpu)
+"""The copy a storing spec makes inside compiled graphs and transforms, at ``detach + 2 * cpu``:
+plain module functions, so a dynamo trace guards one function, not a chain of closures."""
+
+
+def copier(spec: Spec) -> int | None:
+    """The index in :data:`COPIES` of the copy an `outputs`/`inputs` spec stores inside
+    compiled graphs and transforms; None for every other spec (and for `gather`, which needs
+    the full entry)."""
+    if spec.role in ("output", "input") and not spec.gather:
+        return spec.detach + 2 * spec.cpu
+    return None
+
+
+def copied_inputs(copy: Callable[[Tensor], Tensor], args: tuple, kwargs: dict) -> Any:
+    """``(args, kwargs)`` with every tensor in them copied by `copy` (one of :data:`COPIES`)."""
+    return _torch.map_tensors(copy, (args, kwargs))
+
+
+def copied_output(copy: Callable[[Tensor], Tensor], output: Any) -> Any:
+    """`output` (a tensor or a structure of them) copied by `copy` (one of :data:`COPIES`)."""
+    return copy(output) if isinstance(output, Tensor) else _torch.map_tensors(copy, output)
+
+
+def copies_of(spec: Spec, key: Key, pre: bool) -> Any:
+    """A lean entry storing copies of the inputs (`pre`) or outputs, for `outputs`/`inputs`
+    specs inside compiled graphs and transforms (what a dynamo trace reads is what it guards)."""
+    copy = COPIES[spec.detach + 2 * spec.cpu]
+    if pre:
+
+        def store_input_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
+            frame.buffer.append((key, copied_inputs(copy, args, kwargs), None))
+
+        return store_input_copy
+
+    def store_output_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        frame.buffer.append((key, copied_output(copy, output), None))
+
+    return store_output_copy
+
+
+def _gather(t: Tensor) -> Tensor:
+    if _torch.is_dtensor(t):  # a shard (FSDP2's gradients): the full tensor it is part of
+        return t.full_tensor()  # type: ignore[attr-defined]
+    if not is_distributed():
+        return t
+    dist = torch.distributed
+    if t.ndim == 0:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / dist.get_world_size()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def preparer(spec: Spec) -> Callable[[Any], Any] | None:
+    """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone)."""
+    steps: list[Callable[[Tensor], Tensor]] = []
+    if spec.detach:
+        steps.append(Tensor.detach)
+    if spec.gather:
+        steps.append(_gather)
+    if spec.cpu:
+        steps.append(Tensor.cpu)
+    if spec.clone:
+        steps.append(Tensor.clone)
+    if not steps:
+        return None
+
+    def prep_tensor(t: Tensor) -> Tensor:
+        for step in steps:
+            t = step(t)
+        return t
+
+    def prep(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return prep_tensor(value)
+        if type(value) is tuple and all(isinstance(x, Tensor) for x in value):
+            return tuple([prep_tensor(x) for x in value])  # the usual `args`, without a tree walk
+        return _torch.map_tensors(prep_tensor, value)
+
+    return prep

@@ -1,0 +1,189 @@
+"""Functional activation gradients: zero probes added to outputs, differentiated by torch.func.
+
+``activation_grads(model, where, loss_fn)`` returns ``f(*args, **kwargs) -> (loss, Record)``
+whose Record holds, per selected module and call, its ``"output"`` and ``"grad"`` (d loss /
+d output). A zero tensor (the *probe*) is added to each selected output, and
+``torch.func.grad`` differentiates the loss with respect to the probes, which is the
+gradient with respect to the outputs. No backward hook is involved, so ``f`` works under
+``vmap`` (per-example activation gradients) and when in-place ops follow the module.
+
+Cost: two forward passes and one backward pass per call. The first forward, without
+gradients, finds the outputs' shapes for the probes; it runs on copies of the buffers and
+with the random state restored afterwards, so batch-norm statistics are updated once and
+dropout draws what a plain call would draw. Each pass gets copies of the tensor arguments,
+so ``f`` never changes them in place. Build ``f`` once and call it many times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from funhooks import _torch
+from funhooks.errors import TransformError
+from funhooks.records.record import Record
+from funhooks.specs.selector import Where, resolve, select
+from funhooks.specs.spec import edit
+
+from .pure import _Recorder
+from .run import _check_model
+
+__all__ = ["activation_grads"]
+
+_CALLER = "activation_grads"
+_NO_TIES = {"strict": False, "tie_weights": False}
+
+
+class _Pass:
+    """One forward pass's probe state: discovered outputs, or the probes to add."""
+
+    def __init__(self, probes: list[torch.Tensor] | None, layout: dict[str, list[list[int | None]]] | None) -> None:
+        self.probes, self.layout = probes, layout
+        self.outputs: dict[str, list[Any]] = {}
+        self.slots: dict[str, list[list[int | None]]] = {}  # discovery: probe index per leaf
+
+    def visit(self, path: str, output: Any) -> Any:
+        calls = self.outputs.setdefault(path, [])
+        calls.append(output)
+        leaves, treespec = _torch.pytree.tree_flatten(output)
+        if self.probes is None:
+            self.slots.setdefault(path, []).append(
+                [0 if isinstance(t, torch.Tensor) and t.is_floating_point() else None for t in leaves]
+            )
+            return output
+        layout = self.layout.get(path, []) if self.layout is not None else []
+        if len(calls) > len(layout) or len(layout[len(calls) - 1]) != len(leaves):
+            raise TransformError(
+                f"{_CALLER}: every selected module runs the same way in both forward passes, got module "
+                f"{path!r} called {len(calls)} time(s) with {len(leaves)} output(s) where the first pass "
+                f"saw {[len(c) for c in layout]}. Make the model's control flow deterministic."
+            )
+        slots = layout[len(calls) - 1]
+        new = [t if i is None else t + self.probes[i] for t, i in zip(leaves, slots)]
+        return _torch.pytree.tree_unflatten(new, treespec)
+
+
+class _Prober:
+    """The edit spec's function: routes each selected module's output to the current pass."""
+
+    def __init__(self, paths: dict[int, str]) -> None:
+        self.paths = paths
+        self.passes: list[_Pass] = []
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self.passes:
+            return output
+        return self.passes[-1].visit(self.paths[id(module)], output)
+
+
+def _copies(tree: Any) -> Any:
+    """Tensor arguments copied, so an in-place first layer changes neither the caller's
+    tensors nor the second pass's inputs (and ``torch.func.grad`` allows it)."""
+    return _torch.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _buffer_copies(model: nn.Module) -> dict[str, torch.Tensor]:
+    # one name per buffer slot: `functional_call` would swap a shared module's slot twice
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def activation_grads(
+    model: nn.Module, where: Where, loss_fn: Callable[[Any], torch.Tensor]
+) -> Callable[..., tuple[torch.Tensor, Record]]:
+    """Gradients of a loss with respect to module outputs, as a pure function.
+
+    Args:
+        model: the model (wrappers are looked through for paths).
+        where: a selector for the modules whose outputs to differentiate.
+        loss_fn: ``loss_fn(model_output) -> scalar tensor``; close over targets, or build
+            ``f`` inside a function that receives them.
+
+    Returns:
+        ``f(*args, **kwargs) -> (loss, Record)`` calling ``model(*args, **kwargs)``; the
+        Record holds ``"output"`` and ``"grad"`` (same structure as the output, ``None``
+        for non-floating leaves) for every call of every selected module that ran.
+
+    Raises:
+        SelectorError: when `where` matches no module.
+        TransformError: for a TorchScript model, or (when called) when a selected module
+            runs differently in the two forward passes.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+        >>> f = fh.activation_grads(model, "0", lambda out: out.sum())
+        >>> loss, rec = torch.func.vmap(f)(torch.randn(8, 3))  # per-example gradients
+        >>> loss.shape, rec["0"]["grad"].shape
+        (torch.Size([8]), torch.Size([8, 4]))
+    """
+    model = _check_model(model, _CALLER)
+    inner = _torch.unwrap(model)
+    selector = select(where)
+    paths = {id(m): p for p, m in resolve(selector, inner, caller=_CALLER)}
+    prober = _Prober(paths)
+    recorder = _Recorder(model, (edit(selector, prober, name="probe"),), _CALLER)
+    order = list(dict.fromkeys(paths.values()))
+
+    def discover(args: tuple, kwargs: dict) -> _Pass:
+        devices = sorted({t.device.index or 0 for t in _torch.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        found = _Pass(None, None)
+        prober.passes.append(found)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                copies = _buffer_copies(inner)
+                recorder(torch.func.functional_call, (inner, copies, *_copies((args, kwargs))), _NO_TIES)
+        finally:
+            prober.passes.pop()
+        return found
+
+    def differentiated(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Record]:
+        found = discover(args, kwargs)
+        probes: list[torch.Tensor] = []
+        layout: dict[str, list[list[int | None]]] = {}
+        for path, calls in found.outputs.items():
+            for output, slots in zip(calls, found.slots[path]):
+                leaves = _torch.tree_leaves(output)
+                row: list[int | None] = []
+                for leaf, slot in zip(leaves, slots):
+                    if slot is None:
+                        row.append(None)
+                    else:
+                        row.append(len(probes))
+                        probes.append(torch.zeros_like(leaf))
+                layout.setdefault(path, []).append(row)
+
+        def probed(flat: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, dict, dict]]:
+            current = _Pass(flat, layout)
+            prober.passes.append(current)
+            # buffers updated in place (batch norm) must be made inside the transform
+            buffers = _buffer_copies(inner)
+            try:
+                out, _ = recorder(torch.func.functional_call, (inner, buffers, *_copies((args, kwargs))), _NO_TIES)
+            finally:
+                prober.passes.pop()
+            loss = loss_fn(out)
+            return loss, (loss, current.outputs, buffers)
+
+        grads, (loss, outputs, buffers) = torch.func.grad(probed, has_aux=True)(probes)
+        if buffers and not _torch.is_functorch_active():
+            with torch.no_grad():
+                for name, buffer in inner.named_buffers():
+                    if buffers[name] is not buffer:
+                        buffer.copy_(buffers[name])
+        data: dict[str, dict[str, tuple[Any, ...]]] = {}
+        for path in order:
+            if path not in outputs:
+                continue
+            outs, grad_calls = outputs[path], []
+            for output, row in zip(outs, layout[path]):
+                leaves, treespec = _torch.pytree.tree_flatten(output)
+                grad_calls.append(_torch.pytree.tree_unflatten([None if i is None else grads[i] for i in row], treespec))
+            data[path] = {"output": tuple(outs), "grad": tuple(grad_calls)}
+        return loss, Record(data)
+
+    return differentiated

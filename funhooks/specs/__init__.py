@@ -1,0 +1,23 @@
+"""What to hook: selectors (where), ``Spec`` values (when and what) and their constructors:
+module specs, op specs, intervention specs and fastai's spellings.
+
+Modules: ``selector`` (every spelling of "where" normalised into a frozen ``Selector``),
+``spec`` (``Spec`` and ``outputs``/``inputs``/``grads``/``observe``/``edit``), ``fastai``
+(``Hook``, ``Hooks``, ``hook_output``, ``hook_outputs``), ``ops`` (specs on the torch ops a
+module's forward calls, and how ops are named), ``interventions`` (``patch``, ``steer``,
+``scale``, ``ablate``, ``arg``), ``_intervention`` (what an intervention does to each value).
+Specs are plain values: nothing here touches a model. May import: ``errors``, ``_torch``,
+``_frozen``, ``records``.
+"""
+
+from .fastai import Hook, Hooks, hook_output, hook_outputs
+from .interventions import Arg, ablate, arg, patch, scale, steer
+from .ops import Op, op, op_edit, op_inputs, op_outputs
+from .selector import Selector, select
+from .spec import EVENTS, Spec, edit, grads, inputs, observe, outputs
+
+__all__ = [
+    "EVENTS", "Arg", "Hook", "Hooks", "Op", "Selector", "Spec", "ablate", "arg", "edit", "grads",
+    "hook_output", "hook_outputs", "inputs", "observe", "op", "op_edit", "op_inputs", "op_outputs",
+    "outputs", "patch", "scale", "select", "steer",
+]

@@ -1,0 +1,286 @@
+"""Intervention values: what ``fh.patch``, ``fh.steer``, ``fh.scale`` and ``fh.ablate`` do
+to each value they edit (see ``funhooks.specs.interventions`` for the specs).
+
+An :class:`Intervention` is the ``fn`` of an intervention spec. The run core calls its
+``apply`` for each call of a selected module (or of a selected op inside it) with the
+module's path, its index among the modules the spec selected, how often it applied in the
+run so far, and the call's per-call values (``fh.arg`` placeholders). Everything it does is
+a differentiable, ``vmap``-able tensor op: ``torch.where`` over a position mask and a module
+gate, never an in-place write, so a sweep maps over positions, modules and values alike.
+
+Cost: per edited call, one new tensor the size of the edited value, and for ``index`` a
+position mask; a Record source is a dict lookup.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import attrs
+import torch
+
+from funhooks.errors import InterventionError
+from funhooks.records.record import Record
+
+from .selector import path_label
+from .spec import Spec
+
+__all__ = ["Arg", "Intervention"]
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen(repr=False)
+class Arg:
+    """A per-call value: the keyword argument `name` of a capture function's call.
+
+    Example:
+        >>> import funhooks as fh
+        >>> fh.arg("clean")
+        fh.arg('clean')
+    """
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"fh.arg({self.name!r})"
+
+
+def show(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"<Tensor of shape {tuple(value.shape)}>"
+    if isinstance(value, Record):
+        return f"<Record of {len(value)} module{'s' if len(value) != 1 else ''}>"
+    return repr(value)
+
+
+def _is_one(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == 1
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+@attrs.frozen(eq=False, repr=False)
+class Intervention:
+    """What an intervention spec does to each value it edits (the ``fn`` of its Spec).
+
+    ``kind`` is ``patch``, ``steer``, ``scale`` or ``ablate``; ``value`` the patch value,
+    steering vector, factor or mean; ``coef`` the steering scale; the rest as the
+    constructors say. Compared by identity, like any value holding tensors.
+    """
+
+    kind: str
+    value: Any = None
+    index: Any = None
+    dim: int = 1
+    nth: Any = None
+    element: int | str = 0
+    name: str = "output"
+    coef: Any = 1.0
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The names of the ``fh.arg`` placeholders it reads."""
+        return tuple(x.name for x in (self.value, self.index, self.nth, self.coef) if isinstance(x, Arg))
+
+    def __str__(self) -> str:
+        first = {"ablate": []}.get(self.kind, [show(self.value)])
+        named = [("mean", self.value if self.kind == "ablate" else None), ("scale", None if _is_one(self.coef) else self.coef),
+                 ("index", self.index), ("dim", self.dim if self.dim != 1 else None), ("nth", self.nth),
+                 ("element", self.element or None)]
+        if self.name != "output" and isinstance(self.value, (Record, Arg)):
+            named.append(("name", self.name))
+        return ", ".join(first + [f"{k}={show(v)}" for k, v in named if v is not None])
+
+    # -- applying ------------------------------------------------------------------------
+
+    def apply(self, output: Any, spec: Spec, path: str, rank: int, count: int, values: Mapping[str, Any],
+              caller: str) -> Any:
+        """The edited `output` of the `count`-th call (in the run) of the module at `path`,
+        the `rank`-th its spec selected; None to leave it as it was."""
+        at = _At(self, spec, path, caller)
+        gate = self._gate(rank, values, at)
+        if gate is False:
+            return None
+        target = output if isinstance(output, Tensor) else _item(output, self.element, at)
+        new, fresh = self._new(target, values, count, at)
+        mask = self._mask(target, values, at)
+        if gate is not None:
+            mask = gate if mask is None else mask & gate
+        if mask is not None:
+            new = torch.where(mask, new, target)
+        elif not fresh:  # never hand the model a tensor a Record or the caller still holds
+            new = new.clone()
+        return new if isinstance(output, Tensor) else _replace(output, self.element, new)
+
+    def _get(self, x: Any, values: Mapping[str, Any], at: _At) -> Any:
+        if not isinstance(x, Arg):
+            return x
+        try:
+            return values[x.name]
+        except KeyError:
+            raise at.error(
+                f"a per-call value comes from the call's keyword argument `{x.name}`, got none",
+                f"Call the capture function as `f(..., {x.name}=value)`",
+            ) from None
+
+    def _gate(self, rank: int, values: Mapping[str, Any], at: _At) -> Any:
+        nth = self._get(self.nth, values, at)
+        if nth is None:
+            return None
+        if isinstance(nth, Tensor):
+            if nth.ndim != 0 or nth.is_floating_point():
+                raise at.error(f"`nth` is one integer module index per call, got a tensor of shape {_shape(nth)}",
+                               "Map over a 1-d tensor of indices with `torch.func.vmap`, which gives each call one")
+            return nth == rank
+        return None if nth == rank else False
+
+    def _new(self, target: Tensor, values: Mapping[str, Any], count: int, at: _At) -> tuple[Tensor, bool]:
+        """The replacement of `target` (before `index`/`nth`), and whether it is a new tensor."""
+        kind = self.kind
+        if kind == "ablate" and self.value is None:
+            return torch.zeros_like(target), True
+        value = self._get(self.value, values, at)
+        if isinstance(value, Record):
+            value = _from_record(value, self, count, at) if kind != "ablate" else _record_mean(value, self, at)
+        if not isinstance(value, Tensor):
+            value = torch.as_tensor(value)
+        value = value.to(device=target.device, dtype=target.dtype if kind != "scale" else None)
+        _check_fits(value, target, at)
+        if kind == "steer":
+            coef = self._get(self.coef, values, at)
+            return (target + coef * value).to(target.dtype), True
+        if kind == "scale":
+            return (target * value).to(target.dtype), True
+        return value.expand(target.shape), False
+
+    def _mask(self, target: Tensor, values: Mapping[str, Any], at: _At) -> Tensor | None:
+        index = self._get(self.index, values, at)
+        if index is None:
+            return None
+        ndim = target.ndim
+        if not -ndim <= self.dim < ndim:
+            raise at.error(f"`dim` is a dimension of the edited value (which has {ndim}), got {self.dim}",
+                           "Pass the dimension that holds the positions")
+        dim = self.dim % ndim
+        size = target.shape[dim]
+        positions = torch.arange(size, device=target.device)
+        if isinstance(index, int):
+            if not -size <= index < size:
+                raise at.error(f"`index` is a position along dim {dim} (size {size}), got {index}",
+                               f"Pass an index in [{-size}, {size})")
+            mask = positions == index % size
+        else:
+            index = torch.as_tensor(index, device=target.device)
+            if index.dtype == torch.bool:
+                if _shape(index) != (size,):
+                    raise at.error(f"a bool `index` has one entry per position along dim {dim} ({size}), got "
+                                   f"shape {_shape(index)}", "Pass a mask of that length")
+                mask = index
+            else:
+                index = torch.where(index < 0, index + size, index)
+                mask = positions == index if index.ndim == 0 else (positions[:, None] == index.reshape(1, -1)).any(-1)
+        return mask.reshape((size,) + (1,) * (ndim - dim - 1))
+
+
+class _At:
+    """Where an intervention applies, for its messages."""
+
+    __slots__ = ("caller", "intervention", "path", "spec")
+
+    def __init__(self, intervention: Intervention, spec: Spec, path: str, caller: str) -> None:
+        self.intervention, self.spec, self.path, self.caller = intervention, spec, path, caller
+
+    def error(self, rule: str, fix: str) -> InterventionError:
+        return InterventionError(f"{self.caller}: {rule}, at module {path_label(self.path)} for {self.spec!r}. {fix}.")
+
+
+def _item(output: Any, element: int | str, at: _At) -> Tensor:
+    """The edited item of a module's tuple, list or dict output."""
+    try:
+        container: Any = output
+        if isinstance(output, (tuple, list)) and isinstance(element, int) or isinstance(output, Mapping):
+            item = container[element]
+        else:
+            item = None
+    except (IndexError, KeyError):
+        item = None
+    if not isinstance(item, Tensor):
+        got = f"a {type(output).__name__}" + (f" of {len(output)}" if isinstance(output, (tuple, list, Mapping)) else "")
+        raise at.error(f"an intervention edits a tensor, or the tensor item `element` of a tuple, list or dict, got "
+                       f"element {element!r} of {got}", "Pass `element=` naming a tensor in it")
+    return item
+
+
+def _replace(output: Any, element: int | str, new: Tensor) -> Any:
+    """`output` with its item `element` replaced: the rest passes on untouched."""
+    if isinstance(output, tuple):
+        items: Any = output
+        position = cast(int, element)  # a tuple's element is an index (checked by `_item`)
+        if hasattr(items, "_fields"):  # a namedtuple
+            return items._replace(**{items._fields[position]: new})
+        return items[:position] + (new,) + items[position + 1:]
+    if type(output) is dict:
+        return {**output, element: new}
+    out = copy.copy(output)  # a list, or a dict subclass such as transformers' ModelOutput
+    out[element] = new
+    return out
+
+
+def _source(rec: Record, self: Intervention, at: _At) -> tuple[Any, ...]:
+    node = rec.get(at.path)
+    if node is None or self.name not in node:
+        has = list(rec) if node is None else list(node)
+        what = "paths" if node is None else f"names at {path_label(at.path)}"
+        raise at.error(
+            f"a Record given to an intervention holds the {self.name!r} of every module it edits, got none "
+            f"(its {what}: {has})",
+            "Record those modules in the source run with the same selector (e.g. `fh.outputs`, `fh.op_outputs`)",
+        )
+    return node.calls(self.name)
+
+
+def _from_record(rec: Record, self: Intervention, count: int, at: _At) -> Tensor:
+    calls = _source(rec, self, at)
+    if len(calls) > 1 and count >= len(calls):
+        raise at.error(f"a Record source holds one value per call it patches, got call {count + 1} where it "
+                       f"holds {len(calls)}", "Record the source run with as many calls")
+    value = calls[0] if len(calls) == 1 else calls[count]
+    return value if isinstance(value, Tensor) else _item(value, self.element, at)
+
+
+def _record_mean(rec: Record, self: Intervention, at: _At) -> Tensor:
+    """The mean over the Record's calls and their first (batch) dimension."""
+    calls = [c if isinstance(c, Tensor) else _item(c, self.element, at) for c in _source(rec, self, at)]
+    return torch.cat(calls, 0).mean(0) if len(calls) > 1 else calls[0].mean(0)
+
+
+def _check_fits(value: Tensor, target: Tensor, at: _At) -> None:
+    try:
+        fits = torch.broadcast_shapes(value.shape, target.shape) == target.shape
+    except RuntimeError:
+        fits = False
+    if fits:
+        return
+    v, t = _shape(value), _shape(target)
+    if len(v) == len(t) + 1 and _broadcasts(v[1:], t):
+        fix = ("It has one leading dimension more than the value it edits: map over it with `torch.func.vmap` "
+               "to get one edited output per entry")
+    elif len(v) == len(t) and v and v[0] != t[0] and _broadcasts(v[1:], t[1:]):
+        fix = (f"Its batch size {v[0]} is not the model's {t[0]}: make the source run with the same batch (or 1), "
+               "and under `vmap` map only over the values' first dimension")
+    else:
+        fix = "Pass a value that broadcasts to the edited value's shape"
+    raise at.error(f"an intervention's value broadcasts to the value it edits, got shape {v} where the edited "
+                   f"value has shape {t}", fix)
+
+
+def _broadcasts(a: Sequence[int], b: Sequence[int]) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(tuple(a), tuple(b))) == tuple(b)
+    except RuntimeError:
+        return False

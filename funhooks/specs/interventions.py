@@ -1,0 +1,246 @@
+"""Interventions: specs that change what a module, or an op inside it, computes.
+
+``fh.patch`` replaces a value (with a tensor, or with what a Record of another run stored at
+the same module: activation patching), ``fh.steer`` adds a vector, ``fh.scale`` multiplies,
+``fh.ablate`` zeroes or puts a mean in place. Each is a frozen :class:`~funhooks.Spec`
+built on ``edit``: composable in lists, usable in ``with_hooks``, ``capture`` and
+``functional``, and under the one editor rule (a recording of the same call sees the
+edited value). Options shared by all of them:
+
+- ``index`` / ``dim``: edit only these positions along `dim` (default 1, the position of a
+  ``(batch, position, ...)`` activation); an int, ints, a bool mask or a tensor;
+- ``nth``: edit only the `nth` module the selector matched (in module order), so one spec
+  over ``"h.*"`` can patch a different layer per call;
+- ``element``: for a module returning a tuple, list or dict, the item edited (default 0);
+  the rest of the output is passed on untouched;
+- ``op``: edit an op's result inside the module instead of the module's output.
+
+**Per-call values.** Any value, ``index`` and ``nth`` can be ``fh.arg(name)``: the value
+then comes from the keyword argument `name` of the function ``fh.capture`` /
+``fh.functional`` return, so ``torch.func.vmap`` over it runs a whole sweep in one call.
+
+Cost: per edited call, one new tensor of the edited value's size (``torch.where`` when
+``index``/``nth`` is given). A spec holding a tensor or a Record keeps it alive as long as
+its plan is cached (at most 32 plans per model); pass large values per call with
+``fh.arg``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from funhooks.errors import SpecError
+from funhooks.records.record import Record
+
+from ._intervention import Arg, Intervention, show
+from .ops import Op, around_spec, as_op
+from .selector import Where, select
+from .spec import Spec
+
+__all__ = ["Arg", "Intervention", "ablate", "arg", "patch", "scale", "steer"]
+
+Tensor = torch.Tensor
+
+
+def arg(name: str) -> Arg:
+    """A placeholder for a value given per call: ``f(x, name=value)`` where
+    ``f = fh.capture(model, specs)``. ``torch.func.vmap`` can map over it.
+
+    Args:
+        name: the keyword; not one the model's ``forward`` takes.
+
+    Returns:
+        An :class:`Arg`.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> f = fh.capture(model, fh.scale("0", fh.arg("k")))
+        >>> ks = torch.tensor([0.0, 1.0, 2.0])
+        >>> out, _ = torch.func.vmap(lambda k: f(torch.ones(1, 2), k=k))(ks)
+        >>> out.shape, bool((out[0] == 0).all())
+        (torch.Size([3, 1, 2]), True)
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise SpecError(f"arg: `name` is a keyword argument name, got {name!r}. Pass e.g. 'clean' or 'pos'.")
+    return Arg(name)
+
+
+# -- the constructors ----------------------------------------------------------------------------
+
+_NUMBER = (int, float)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, _NUMBER) and not isinstance(x, bool)
+
+
+def _checked(label: str, *, index: Any, dim: Any, nth: Any, element: Any, name: Any) -> None:
+    ints = isinstance(index, Sequence) and not isinstance(index, str) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in index)
+    if not (index is None or ints or isinstance(index, (Tensor, Arg)) or (isinstance(index, int) and not isinstance(index, bool))):
+        raise SpecError(f"{label}: `index` is None, an int, a sequence of ints, a tensor or `fh.arg(name)`, got "
+                        f"{index!r}. Pass the positions to edit along `dim`.")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise SpecError(f"{label}: `dim` is an int, got {dim!r}. Pass the dimension holding the positions.")
+    if not (nth is None or isinstance(nth, (Tensor, Arg)) or (isinstance(nth, int) and not isinstance(nth, bool) and nth >= 0)):
+        raise SpecError(f"{label}: `nth` is None, an int >= 0, a tensor or `fh.arg(name)`, got {nth!r}. Pass the "
+                        "index of the module to edit among those the selector matches.")
+    if isinstance(element, bool) or not isinstance(element, (int, str)):
+        raise SpecError(f"{label}: `element` is an int or a str, got {element!r}. Pass the index or key of the "
+                        "item to edit in a tuple, list or dict output.")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise SpecError(f"{label}: `name` is a non-empty str or None, got {name!r}. Pass the record name to read.")
+
+
+def _checked_value(label: str, arg_name: str, value: Any, *, record: bool = True, none: bool = False) -> Any:
+    kinds = (Tensor, Arg, Record) if record else (Tensor, Arg)
+    if isinstance(value, kinds) or _is_number(value) or (none and value is None):
+        return value
+    what = "a tensor, a number" + (", a Record" if record else "") + " or `fh.arg(name)`" + (" or None" if none else "")
+    raise SpecError(f"{label}: `{arg_name}` is {what}, got {show(value)}. Pass one of those.")
+
+
+def _spec(label: str, where: Where, intervention: Intervention, op: Any) -> Spec:
+    if op is None:
+        return Spec(select(where), "forward", "intervene", None, intervention, is_edit=True, label=label)
+    return around_spec(label, where, op, "intervene", intervention)
+
+
+def _named(name: str | None, op: Any) -> str:
+    """The record name a Record source is read at: `name`, else the op's, else ``output``."""
+    if name is not None:
+        return name
+    return "output" if op is None else as_op("patch", op).name
+
+
+def patch(where: Where, value: Any, *, index: Any = None, dim: int = 1, nth: Any = None, element: int | str = 0,
+          name: str | None = None, op: str | Any | Op | None = None) -> Spec:
+    """Replace each selected module's output (or `op`'s result inside it) with `value`.
+
+    `value` is a tensor or number broadcast to the output's shape, or a Record: the value it
+    stored at the same module (activation patching from a clean run into a corrupted one;
+    a module called several times takes the Record's calls in order), or ``fh.arg(name)``
+    for either, given per call.
+
+    Args:
+        where: a selector.
+        value: a tensor, a number, a Record, or ``fh.arg(name)``.
+        index, dim: patch only these positions along `dim` (see :mod:`funhooks.specs.interventions`).
+        nth: patch only the `nth` module the selector matched, in module order.
+        element: the item of a tuple, list or dict output to patch.
+        name: the record name read from a Record (default ``"output"``, or the op's name).
+        op: patch the result of this op inside the module (see :func:`funhooks.op`).
+
+    Returns:
+        A Spec.
+
+    Raises:
+        SpecError: for an argument of the wrong kind. When called: InterventionError for a
+            value that does not fit, or a Record without the module.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> clean, corrupt = torch.ones(1, 3), torch.zeros(1, 3)
+        >>> _, rec = fh.capture(model, fh.outputs("0"))(clean)
+        >>> with fh.with_hooks(model, fh.patch("0", rec)):
+        ...     patched = model(corrupt)
+        >>> torch.equal(patched, model(clean))
+        True
+    """
+    _checked("patch", index=index, dim=dim, nth=nth, element=element, name=name)
+    value = _checked_value("patch", "value", value)
+    return _spec("patch", where, Intervention("patch", value, index, dim, nth, element, _named(name, op)), op)
+
+
+def steer(where: Where, vector: Any, *, scale: Any = 1.0, index: Any = None, dim: int = 1, nth: Any = None,
+          element: int | str = 0, op: str | Any | Op | None = None) -> Spec:
+    """Add ``scale * vector`` to each selected module's output (a steering vector).
+
+    Args:
+        where: a selector.
+        vector: a tensor broadcast to the output (e.g. ``(d_model,)``), or ``fh.arg(name)``.
+        scale: a number, a tensor or ``fh.arg(name)``.
+        index, dim, nth, element, op: as for :func:`patch`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Identity())
+        >>> with fh.with_hooks(model, fh.steer("0", torch.tensor([1.0, 0.0]), scale=2.0)):
+        ...     y = model(torch.zeros(2, 3, 2))
+        >>> y[0]
+        tensor([[2., 0.],
+                [2., 0.],
+                [2., 0.]])
+    """
+    _checked("steer", index=index, dim=dim, nth=nth, element=element, name=None)
+    vector = _checked_value("steer", "vector", vector, record=False)
+    scale = _checked_value("steer", "scale", scale, record=False)
+    return _spec("steer", where, Intervention("steer", vector, index, dim, nth, element, "output", scale), op)
+
+
+def scale(where: Where, factor: Any, *, index: Any = None, dim: int = 1, nth: Any = None, element: int | str = 0,
+          op: str | Any | Op | None = None) -> Spec:
+    """Multiply each selected module's output by `factor`.
+
+    Args:
+        where: a selector.
+        factor: a number, a tensor broadcast to the output, or ``fh.arg(name)``.
+        index, dim, nth, element, op: as for :func:`patch`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Identity())
+        >>> with fh.with_hooks(model, fh.scale("0", 0.5, index=0)):
+        ...     y = model(torch.ones(1, 2, 2))
+        >>> y
+        tensor([[[0.5000, 0.5000],
+                 [1.0000, 1.0000]]])
+    """
+    _checked("scale", index=index, dim=dim, nth=nth, element=element, name=None)
+    factor = _checked_value("scale", "factor", factor, record=False)
+    return _spec("scale", where, Intervention("scale", factor, index, dim, nth, element), op)
+
+
+def ablate(where: Where, *, mean: Any = None, index: Any = None, dim: int = 1, nth: Any = None,
+           element: int | str = 0, name: str | None = None, op: str | Any | Op | None = None) -> Spec:
+    """Zero each selected module's output, or with `mean` put a mean in its place.
+
+    Args:
+        where: a selector.
+        mean: None (zero-ablation), a tensor broadcast to the output, a Record (the mean of
+            its values at the module over their calls and first dimension: the outputs of
+            a reference run, or the result of folding :class:`funhooks.OutputMeans`), or
+            ``fh.arg(name)``.
+        index, dim, nth, element, name, op: as for :func:`patch`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Identity())
+        >>> _, ref = fh.capture(model, fh.outputs("0"))(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        >>> with fh.with_hooks(model, fh.ablate("0", mean=ref)):
+        ...     y = model(torch.zeros(1, 2))
+        >>> y
+        tensor([[2., 3.]])
+    """
+    _checked("ablate", index=index, dim=dim, nth=nth, element=element, name=name)
+    mean = _checked_value("ablate", "mean", mean, none=True)
+    return _spec("ablate", where, Intervention("ablate", mean, index, dim, nth, element, _named(name, op)), op)

@@ -1,0 +1,234 @@
+"""Hook points inside a forward: specs on the torch ops a selected module calls.
+
+``fh.op_outputs(where, op)`` stores the result of every call of `op` that the selected
+modules' own code makes (the attention pattern a ``softmax`` returns), ``fh.op_inputs`` its
+positional arguments (``q`` and ``k`` of a ``matmul``), ``fh.op_edit`` replaces its result;
+interventions (``fh.patch`` ...) take ``op=`` too. Values go in the same Record, under the
+module's path and the op's name: ``rec["h.0.attn"]["softmax"]``, one value per op call.
+
+An op is a torch function or its name, and every spelling of it matches: ``torch.add``,
+``Tensor.add`` and ``a + b`` are all ``"add"``. ``fh.op(name, call=k)`` takes only the k-th
+call in each module call (from 0); ``deep=True`` counts ops of its submodules too. A module
+call in which an op spec matched nothing raises :class:`~funhooks.SelectorError` listing
+the ops it called: the model needs no change, and a wrong guess is said at once.
+
+Cost: nothing for modules no op spec selects. While a selected module's forward runs,
+every torch function it calls passes through one Python ``__torch_function__`` (about 1.5 µs
+each here); see ``funhooks/_core/ops.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from funhooks.errors import SpecError
+from funhooks.runs._core.op_mode import op_name
+
+from .selector import Where, select
+from .spec import Spec, check_flags, check_fn
+
+__all__ = ["Op", "OpAction", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_outputs"]
+
+
+@attrs.frozen(repr=False)
+class Op:
+    """Which calls of a torch op a spec takes: every call of `name` the module's own code
+    makes, or only the `call`-th in each module call; ``deep`` counts its submodules' too.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> fh.op(torch.matmul, call=1)
+        fh.op('matmul', call=1)
+        >>> fh.op("softmax") == fh.op(torch.nn.functional.softmax)
+        True
+    """
+
+    name: str
+    call: int | None = None
+    deep: bool = False
+
+    def __repr__(self) -> str:
+        extra = (f", call={self.call}" if self.call is not None else "") + (", deep=True" if self.deep else "")
+        return f"fh.op({self.name!r}{extra})"
+
+    def __str__(self) -> str:
+        return repr(self.name) if self.call is None and not self.deep else repr(self)
+
+
+def op(fn: str | Callable[..., Any], *, call: int | None = None, deep: bool = False) -> Op:
+    """Name an op for the op specs: a torch function (``torch.matmul``,
+    ``torch.nn.functional.softmax``, ``torch.Tensor.add``) or its name (``"matmul"``).
+
+    Args:
+        fn: the function or its name; every spelling of the op matches (``"add"`` is
+            ``torch.add``, ``Tensor.add`` and ``a + b``; ``a += b`` is ``"add_"``).
+        call: take only the `call`-th call of the op in each call of the module (from 0).
+        deep: also take calls made inside the module's submodules.
+
+    Returns:
+        An :class:`Op`.
+
+    Raises:
+        SpecError: for a bad name, `call` or `deep`.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> fh.op(torch.add), fh.op("scaled_dot_product_attention", deep=True)
+        (fh.op('add'), fh.op('scaled_dot_product_attention', deep=True))
+    """
+    return as_op("op", fn, call=call, deep=deep)
+
+
+def as_op(label: str, fn: Any, *, call: int | None = None, deep: bool = False) -> Op:
+    """`fn` (an :class:`Op`, a torch function or a name) as an :class:`Op`; errors name `label`."""
+    if isinstance(fn, Op):
+        return fn
+    if isinstance(fn, str):
+        name = fn
+    elif callable(fn):
+        name = op_name(fn)
+    else:
+        name = None
+    if not name or not isinstance(name, str) or not name.replace(".", "_").isidentifier():
+        raise SpecError(
+            f"{label}: an op is a torch function or its name, got {fn!r}. Pass e.g. `torch.matmul`, "
+            "`torch.nn.functional.softmax` or \"scaled_dot_product_attention\"."
+        )
+    if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
+        raise SpecError(f"{label}: `call` is None or an int >= 0, got {call!r}. Pass the call's index in the module call.")
+    check_flags(label, deep=deep)
+    return Op(name, call, deep)
+
+
+@attrs.frozen(repr=False)
+class OpAction:
+    """The function of an op spec: its :class:`Op` and what it does with each call it takes
+    (``kind``: store the ``output`` or the ``input``, ``edit`` with `fn`, or ``intervene``
+    with an intervention value)."""
+
+    op: Op
+    kind: str
+    fn: Any = None
+
+    @property
+    def default_name(self) -> str | None:
+        """The record name a storing op spec uses unless given one."""
+        return {"output": self.op.name, "input": f"{self.op.name}.input"}.get(self.kind)
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The per-call values it reads (an intervention's ``fh.arg`` names)."""
+        return self.fn.args if self.kind == "intervene" else ()
+
+    def __call__(self, *args: Any) -> Any:
+        """An op editor's function: ``fn(module, args, kwargs, output)``."""
+        return self.fn(*args)
+
+    def __str__(self) -> str:
+        if self.kind == "edit":
+            return f"{self.op}, {getattr(self.fn, '__name__', repr(self.fn))}"
+        if self.kind == "intervene":
+            return ", ".join(part for part in (str(self.fn), f"op={self.op}") if part)
+        return str(self.op)
+
+
+def around_spec(label: str, where: Where, op_: Any, kind: str, fn: Any = None, *, name: str | None = None,
+                **flags: bool) -> Spec:
+    """An op spec: `kind` (``output``, ``input``, ``edit``, ``intervene``) on `op_` in the
+    modules `where` selects."""
+    action = OpAction(as_op(label, op_), kind, fn)
+    stores = kind in ("output", "input")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise SpecError(f"{label}: `name` is a non-empty str or None, got {name!r}. Pass a record name.")
+    record = (name or action.default_name) if stores else name
+    return Spec(select(where), "forward", "op", record, action, is_edit=not stores, label=label,
+                **check_flags(label, **flags))
+
+
+def op_outputs(where: Where, op: str | Callable[..., Any] | Op, *, name: str | None = None, detach: bool = True,
+               cpu: bool = False, clone: bool = False) -> Spec:
+    """Store the result of each call of `op` made by the selected modules, under `name`
+    (default: the op's name), one value per op call.
+
+    Args:
+        where: a selector (the modules whose forward calls the op).
+        op: a torch function, its name, or :func:`op` (``call=``, ``deep=``).
+        name: the record name.
+        detach, cpu, clone: as for :func:`funhooks.outputs`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> class Attention(nn.Module):
+        ...     def forward(self, q, k):
+        ...         return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ k
+        >>> attn = Attention()
+        >>> with fh.with_hooks(attn, fh.op_outputs("", "softmax")) as run:
+        ...     y = attn(torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+        >>> run.record[""]["softmax"].shape
+        torch.Size([2, 5, 5])
+    """
+    return around_spec("op_outputs", where, op, "output", name=name, detach=detach, cpu=cpu, clone=clone)
+
+
+def op_inputs(where: Where, op: str | Callable[..., Any] | Op, *, name: str | None = None, detach: bool = True,
+              cpu: bool = False, clone: bool = False) -> Spec:
+    """Store the positional arguments of each call of `op` made by the selected modules, as
+    a tuple, under `name` (default ``"<op>.input"``); keyword arguments are not stored.
+
+    Args:
+        where: a selector.
+        op: a torch function, its name, or :func:`op`.
+        name: the record name.
+        detach, cpu, clone: as for :func:`funhooks.inputs`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Linear(3, 3)                   # F.linear inside nn.Linear.forward
+        >>> with fh.with_hooks(model, fh.op_inputs("", "linear")) as run:
+        ...     y = model(torch.ones(1, 3))
+        >>> x, weight, bias = run.record[""]["linear.input"]
+        >>> x.shape, weight is not None
+        (torch.Size([1, 3]), True)
+    """
+    return around_spec("op_inputs", where, op, "input", name=name, detach=detach, cpu=cpu, clone=clone)
+
+
+def op_edit(where: Where, op: str | Callable[..., Any] | Op, fn: Callable[..., Any], *,
+            name: str | None = None) -> Spec:
+    """Replace the result of each call of `op` made by the selected modules with
+    ``fn(module, args, kwargs, output)`` (``None`` leaves it as it was); the rest of the
+    module's forward computes with the new value.
+
+    Args:
+        where: a selector.
+        op: a torch function, its name, or :func:`op`.
+        fn: called with the module, the op's arguments and its result.
+        name: a label for messages.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Softmax(dim=-1))
+        >>> def uniform(module, args, kwargs, output):
+        ...     return torch.full_like(output, 1 / output.shape[-1])
+        >>> with fh.with_hooks(model, fh.op_edit("0", "softmax", uniform)):
+        ...     y = model(torch.randn(1, 4))
+        >>> y
+        tensor([[0.2500, 0.2500, 0.2500, 0.2500]])
+    """
+    check_fn("op_edit", fn)
+    return around_spec("op_edit", where, op, "edit", fn, name=name)

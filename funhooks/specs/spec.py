@@ -1,0 +1,329 @@
+"""Specs: frozen values that say where, when and what a hook does. They touch no model.
+
+A spec is *where* (a selector), *when* (an event), *what* (a function) and whether the
+function's result is *stored* under a record name (an observer) or *replaces* the value
+PyTorch lets that hook replace (an editor). Specs are hashable, so equal specs are
+installed once and make natural cache keys; they pickle when their function does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from funhooks.errors import SpecError
+
+from .selector import Selector, Where, select
+
+__all__ = [
+    "EVENTS",
+    "Spec",
+    "edit",
+    "grads",
+    "inputs",
+    "observe",
+    "outputs",
+]
+
+EVENTS = ("forward_pre", "forward", "backward_pre", "backward", "param_grad")
+"""The hook events, with PyTorch's hook signatures:
+``forward_pre`` ``fn(module, args)``, ``forward`` ``fn(module, args, output)``,
+``backward_pre`` ``fn(module, grad_output)``, ``backward`` ``fn(module, grad_input,
+grad_output)``, ``param_grad`` ``fn(param, grad)``."""
+
+ROLES = ("output", "input", "grad", "grad_output", "call", "intervene", "op")
+"""What a spec stores: the built-in stores (``output``, ``input``, ``grad`` and fastai's
+``grad_output`` tuple) have fast paths; ``call`` runs the spec's function; ``intervene`` is an
+editor whose function is an intervention value that also reads the call's per-call values
+(``funhooks.specs.interventions``); ``op`` acts on the operations called inside the module's forward
+(``funhooks.specs.ops``)."""
+
+HOOKS = ("forward_pre", "forward", "around", "output_grad", "backward_pre", "backward", "param_grad")
+_BACKWARD_HOOKS = frozenset(HOOKS[3:])
+"""How a run reaches a spec, the one field it dispatches on: ``forward_pre`` / ``forward``
+around the module's own forward; ``around``, during the module's own forward (the ops it
+calls); ``output_grad``, tensor hooks on the outputs (``grads``, whose event is
+``backward_pre``, are set up during the forward); ``backward_pre`` / ``backward``, PyTorch's
+per-call backward hook; ``param_grad``, hooks on the parameters."""
+
+
+@attrs.frozen(repr=False)
+class Spec:
+    """A hook as a value: where, when, what, and whether the result is stored or replaces.
+
+    Build specs with the constructors (:func:`outputs`, :func:`inputs`, :func:`grads`,
+    :func:`observe`, :func:`edit` and the fastai spellings); change one with
+    ``attrs.evolve``. Nothing touches a model until a spec is run by
+    :func:`funhooks.with_hooks`, :func:`funhooks.capture` or a training loop.
+
+    Example:
+        >>> import funhooks as fh
+        >>> spec = fh.outputs("features.*", clone=True)
+        >>> spec
+        outputs('features.*', clone=True)
+        >>> spec == fh.outputs("features.*", clone=True), spec.name, spec.event
+        (True, 'output', 'forward')
+    """
+
+    where: Selector = attrs.field(converter=select)  # so `attrs.evolve(spec, where="head.*")` works
+    event: str = attrs.field(validator=lambda spec, _, event: _check_event(spec.label, event))
+    role: str
+    name: str | None
+    fn: Any = None  # the spec's function; for an intervention spec, its `Intervention`
+    is_edit: bool = False
+    detach: bool = True
+    cpu: bool = False
+    gather: bool = False
+    clone: bool = False
+    label: str = "observe"  # the constructor's name, for repr and messages only
+    hook: str = attrs.field(init=False)
+    """How a run reaches this spec (see :data:`HOOKS`), derived from `event` and `role`."""
+
+    @hook.default
+    def _hook(self) -> str:
+        if self.role == "op":
+            return "around"
+        return "output_grad" if self.role in ("grad", "grad_output") else self.event
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The per-call values the spec reads: the names of its ``fh.arg`` placeholders."""
+        return self.fn.args if self.role in ("intervene", "op") else ()
+
+    @property
+    def needs_backward(self) -> bool:
+        """True for specs that act during a backward pass (gradients of outputs, module
+        backward events, parameter gradients)."""
+        return self.hook in _BACKWARD_HOOKS
+
+    def __repr__(self) -> str:
+        parts = [repr(self.where)]
+        if self.role == "call":
+            parts.append(getattr(self.fn, "__name__", repr(self.fn)))
+            if self.event != "forward":
+                parts.append(f"event={self.event!r}")
+            if self.name is not None and self.name != getattr(self.fn, "__name__", None):
+                parts.append(f"name={self.name!r}")
+        if self.role in ("intervene", "op") and str(self.fn):  # the value renders its own arguments
+            parts.append(str(self.fn))
+            if self.role == "op" and self.name is not None and self.name != self.fn.default_name:
+                parts.append(f"name={self.name!r}")
+        if self.role == "grad_output":
+            parts.append("grad=True")
+        if not self.is_edit:
+            defaults = {"detach": True, "cpu": False, "gather": False, "clone": False}
+            parts += [f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
+        return f"{self.label}({', '.join(parts)})"
+
+    def __enter__(self) -> None:
+        raise TypeError(
+            f"{self.label}: a spec is a value and touches no model, got `with {self!r}:`. "
+            "Run it with `with fh.with_hooks(model, spec) as run:` and read `run.stored` "
+            "or `run.record`."
+        )
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
+        return None
+
+
+def check_flags(label: str, **flags: Any) -> dict[str, Any]:
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise SpecError(f"{label}: `{key}` is a bool, got {value!r}. Pass True or False.")
+    return flags
+
+
+def _check_event(label: str, event: str) -> str:
+    if event not in EVENTS:
+        raise SpecError(f"{label}: `event` is one of {list(EVENTS)}, got {event!r}. Pick one of those.")
+    return event
+
+
+def check_fn(label: str, fn: Any, arg: str = "fn") -> Callable[..., Any]:
+    if not callable(fn):
+        raise SpecError(
+            f"{label}: `{arg}` is a callable taking PyTorch's hook arguments, got {fn!r}. "
+            "Pass a function such as `lambda module, args, output: output.mean()`."
+        )
+    try:
+        hash(fn)
+    except TypeError:
+        raise SpecError(
+            f"{label}: `{arg}` is hashable (a spec is a value, compared and cached by its function), got an "
+            f"unhashable {type(fn).__name__}. Make it hashable (e.g. `@attrs.frozen` or "
+            "`@dataclasses.dataclass(frozen=True)`), or pass a function."
+        ) from None
+    return fn
+
+
+def record_name(label: str, fn: Callable[..., Any], name: str | None) -> str:
+    if name is None:
+        name = getattr(fn, "__name__", None)
+        if name is None:
+            raise SpecError(
+                f"{label}: the record name defaults to `fn.__name__`, got {fn!r} which has none. "
+                "Pass `name=`."
+            )
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"{label}: `name` is a non-empty str, got {name!r}. Pass a record name.")
+    return name
+
+
+def outputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+    """Store each selected module's output under the record name ``"output"``.
+
+    Args:
+        where: a selector (see :func:`funhooks.select`).
+        detach: store ``output.detach()`` (no autograd graph kept alive).
+        cpu: move stored tensors to the CPU.
+        gather: all-gather stored tensors across a ``torch.distributed`` group (a ``DTensor``,
+            such as an FSDP2 gradient shard: its ``full_tensor()``).
+        clone: store a copy, safe from later in-place ops (costs one copy per call).
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+        >>> with fh.with_hooks(model, fh.outputs("0")) as run:
+        ...     y = model(torch.ones(1, 3))
+        >>> run.record["0"]["output"].shape
+        torch.Size([1, 2])
+    """
+    flags = check_flags("outputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), "forward", "output", "output", label="outputs", **flags)
+
+
+def inputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+    """Store each selected module's inputs as ``(args, kwargs)`` under ``"input"``.
+
+    Inputs are taken before the module runs, so a module that changes its input in place
+    (``ReLU(inplace=True)``) is caught: pass ``clone=True`` to keep the values it received.
+
+    Args:
+        where: a selector.
+        detach, cpu, gather, clone: as for :func:`outputs`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> with fh.with_hooks(model, fh.inputs("0")) as run:
+        ...     y = model(torch.ones(1, 3))
+        >>> args, kwargs = run.record["0"]["input"]
+        >>> args[0].shape, kwargs
+        (torch.Size([1, 3]), {})
+    """
+    flags = check_flags("inputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), "forward_pre", "input", "input", label="inputs", **flags)
+
+
+def grads(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+    """Store the gradient with respect to each selected module's output under ``"grad"``.
+
+    The value has the structure of the output (a tensor for a tensor output). It is taken
+    with a tensor hook on the output, so it is right even when an in-place op follows the
+    module (where module backward hooks fail). Outputs that need no grad store nothing.
+
+    Args:
+        where: a selector.
+        detach, cpu, gather, clone: as for :func:`outputs`.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> with fh.with_hooks(model, fh.grads("0")) as run:
+        ...     model(torch.ones(1, 3)).sum().backward()
+        >>> run.record["0"]["grad"]
+        tensor([[1., 1.]])
+    """
+    flags = check_flags("grads", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), "backward_pre", "grad", "grad", label="grads", **flags)
+
+
+def observe(
+    where: Where,
+    fn: Callable[..., Any],
+    *,
+    event: str = "forward",
+    name: str | None = None,
+    detach: bool = True,
+    cpu: bool = False,
+    gather: bool = False,
+    clone: bool = False,
+) -> Spec:
+    """Store ``fn(module, *hook_args)`` under `name` (default ``fn.__name__``).
+
+    The hook arguments are detached / moved / gathered / cloned as flagged *before* `fn`
+    sees them, as fastai's ``Hook`` does.
+
+    Args:
+        where: a selector.
+        fn: called with PyTorch's hook arguments for `event` (see :data:`EVENTS`).
+        event: one of :data:`EVENTS`.
+        name: the record name; defaults to ``fn.__name__``.
+        detach, cpu, gather, clone: applied to the hook arguments.
+
+    Returns:
+        A Spec.
+
+    Raises:
+        SpecError: for a non-callable `fn`, an unknown `event` or a bad flag.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> def mean(module, args, output):
+        ...     return output.mean()
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> with fh.with_hooks(model, fh.observe(nn.Linear, mean)) as run:
+        ...     y = model(torch.ones(1, 3))
+        >>> bool(run.record["0"]["mean"] == y.mean())
+        True
+    """
+    check_fn("observe", fn)
+    _check_event("observe", event)
+    flags = check_flags("observe", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Spec(select(where), event, "call", record_name("observe", fn, name), fn, label="observe", **flags)
+
+
+def edit(where: Where, fn: Callable[..., Any], *, event: str = "forward", name: str | None = None) -> Spec:
+    """Replace a value with ``fn``'s result: the output (``forward``), the args
+    (``forward_pre``), ``grad_output`` (``backward_pre``), ``grad_input`` (``backward``) or a
+    parameter's gradient (``param_grad``). Returning ``None`` leaves the value as it was.
+
+    Args:
+        where: a selector.
+        fn: called with PyTorch's hook arguments for `event`.
+        event: one of :data:`EVENTS`.
+        name: a label for messages; editors store nothing.
+
+    Returns:
+        A Spec.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+        >>> zero = fh.edit("0", lambda module, args, output: torch.zeros_like(output))
+        >>> with fh.with_hooks(model, zero):
+        ...     y = model(torch.ones(1, 3))
+        >>> y
+        tensor([[0., 0.]])
+    """
+    check_fn("edit", fn)
+    _check_event("edit", event)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise SpecError(f"edit: `name` is a non-empty str or None, got {name!r}. Pass a label.")
+    return Spec(select(where), event, "call", name, fn, is_edit=True, label="edit")

@@ -1,0 +1,16 @@
+"""Activation datasets: ``ActivationWriter`` streams Records into safetensors shards,
+``collect`` runs a model over inputs into a store, ``ActivationDataset`` reads every rank's
+committed shards back, memory-mapped.
+
+Modules: ``writer`` (``ActivationWriter``, ``WriterState``), ``collecting`` (``collect``),
+``dataset`` (``ActivationDataset``), and private ``_shards`` (shard files), ``_manifest`` (the
+per-rank JSON Lines manifest), ``_sink`` (one rank open for writing) and ``_rows`` (a Record
+made rows). May import: ``errors``, ``_torch``, ``_frozen``, ``_modes``, ``records``, ``specs``,
+``runs``, ``training``.
+"""
+
+from .collecting import collect
+from .dataset import MAX_OPEN_SHARDS, ActivationDataset
+from .writer import ActivationWriter, WriterState
+
+__all__ = ["MAX_OPEN_SHARDS", "ActivationDataset", "ActivationWriter", "WriterState", "collect"]

@@ -1,0 +1,204 @@
+"""Shard files of an activation store: one safetensors file per shard, written as a stream.
+
+A shard ``shard.rank{r}.{k:06d}.safetensors`` holds one tensor per column, rows first, in
+the safetensors layout: an 8-byte little-endian header size, a JSON header (dtype, shape
+and byte range of each tensor, plus ``__metadata__``), then the raw little-endian bytes.
+It is written under a hidden temporary name and renamed once whole (see ``_manifest.py``
+for when it counts as part of the store).
+
+Why the layout is written here and not by ``safetensors.torch.save_file``: that function
+needs a shard's whole tensors in memory, so every batch would first be copied into a
+shard-sized buffer. Here each batch's rows go from the activation straight to their place
+in the file (one ``write`` per column, no copy), so memory holds one batch, not one shard.
+The files are read by the safetensors library itself (``dataset.py``), which checks the
+layout, and the tests read them with ``safetensors.torch.load_file`` too.
+
+Costs: per batch one ``seek`` and ``write`` per column; the last, shorter shard of a run is
+compacted once, moving its columns to close the space left for rows that never came (at
+most one shard's bytes, copied ``COPY_CHUNK_BYTES`` at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import pathlib
+import re
+import secrets
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from funhooks.errors import StoreError
+
+SHARD = "shard.rank{rank}.{index:06d}.safetensors"
+TEMP_SUFFIX = ".tmp"
+COPY_CHUNK_BYTES = 1 << 24
+"""Compaction of a last, shorter shard copies at most this many bytes at a time."""
+
+_SHARD_RE = r"\.?shard\.rank{rank}\.\d+\.safetensors(\.[0-9a-f]+\.tmp)?"
+
+_CODES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+                     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        _CODES[getattr(torch, _name)] = _code
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise StoreError(f"ActivationDataset: a column's dtype is a torch dtype name, got {name!r}. Rewrite the store.")
+    return dtype
+
+
+def is_storable(dtype: torch.dtype) -> bool:
+    """Whether the safetensors layout has a code for `dtype`."""
+    return dtype in _CODES
+
+
+def _shape(dims: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dims)
+
+
+@attrs.frozen
+class Column:
+    """One column of a store: its name (``"<module path>/<record name>"``) and one row's dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+
+    @property
+    def row_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Column:
+        return cls(str(obj["name"]), parse_dtype(obj["dtype"]), _shape(int(d) for d in obj["shape"]))
+
+    def describe(self) -> str:
+        return f"{dtype_name(self.dtype)} rows of shape {self.shape}"
+
+
+def rank_files(directory: pathlib.Path, rank: int) -> list[pathlib.Path]:
+    """Every shard file and shard temporary of `rank` in `directory`, listed or not."""
+    pattern = re.compile(_SHARD_RE.format(rank=rank))
+    return [p for p in directory.iterdir() if pattern.fullmatch(p.name)]
+
+
+def _layout(columns: Sequence[Column], rows: int) -> dict[str, tuple[int, int]]:
+    """Byte range of each column in the data section: widest dtypes first, so every
+    tensor starts aligned to its element size (the data section starts at a multiple of 8)."""
+    out, at = {}, 0
+    for c in columns:
+        out[c.name] = (at, at + rows * c.row_bytes)
+        at += rows * c.row_bytes
+    return out
+
+
+def in_layout_order(columns: Sequence[Column]) -> list[Column]:
+    return sorted(columns, key=lambda c: (-c.dtype.itemsize, c.name))
+
+
+def _header(columns: Sequence[Column], rows: int, meta: Mapping[str, str], reserve: int = 0) -> bytes:
+    """The safetensors JSON header for `rows` rows, padded with spaces to a multiple of 8
+    and to at least `reserve` bytes."""
+    obj: dict[str, Any] = {"__metadata__": dict(meta)}
+    for c in columns:
+        begin, end = _layout(columns, rows)[c.name]
+        obj[c.name] = {"dtype": _CODES[c.dtype], "shape": [rows, *c.shape], "data_offsets": [begin, end]}
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    size = max(len(raw), reserve)
+    size += -size % 8
+    return raw + b" " * (size - len(raw))
+
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (valid while `t` is alive)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class ShardFile:
+    """One shard being written: a temporary file laid out for `capacity` rows."""
+
+    def __init__(self, directory: pathlib.Path, rank: int, index: int, columns: Sequence[Column],
+                 capacity: int, meta: Mapping[str, str]) -> None:
+        self.final = directory / SHARD.format(rank=rank, index=index)
+        self.temp = directory / f".{self.final.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        self.columns = in_layout_order(columns)
+        self.capacity, self.rows, self._meta = capacity, 0, dict(meta)
+        header = _header(self.columns, capacity, self._meta)
+        self._reserve, self._data = len(header), 8 + len(header)
+        self._begin = {name: b for name, (b, _) in _layout(self.columns, capacity).items()}
+        self._file = open(self.temp, "xb+")  # noqa: SIM115 - closed by finish() or discard()
+        try:
+            self._file.write(struct.pack("<Q", len(header)) + header)
+        except BaseException:
+            self.discard()
+            raise
+
+    def write(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """Write the next rows: each column's tensor is contiguous, on the CPU, same length."""
+        n = 0
+        for c in self.columns:
+            t = rows[c.name]
+            n = t.shape[0]
+            if n:
+                self._file.seek(self._data + self._begin[c.name] + self.rows * c.row_bytes)
+                self._file.write(_buffer(t))
+        self.rows += n
+
+    def finish(self, *, fsync: bool) -> int:
+        """Finish the file (compacted when it holds fewer than `capacity` rows); its size in bytes."""
+        if self.rows < self.capacity:
+            self._compact()
+        self._file.flush()
+        if fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        return self._data + sum(self.rows * c.row_bytes for c in self.columns)
+
+    def _compact(self) -> None:
+        header = _header(self.columns, self.rows, self._meta, reserve=self._reserve)
+        assert len(header) == self._reserve, "a header for fewer rows is never longer"
+        for c in self.columns:
+            src, dst = self._data + self._begin[c.name], self._data + _layout(self.columns, self.rows)[c.name][0]
+            left = self.rows * c.row_bytes
+            while left and src != dst:  # dst < src: copying forward never overwrites unread bytes
+                self._file.seek(src)
+                chunk = self._file.read(min(left, COPY_CHUNK_BYTES))
+                self._file.seek(dst)
+                self._file.write(chunk)
+                src, dst, left = src + len(chunk), dst + len(chunk), left - len(chunk)
+        self._file.seek(8)
+        self._file.write(header)
+        self._file.truncate(self._data + sum(self.rows * c.row_bytes for c in self.columns))
+
+    def discard(self) -> None:
+        """Close and delete the temporary (never raises)."""
+        with contextlib.suppress(OSError):
+            self._file.close()
+        with contextlib.suppress(OSError):
+            self.temp.unlink()

@@ -1,0 +1,184 @@
+"""The open side of one rank of an activation store: its lock, manifest and current shard.
+
+An :class:`~funhooks.ActivationWriter`'s state holds one ``Sink``. Opening it recovers from
+whatever interruption came before (a torn manifest line is cut, shard files and
+temporaries the manifest does not list are deleted, listed shards are checked to be
+there) and locks the rank. ``append`` streams a batch's rows into the current shard and
+commits every shard that fills; ``flush`` commits the last, shorter one.
+
+In one process, opening a rank again (a restart after an exception) closes the sink that
+had it, whose state then refuses further steps. A sink dropped without a flush deletes
+its temporary and releases its lock when it is garbage collected.
+
+Costs: memory holds no rows (they go from the activation to the file); see ``_shards.py``
+for the per-batch and per-shard I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from funhooks.errors import StoreError
+
+from . import _manifest, _shards
+
+CALLER = "ActivationWriter"
+_OPEN: dict[tuple[str, int], weakref.ref[Sink]] = {}
+"""(real directory, rank) -> the sink that has it open in this process."""
+
+
+class _Held:
+    """What a sink must give back: its lock and its unfinished shard."""
+
+    def __init__(self, lock: _manifest.RankLock) -> None:
+        self.lock = lock
+        self.shard: _shards.ShardFile | None = None
+
+    def close(self) -> None:
+        if self.shard is not None:
+            self.shard.discard()
+            self.shard = None
+        self.lock.release()
+
+
+class Sink:
+    """One rank of a store, open for writing."""
+
+    def __init__(self, directory: pathlib.Path, rank: int, *, fsync: bool) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.rank, self.fsync = directory, rank, fsync
+        key = (os.path.realpath(directory), rank)
+        previous = _OPEN.get(key)
+        earlier = None if previous is None else previous()
+        if earlier is not None:
+            earlier.close()
+        self._held = _Held(_manifest.RankLock(directory, rank, CALLER))
+        self._finalizer = weakref.finalize(self, _Held.close, self._held)
+        try:
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+        _OPEN[key] = weakref.ref(self)
+        self.version = 0
+        self.closed = False
+        self.failed: str | None = None
+
+    def _recover(self) -> None:
+        path = _manifest.manifest_path(self.directory, self.rank)
+        manifest = _manifest.read_manifest(path, CALLER)
+        if manifest.size > manifest.valid_bytes:  # a process died while appending a line
+            os.truncate(path, manifest.valid_bytes)
+        error = _manifest.check_listed(manifest, self.rank, self.directory, CALLER)
+        if error is not None:
+            raise error
+        listed = {line["file"] for line in manifest.shards}
+        for p in _shards.rank_files(self.directory, self.rank):
+            if p.name not in listed:
+                p.unlink(missing_ok=True)
+        self.manifest_path = path
+        self.header = manifest.header
+        self.shards = len(manifest.shards)
+        self.rows = sum(line["rows"] for line in manifest.shards)
+        self.end: tuple[int, int] = tuple(manifest.shards[-1]["end"]) if manifest.shards else (0, 0)
+        self.columns = None if self.header is None else [_shards.Column.from_json(c) for c in self.header["columns"]]
+
+    def close(self) -> None:
+        """Give back the lock and delete the unfinished shard; later steps are refused."""
+        self.closed = True
+        self._finalizer()
+
+    # -- writing ----------------------------------------------------------------------------
+    def start(self, header: Mapping[str, Any], columns: Sequence[_shards.Column]) -> None:
+        """Create the manifest with `header` (first batch of a new rank)."""
+        _manifest.create_manifest(self.manifest_path, header, fsync=self.fsync)
+        self.header, self.columns = dict(header), list(columns)
+
+    @property
+    def written(self) -> int:
+        """Rows in committed shards and in the current one."""
+        return self.rows + (self._held.shard.rows if self._held.shard is not None else 0)
+
+    @property
+    def capacity(self) -> int:
+        assert self.header is not None
+        return int(self.header["rows_per_shard"])
+
+    def append(self, rows: Mapping[str, torch.Tensor], batch: int, first_row: int) -> None:
+        """Write one batch's rows (from its row `first_row` on); commit every shard that fills."""
+        n = next(iter(rows.values())).shape[0] if rows else 0
+        done = 0
+        while done < n:
+            shard = self._held.shard
+            if shard is None:
+                shard = self._io("opening", self._open_shard)
+            take = min(n - done, shard.capacity - shard.rows)
+            piece = {k: v[done:done + take] for k, v in rows.items()}
+            self._io("writing", shard.write, piece)
+            done += take
+            if shard.rows == shard.capacity:
+                self._commit((batch, first_row + done) if done < n else (batch + 1, 0))
+        self.version += 1
+
+    def flush(self, next_batch: int) -> None:
+        """Commit the unfinished shard, if it holds rows; its end is batch `next_batch`."""
+        shard = self._held.shard
+        if shard is not None and shard.rows:
+            self._commit((next_batch, 0))
+
+    def _open_shard(self) -> _shards.ShardFile:
+        about = {"format": _manifest.FORMAT, "version": _manifest.FORMAT_VERSION, "rank": self.rank,
+                 "shard": self.shards}
+        meta = {"format": "pt", "funhooks": json.dumps(about)}
+        assert self.columns is not None
+        shard = self._held.shard = _shards.ShardFile(self.directory, self.rank, self.shards, self.columns, self.capacity, meta)
+        return shard
+
+    def _commit(self, end: tuple[int, int]) -> None:
+        shard = self._held.shard
+        assert shard is not None
+
+        def commit() -> None:
+            size = shard.finish(fsync=self.fsync)
+            os.replace(shard.temp, shard.final)
+            try:
+                if self.fsync:
+                    _manifest.fsync_directory(self.directory)
+                line = {"shard": self.shards, "file": shard.final.name, "rows": shard.rows, "bytes": size,
+                        "end": list(end)}
+                _manifest.append_line(self.manifest_path, line, fsync=self.fsync)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    shard.final.unlink()  # renamed but not listed: not part of the store
+                raise
+
+        self._io("committing", commit)
+        self._held.shard = None
+        self.shards += 1
+        self.rows += shard.rows
+        self.end = end
+
+    def _io(self, doing: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; an OSError discards the unfinished shard and becomes a StoreError."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            shard, self._held.shard = self._held.shard, None
+            name = shard.final.name if shard is not None else f"shard {self.shards}"
+            if shard is not None:
+                shard.discard()
+            what = f"{type(e).__name__} {e.errno} ({e.strerror})" if e.errno is not None else repr(e)
+            self.failed = (
+                f"{CALLER}: a shard is written whole or not at all, got {what} {doing} {name} in "
+                f"{str(self.directory)!r}. Free space (or pick another directory) and run again: the {self.shards} "
+                f"committed shards of rank {self.rank} are kept and writing resumes at batch {self.end[0]}."
+            )
+            raise StoreError(self.failed) from e

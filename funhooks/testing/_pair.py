@@ -1,0 +1,121 @@
+"""Comparing two runs of a model, and blaming the module that makes them disagree.
+
+An invariant of this kind says how two runs must relate (the same output for the other
+examples when one example changes; the same output twice in eval mode). :func:`compare`
+draws inputs, runs the model twice per draw without hooks, and on the shrunk failing draw
+runs it twice more with every module's inputs and outputs recorded. :func:`introducer`
+then walks the two Records in module order and names the innermost module whose inputs
+still keep the invariant but whose output breaks it: the module that introduces the break.
+
+Cost: two forward passes per drawn input, without gradients; to explain a failure, two
+recorded passes that keep a copy of every module's inputs and outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from funhooks.records.record import Record
+from funhooks.runs.run import with_hooks
+from funhooks.specs.spec import inputs, outputs
+
+from . import _invariant as inv
+
+RTOL, ATOL = 1e-4, 1e-5
+"""Default tolerances: float32 rounding when work is reordered, nothing more."""
+SEED = 0
+"""The seed both runs of a pair start from (determinism uses it and the next one)."""
+
+Run = tuple[tuple, int, "bool | None"]
+"""One run of a pair: ``(args, seed, mode)``; mode True/False is train/eval, None as it is."""
+Same = Callable[[torch.Tensor, torch.Tensor], "bool | None"]
+"""``same(a, b)``: True when `b` keeps the invariant with respect to `a`, False when it
+breaks it, None when the two tensors cannot be compared (the tensor is skipped)."""
+
+
+def seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int, mode: bool | None = None) -> Any:
+    """``model(*args)`` from the saved buffers and random seed `seed`, without gradients;
+    in train (`mode` True) or eval (False) mode, or as it is (None)."""
+    reset()
+    if mode is not None:
+        model.train(mode)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model(*args)
+
+
+def recorded(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
+             mode: bool | None = None) -> tuple[Any, Record]:
+    """:func:`seeded_call` with every module's inputs and outputs recorded (copies)."""
+    with with_hooks(model, [outputs(inv.EVERY, clone=True), inputs(inv.EVERY, clone=True)]) as run:
+        out = seeded_call(model, reset, args, seed, mode)
+    return out, run.record
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    """Same shape and values (within `rtol`/`atol` for floats; NaN equals NaN)."""
+    if a.shape != b.shape:
+        return False
+    b = b.to(a.device)
+    if a.is_floating_point() or a.is_complex():
+        return torch.allclose(a, b.to(a.dtype), rtol=rtol, atol=atol, equal_nan=True)
+    return torch.equal(a, b)
+
+
+def broken(a: Any, b: Any, same: Same) -> bool:
+    """Whether any comparable tensor of `b` breaks the invariant (or the structures differ)."""
+    left, right = inv.tensor_leaves(a), inv.tensor_leaves(b)
+    if len(left) != len(right):
+        return True
+    return any(same(x, y) is False for x, y in zip(left, right))
+
+
+def introducer(rec_a: Record, rec_b: Record, same: Same) -> str | None:
+    """The innermost module, first in module order, with a call whose inputs keep the
+    invariant and whose output breaks it: the module that introduces the break."""
+    found = []
+    for path, node in rec_a.items():
+        if path not in rec_b:
+            continue
+        outs_a, outs_b = node.calls("output"), rec_b.calls(path, "output")
+        ins_a, ins_b = node.calls("input"), rec_b.calls(path, "input")
+        if len(outs_a) != len(outs_b) and not any(broken(x, y, same) for x, y in zip(ins_a, ins_b)):
+            found.append(path)
+            continue
+        if any(broken(oa, ob, same) and not broken(ia, ib, same)
+               for oa, ob, ia, ib in zip(outs_a, outs_b, ins_a, ins_b)):
+            found.append(path)
+    return inv.innermost(found)
+
+
+def compare(caller: str, model: nn.Module, draws: Any, runs: Callable[[Any], tuple[Run, Run]],
+            same_for: Callable[[Any], Same], *, rule: str, fix: str, settings: Any,
+            breaks: Callable[[Any, Any, Any], bool] | None = None,
+            describe: Callable[[Any], str] | None = None) -> None:
+    """Search `draws` for one whose two runs break the invariant; blame a module on the shrunk one.
+
+    ``runs(draw)`` gives the two runs; ``same_for(draw)`` compares each module's tensors
+    for the blame and, unless `breaks` is given (``breaks(draw, first, second)``), the
+    model's outputs too. The error's first line is ``<caller>: <rule>, got module <blamed>
+    first breaking it. <fix>.``, followed by ``describe(draw)`` (default: the input)."""
+    if breaks is None:
+        def breaks(draw: Any, first: Any, second: Any) -> bool:
+            return broken(first, second, same_for(draw))
+
+    with inv.preserved(model) as reset:
+        def fails(draw: Any) -> bool:
+            first, second = (seeded_call(model, reset, *run) for run in runs(draw))
+            return breaks(draw, first, second)
+
+        draw = inv.search(draws, fails, settings)
+        if draw is None:
+            return
+        (_, rec_a), (_, rec_b) = (recorded(model, reset, *run) for run in runs(draw))
+        path = introducer(rec_a, rec_b, same_for(draw))
+    where = inv.module_name(model, "" if path is None else path)
+    details = f"input: {inv.show(draw)}" if describe is None else describe(draw)
+    raise AssertionError(f"{caller}: {rule}, got module {where} first breaking it. {fix}.\n{details}")

@@ -1,0 +1,237 @@
+"""Invariants of what flows through a model forward and back: every activation and gradient
+is finite, and a gradient reaches every trainable parameter.
+
+Both explain a failure with a probed pass (``_probe.Flow``): the gradient flowing out of
+and back from every module call, and whether each call ran with gradients on and produced
+finite values. That names the module that produced a NaN (finite inputs, non-finite
+output; or finite output gradient, non-finite input gradient) or cut a gradient path
+(never calls a module, calls it under ``torch.no_grad()``, drops or detaches its output,
+passes no gradient back). Parameters' ``.grad`` are never touched; afterwards buffers,
+train/eval modes and the random state are as before, and no hook is left.
+
+Cost: per drawn input, one forward and one backward pass (``check_finite``: a probed one,
+which copies every float input and output once); on failure, shrinking repeats that for
+tens to hundreds of inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from funhooks import _torch
+from funhooks.errors import TransformError
+
+from . import _invariant as inv
+from . import _probe as probe
+
+__all__ = ["check_finite", "check_gradients_reach"]
+
+SEED = 0
+"""The random seed every pass starts from (dropout draws the same masks each time)."""
+
+
+def _forward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
+    """``(path, kind)`` of the innermost module, first in module order, with a call whose
+    inputs are finite and whose output is not."""
+    found: dict[str, str] = {}
+    for path, node in flow.record.items():
+        for before, after in zip(node.calls("input_kind"), node.calls("output_kind")):
+            if before is None and after is not None:
+                found.setdefault(path, after)
+    culprit = inv.innermost(list(found))
+    return None if culprit is None else (culprit, found[culprit])
+
+
+def _backward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
+    """``(path, kind)`` of the innermost module, first in module order, that receives finite
+    gradients at its output and passes a non-finite one to its inputs or parameters."""
+    found: dict[str, str] = {}
+    bad_params = {probe.owner(n): k for n, g in flow.param_grads.items() if (k := probe.kind([g])) is not None}
+    for path in flow.record:
+        for call, out in enumerate(flow.out_grads.get(path, [])):
+            if probe.kind(out) is not None:
+                continue
+            ins = flow.in_grads.get(path, [])
+            kind = probe.kind(ins[call]) if call < len(ins) else None
+            if kind is None:
+                kind = bad_params.get(path)
+            if kind is not None:
+                found.setdefault(path, kind)
+    culprit = inv.innermost(list(found))
+    return None if culprit is None else (culprit, found[culprit])
+
+
+_FINITE_FIX = "Guard the operation (clamp what goes into `log` or `sqrt`, add an epsilon to a division)"
+
+
+def check_finite(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                 settings: Any = None) -> None:
+    """Check that no activation and no gradient is NaN or infinite, on drawn inputs.
+
+    Every module's inputs and outputs are checked in the forward pass, and the gradient
+    each module call receives and passes back in one backward pass of `loss_fn`. The
+    blamed module is the innermost one that turns finite inputs into a non-finite output
+    (``log`` of a negative, ``exp`` overflowing) or, backward, finite output gradients into
+    a non-finite input gradient (``sqrt`` at 0).
+
+    Args:
+        model: the model, in the mode to check.
+        inputs: a Hypothesis strategy of inputs, or an example tensor (or tuple of tensors);
+            example floats are drawn in ``[-3, 3]``, zeros and edges included.
+        loss_fn: ``output -> scalar``; default: a fixed random projection of the outputs.
+        settings: Hypothesis settings; default: at most 25 examples, no deadline.
+
+    Raises:
+        AssertionError: first line ``check_finite: ...`` naming the value (``nan`` or
+            ``inf``), forward or backward, and the module; then the shrunk input.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Softplus(), nn.Linear(4, 1))
+        >>> fh.testing.check_finite(model, torch.randn(2, 3))
+    """
+    caller = "check_finite"
+    loss_fn = probe.projection_loss if loss_fn is None else loss_fn
+
+    with inv.preserved(model) as reset:
+        def flow_of(draw: Any) -> probe.Flow:
+            reset()
+            torch.manual_seed(SEED)
+            return probe.Flow(model, inv.as_args(draw), loss_fn)
+
+        def fails(draw: Any) -> bool:
+            flow = flow_of(draw)
+            grads = [g for by_path in (flow.out_grads, flow.in_grads) for calls in by_path.values()
+                     for call in calls for g in call]
+            return (_forward_culprit(flow) is not None
+                    or probe.kind([flow.loss, *grads, *flow.param_grads.values()]) is not None)
+
+        draw = inv.search(inv.as_strategy(inputs, caller), fails, settings)
+        if draw is None:
+            return
+        flow = flow_of(draw)
+    forward, backward = _forward_culprit(flow), _backward_culprit(flow)
+    if forward is not None:
+        found, fix = f"{forward[1]} in the output of module {flow.name(forward[0])}, whose inputs are finite", _FINITE_FIX
+    elif probe.kind([flow.loss]) is not None:
+        found, fix = f"a loss of {probe.kind([flow.loss])} from finite outputs", "Check `loss_fn`"
+    elif backward is not None:
+        found, fix = (f"{backward[1]} in the gradient that module {flow.name(backward[0])} passes back to its "
+                      "inputs, from finite gradients at its output"), _FINITE_FIX
+    else:
+        found, fix = "a non-finite gradient of the model's output", "Check the backward of `loss_fn`"
+    raise AssertionError(f"{caller}: every activation and gradient is finite, got {found}. {fix}.\ninput: {inv.show(draw)}")
+
+
+def _status(grad: torch.Tensor | None) -> str | None:
+    """What is wrong with a parameter's gradient, or None."""
+    if grad is None:
+        return "no gradient"
+    if probe.kind([grad]) is not None:
+        return "a non-finite gradient"
+    if not bool((grad != 0).any()):
+        return "a zero gradient"
+    return None
+
+
+def _cut(flow: probe.Flow, path: str) -> tuple[str, str]:
+    """``(culprit, reason)``: the module that keeps a gradient from the parameters of `path`."""
+    name = flow.name(path)
+    first_call = next((i for i, (p, _) in enumerate(flow.order) if p == path), None)
+    if first_call is None:
+        ran = next(a for a in probe.ancestors(path) if a in flow.record)
+        return ran, f"module {flow.name(ran)} never calls {name}"
+    if not flow.grad_enabled(path):
+        caller = next((a for a in probe.ancestors(path) if flow.grad_enabled(a)), "")
+        return caller, f"module {flow.name(caller)} calls {name} with gradients off (`torch.no_grad()`)"
+    if flow.reached(path, 0):
+        return path, (f"module {name} gets a gradient at its output but passes none to its parameters "
+                      "(`torch.no_grad()`, `.detach()` or `.data` inside its forward)")
+    reached = next((a for a in probe.ancestors(path) if flow.reached(a, 0)), "")
+    stops = [p for p, call in flow.order[first_call + 1:]
+             if inv.is_inside(p, reached) and not inv.is_inside(p, path) and not inv.is_inside(path, p)
+             and flow.reached(p, call) and flow.passes_back(p, call) is False]
+    stop = inv.innermost(stops)
+    if stop is not None:
+        return stop, f"module {flow.name(stop)} gets a gradient at its output but passes none back to its input"
+    return reached, f"module {flow.name(reached)} drops or detaches the output of {name}"
+
+
+def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                          settings: Any = None) -> None:
+    """Check that one backward pass gives every trainable parameter a finite, non-zero gradient.
+
+    It catches a branch cut by ``.detach()``, a forward left under ``torch.no_grad()``, a
+    layer that is built but never called, a parameter multiplied by zero. The message names
+    the parameters and the module that cut their path: the one that never calls their
+    module, calls it with gradients off, or drops, detaches or stops the gradient of its
+    output.
+
+    Args:
+        model: the model, in the mode to check (``requires_grad`` parameters are checked).
+        inputs: a Hypothesis strategy of inputs, or an example tensor (or tuple of tensors);
+            example floats are drawn from a standard normal (zero inputs give zero weight
+            gradients to a first linear layer).
+        loss_fn: ``output -> scalar``; default: a fixed random projection of the outputs.
+        settings: Hypothesis settings; default: at most 25 examples, no deadline.
+
+    Raises:
+        AssertionError: first line ``check_gradients_reach: ...`` naming what the first
+            failing parameter got and the module that cut its path; then the reason, every
+            failing parameter and the shrunk input.
+        TransformError: for a model sharded by FSDP2, whose shards autograd never sees.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> fh.testing.check_gradients_reach(model, torch.randn(8, 3))
+    """
+    caller = "check_gradients_reach"
+    if any(_torch.is_fsdp_module(m) for m in model.modules()):
+        raise TransformError(
+            f"{caller}: the parameters checked are those autograd differentiates, got {type(model).__name__}, "
+            "sharded by FSDP2, whose parameter shards autograd never sees (FSDP fills their `.grad` after the "
+            "backward). Check the model before `fully_shard`."
+        )
+    loss_fn = probe.projection_loss if loss_fn is None else loss_fn
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    with inv.preserved(model) as reset:
+        def statuses(draw: Any) -> list[tuple[str, str]]:
+            """``(name, what is wrong)`` of every failing parameter, from a bare pass."""
+            reset()
+            torch.manual_seed(SEED)
+            with torch.enable_grad():
+                loss = loss_fn(model(*inv.as_args(draw)))
+                grads: Sequence[torch.Tensor | None] = [None] * len(params)
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+            return [(n, s) for (n, _), g in zip(params, grads) if (s := _status(g)) is not None]
+
+        draw = inv.search(inv.as_strategy(inputs, caller, normal=True), lambda d: bool(statuses(d)), settings)
+        if draw is None:
+            return
+        failing = statuses(draw)
+        reset()
+        torch.manual_seed(SEED)
+        flow = probe.Flow(model, inv.as_args(draw), loss_fn)
+    name, status = failing[0]
+    group = [n for n, s in failing if probe.owner(n) == probe.owner(name) and s == status]
+    culprit = _backward_culprit(flow) if status == "a non-finite gradient" else None
+    if culprit is not None:
+        path, reason = culprit[0], f"module {flow.name(culprit[0])} passes back {culprit[1]}; see `check_finite`"
+    else:
+        path, reason = _cut(flow, probe.owner(name))
+    listed = "\n".join(f"{s}: {n!r}" for n, s in failing)
+    raise AssertionError(
+        f"{caller}: every trainable parameter gets a finite, non-zero gradient, got {status} for "
+        f"{len(group)} parameter(s) of {flow.name(probe.owner(name))}, cut in module {flow.name(path)}. "
+        f"Look there for `.detach()`, `torch.no_grad()` or an output that is never used.\n{reason}\n"
+        f"{listed}\ninput: {inv.show(draw)}"
+    )

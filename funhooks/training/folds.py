@@ -1,0 +1,283 @@
+"""Reducers and folds: what watches training is a pure fold over its steps.
+
+A *reducer* is a frozen value with four members:
+
+- ``specs``: the specs whose records it reads (``()`` for one that reads only losses);
+- ``init()``: the empty state;
+- ``step(state, step) -> state``: the state after one more :class:`~funhooks.Step`;
+- ``result(state)``: the answer.
+
+It may also have ``merge(a, b) -> state`` (states of disjoint chunks of steps, or of ranks,
+combined exactly), ``records(iteration, training) -> bool`` (whether it reads that step's
+record; when no reducer of a :func:`fit` does, the step runs with the hooks paused) and
+``watches``, the :class:`~funhooks.OptimizerWatch` values whose records it reads (what the
+optimizer sees at each step: final gradients, parameters before and after).
+
+``fold`` is ``toolz.reduce(reducer.step, steps, reducer.init())`` plus ``result``;
+``fold_all`` advances several reducers over one pass; ``fit`` trains with the union of
+their specs and folds them. The steps generator is always closed when a fold ends, so a
+reducer that raises never leaves hooks on the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import toolz
+import torch
+from torch import nn
+
+from funhooks.errors import ReducerError
+from funhooks.specs.spec import Spec
+
+from . import progress as _progress
+from ._one_step import total
+from .loops import train_steps
+from .step import Step
+from .watch import OptimizerWatch
+
+__all__ = ["Reducer", "fit", "fold", "fold_all", "running"]
+
+S = TypeVar("S")
+PROTOCOL = ("specs", "init", "step", "result")
+"""The members every reducer has."""
+
+
+@runtime_checkable
+class Reducer(Protocol):
+    """The reducer protocol (for type hints): ``specs``, ``init``, ``step``, ``result``.
+
+    ``specs`` is read-only: a field, a class attribute or a property all satisfy it. The
+    optional members (``merge``, ``records``, ``watches``) are not part of the protocol;
+    :mod:`funhooks.fold` says what each adds.
+
+    Example:
+        >>> import funhooks as fh
+        >>> isinstance(fh.ActivationStats(), fh.Reducer)
+        True
+    """
+
+    @property
+    def specs(self) -> tuple[Spec, ...]: ...
+
+    def init(self) -> Any: ...
+
+    def step(self, state: Any, step: Step) -> Any: ...
+
+    def result(self, state: Any) -> Any: ...
+
+
+def check_reducer(reducer: Any, caller: str) -> Any:
+    """Return `reducer` if it has the protocol, else raise a ReducerError naming what lacks."""
+    missing = [name for name in PROTOCOL if not hasattr(reducer, name)]
+    if not missing:
+        missing = [name for name in PROTOCOL[1:] if not callable(getattr(reducer, name))]
+    if not missing:
+        specs = reducer.specs
+        if not isinstance(specs, (tuple, list)) or not all(isinstance(s, Spec) for s in specs):
+            missing = ["`specs` as a tuple of Specs"]
+        elif not all(isinstance(w, OptimizerWatch) for w in watches_of(reducer)):
+            missing = ["`watches` as a tuple of OptimizerWatch"]
+    if missing:
+        raise ReducerError(
+            f"{caller}: a reducer has `specs`, `init()`, `step(state, step)` and `result(state)`, got {reducer!r} "
+            f"which lacks {', '.join(missing)}. Give it those members (see docs/folds.md), or use "
+            "fh.ActivationStats / fh.HookCallback."
+        )
+    return reducer
+
+
+def watches_of(reducer: Any) -> tuple[OptimizerWatch, ...]:
+    """The reducer's optional ``watches`` (none: ``()``)."""
+    watches = getattr(reducer, "watches", ())
+    return tuple(watches) if isinstance(watches, (tuple, list)) else (watches,)
+
+
+def _close(steps: Iterable[Any]) -> None:
+    close = getattr(steps, "close", None)
+    if callable(close):
+        close()
+
+
+def fold(reducer: Reducer, steps: Iterable[Step]) -> Any:
+    """Run one reducer over `steps` and return its result.
+
+    Args:
+        reducer: a value with ``specs``, ``init``, ``step`` and ``result``.
+        steps: Steps, e.g. from :func:`funhooks.train` run with ``specs=reducer.specs``.
+
+    Returns:
+        ``reducer.result(state)`` after the last step.
+
+    Raises:
+        ReducerError: when `reducer` lacks the protocol.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> batches = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(5)]
+        >>> stats = fh.ActivationStats(every=2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fold(stats, fh.train(model, batches, nn.functional.mse_loss, opt, specs=stats.specs))
+        >>> len(res.stats), len(res.stats[0]), sorted(res.stats[0][0])
+        (3, 2, ['mean', 'near_zero', 'std'])
+    """
+    check_reducer(reducer, "fold")
+    try:
+        return reducer.result(toolz.reduce(reducer.step, steps, reducer.init()))
+    finally:
+        _close(steps)
+
+
+def running(reducer: Reducer, steps: Iterable[Step]) -> Iterator[Any]:
+    """Lazily yield the reducer's result after each step (a running view, for live plots).
+
+    Args:
+        reducer: a reducer.
+        steps: Steps.
+
+    Returns:
+        An iterator of results, one per step.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 1)
+        >>> batches = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+        >>> stats = fh.ActivationStats()
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> [len(r.stats) for r in fh.running(stats, fh.train(model, batches, nn.functional.mse_loss, opt, specs=stats.specs))]
+        [1, 2, 3]
+    """
+    check_reducer(reducer, "running")
+    states = toolz.accumulate(reducer.step, steps, initial=reducer.init())
+    next(states)  # the initial state
+    try:
+        for state in states:
+            yield reducer.result(state)
+    finally:
+        _close(steps)
+
+
+def as_items(reducers: Any, caller: str) -> tuple[Callable[[Sequence[Any]], Any], tuple[Any, ...]]:
+    """The reducers as a tuple, plus the function that puts results back in their shape."""
+    if isinstance(reducers, Mapping):
+        keys = tuple(reducers)
+        items = tuple(check_reducer(reducers[k], caller) for k in keys)
+        return (lambda results: dict(zip(keys, results))), items
+    if isinstance(reducers, (list, tuple)):
+        kind = type(reducers)
+        items = tuple(check_reducer(r, caller) for r in reducers)
+        return (lambda results: kind(results) if kind in (list, tuple) else list(results)), items
+    if all(hasattr(reducers, name) for name in PROTOCOL):
+        return (lambda results: results[0]), (check_reducer(reducers, caller),)
+    raise ReducerError(
+        f"{caller}: `reducers` is a dict or a list of reducers, got {type(reducers).__name__}. "
+        "Pass e.g. {'stats': fh.ActivationStats()} or [fh.ActivationStats()]."
+    )
+
+
+def fold_all(reducers: Mapping[Any, Reducer] | Sequence[Reducer], steps: Iterable[Step]) -> Any:
+    """Run several reducers over `steps` in one pass; results come back in the same shape.
+
+    Args:
+        reducers: a dict or a list (or tuple) of reducers; a single reducer gives its result.
+        steps: Steps (one pass; a generator is fine).
+
+    Returns:
+        dict -> dict of results, list -> list, tuple -> tuple.
+
+    Raises:
+        ReducerError: when an entry lacks the reducer protocol.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+        >>> batches = [(torch.randn(4, 3), torch.randn(4, 3)) for _ in range(4)]
+        >>> every2, every1 = fh.ActivationStats(every=2), fh.ActivationStats()
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> steps = fh.train(model, batches, nn.functional.mse_loss, opt, specs=every1.specs)
+        >>> res = fh.fold_all({"sparse": every2, "dense": every1}, steps)
+        >>> len(res["sparse"].stats), len(res["dense"].stats)
+        (2, 4)
+    """
+    shape, items = as_items(reducers, "fold_all")
+    steppers = tuple(r.step for r in items)
+
+    def advance(states: tuple[Any, ...], step: Step) -> tuple[Any, ...]:
+        return tuple(f(s, step) for f, s in zip(steppers, states))
+
+    try:
+        states = toolz.reduce(advance, steps, toolz.juxt(*(r.init for r in items))())
+        return shape([r.result(s) for r, s in zip(items, states)])
+    finally:
+        _close(steps)
+
+
+def records_of(items: tuple[Any, ...]) -> Callable[[int, bool], bool] | None:
+    """``records(iteration, training)`` for the reducers that read records; None: always."""
+    readers = [r for r in items if r.specs or watches_of(r)]
+    if any(not callable(getattr(r, "records", None)) for r in readers):
+        return None
+    wants = toolz.juxt(*(r.records for r in readers))
+    return lambda iteration, training: any(wants(iteration, training))
+
+
+def fit(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    opt: Any = None,
+    reducers: Mapping[Any, Reducer] | Sequence[Reducer] | None = None,
+    *,
+    step: Callable[[nn.Module, Any], Any] | None = None,
+    epochs: int = 1,
+    accumulate: int = 1,
+    to_device: bool = False,
+    progress: bool | None = None,
+) -> Any:
+    """Train `model` with the union of the reducers' specs and watches, and fold them over the steps.
+
+    Equal specs (and watches) are installed once. Steps that no reducer records (``records``
+    says so, e.g. ``every=4`` skips three in four) run with the hooks paused: their spec
+    functions do not run at all. Hooks are removed however training ends.
+
+    Args:
+        model, batches, loss_fn, opt, step, epochs, accumulate, to_device: as for
+            :func:`funhooks.train` (with your own `step`, pass `opt` when a reducer watches
+            the optimizer).
+        reducers: a dict or a list of reducers (a single reducer gives its result).
+        progress: show a progress bar (tqdm); None: in a terminal and not in CI.
+
+    Returns:
+        The reducers' results in the shape of `reducers` (dict -> dict, list -> list).
+
+    Raises:
+        ReducerError: when an entry lacks the reducer protocol.
+        LoopError: for bad training arguments or batches.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> batches = [(torch.randn(16, 3), torch.randn(16, 1)) for _ in range(6)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        >>> res = fh.fit(model, batches, nn.functional.mse_loss, opt, {"acts": fh.ActivationStats(every=3)})
+        >>> res["acts"].paths, len(res["acts"].stats)
+        (('0', '2'), 2)
+        >>> fh.testing.assert_no_hooks(model)
+    """
+    if reducers is None:
+        raise ReducerError("fit: `reducers` is a dict or a list of reducers, got None. "
+                           "Pass e.g. reducers={'stats': fh.ActivationStats()}.")
+    shape, items = as_items(reducers, "fit")
+    specs = tuple(dict.fromkeys(s for r in items for s in r.specs))
+    watches = tuple(dict.fromkeys(w for r in items for w in watches_of(r)))
+    steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
+                        accumulate=accumulate, to_device=to_device, records=records_of(items), caller="fit")
+    wrapped = _progress.wrap(steps, total=total(batches, epochs, accumulate), desc="fit", progress=progress)
+    return shape(fold_all(list(items), wrapped))

@@ -1,0 +1,247 @@
+"""Training and evaluation as generators of frozen :class:`~funhooks.Step` values.
+
+``train`` is the hand-written PyTorch loop turned inside out: each optimizer step yields a
+``Step`` holding its epoch, iteration, detached loss and the Record the specs (and optimizer
+watches) stored. The step itself is the built-in one (``zero_grad``, forward, ``loss_fn``,
+``backward``, ``step``) or yours: ``step=fn(model, batch)`` does forward, backward, optimizer,
+scaler, accumulation and clipping as your research code does, and returns the loss. Batches
+are any pytree (``(x, y)`` pairs, dicts for ``model(**batch)``), moved to the model's device
+with ``to_device=True``, grouped ``accumulate`` at a time into one step. Anything that watches
+training, such as activation statistics, is a fold over those values (see
+:mod:`funhooks.fold`) instead of a callback mutating a trainer.
+
+Each step runs inside its own ``with_hooks`` block, in the model mode the loop asks for
+(train or eval), and both are undone before the step is yielded: while the consumer's code
+runs, and while a generator is suspended or abandoned (a notebook keeping a traceback),
+nothing of the loop is attached to the model and the model is in the modes the user left
+it in. Closing the generator never changes a mode the user set since.
+
+Cost: per step, a ``with_hooks`` block (wrapping and restoring the hooked modules, a few µs
+per module), a walk over the modules for their train/eval flags, and a Step object; it
+never calls ``.item()``, so nothing syncs a GPU. Steps whose record nobody reads (see
+``records`` in :func:`funhooks.fit`) run with no block at all and carry an empty Record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from funhooks._modes import in_mode
+from funhooks.errors import LoopError
+from funhooks.specs.spec import Spec
+
+from . import _batches as _batch
+from . import _one_step as work
+from . import progress as _progress
+from ._recorder import Recorder
+from .step import EMPTY_RECORD, Step
+from .watch import OptimizerWatch, as_watches
+
+__all__ = ["evaluate", "train"]
+
+Records = Callable[[int, bool], bool]
+"""``records(iteration, training) -> bool``: whether a step's record is read by anyone."""
+
+StepFn = Callable[[nn.Module, Any], Any]
+"""A user's training step: ``step(model, batch) -> loss | {"loss": loss, ...} | None``."""
+
+
+def train_steps(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    opt: Any,
+    *,
+    step: StepFn | None = None,
+    specs: Spec | Iterable[Spec] = (),
+    watches: OptimizerWatch | Iterable[OptimizerWatch] = (),
+    epochs: int = 1,
+    accumulate: int = 1,
+    to_device: bool = False,
+    records: Records | None = None,
+    caller: str = "train",
+) -> Generator[Step, None, None]:
+    """:func:`train` without the progress bar, with `records` saying which steps store.
+
+    Arguments are checked (specs resolved against the model, watches' layers found) now;
+    each step attaches the specs and watches for its own duration.
+    """
+    work.check_loop(model, batches, epochs, caller)
+    work.check_step(loss_fn, opt, step, accumulate, to_device, caller)
+    watches = as_watches(watches, caller)
+    if watches and opt is None:
+        raise LoopError(f"{caller}: `watches` read the optimizer step, got no optimizer. Pass `opt=` (the "
+                        "optimizer your `step` function calls).")
+    recorder = Recorder(model, specs, watches, opt, caller)
+    return _train(model, batches, loss_fn, opt, step, recorder, epochs, accumulate, to_device, records, caller)
+
+
+def _train(model: nn.Module, batches: Iterable[Any], loss_fn: Any, opt: Any, step: StepFn | None, recorder: Recorder,
+           epochs: int, accumulate: int, to_device: bool, records: Records | None,
+           caller: str) -> Generator[Step, None, None]:
+    device = _batch.model_device(model) if to_device else None
+    iteration = 0
+    for epoch in range(epochs):
+        start = 0
+        for group in (_batch.group(batches, accumulate) if accumulate > 1 else ([b] for b in batches)):
+            if device is not None:
+                group = [_batch.to_device(b, device) for b in group]
+
+            def run(group: list[Any] = group, start: int = start) -> tuple[torch.Tensor | None, Any]:
+                if step is None:
+                    return work.builtin_step(model, group, start, loss_fn, opt, caller), None
+                return work.outcome(step(model, group[0] if accumulate == 1 else group), caller)
+            with in_mode(model, True):
+                if records is None or records(iteration, True):
+                    (loss, metrics), record = recorder(run)
+                else:
+                    (loss, metrics), record = run(), EMPTY_RECORD
+            yield Step(epoch, iteration, loss, record, True, metrics)
+            iteration += 1
+            start += len(group)
+
+
+def train(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    opt: Any = None,
+    *,
+    step: StepFn | None = None,
+    specs: Spec | Iterable[Spec] = (),
+    watches: OptimizerWatch | Iterable[OptimizerWatch] = (),
+    epochs: int = 1,
+    accumulate: int = 1,
+    to_device: bool = False,
+    progress: bool | None = None,
+) -> Iterator[Step]:
+    """Train `model`, yielding one frozen :class:`~funhooks.Step` per optimizer step.
+
+    The built-in step, for ``(x, y)`` batches: ``opt.zero_grad()``, ``loss = loss_fn(model(x),
+    y)``, ``loss.backward()``, ``opt.step()`` (with ``accumulate=k``: ``loss / k`` backward for
+    each of k micro-batches, one ``opt.step()``; the Step's loss is their mean). Your own step,
+    ``step=fn(model, batch)``, does all of that itself (autocast, a ``GradScaler``, clipping, a
+    scheduler, ``model(**batch).loss``) and returns the loss, a dict holding it under
+    ``"loss"`` (the rest becomes ``Step.metrics``), or None; with ``accumulate=k`` it gets a list
+    of k micro-batches. The specs and watches are attached for each step and removed when it
+    ends; each Step's Record holds what they stored during that step (every micro-batch). The
+    model is left in the train/eval mode it was in.
+
+    Args:
+        model: the model to train.
+        batches: an iterable of batches, iterated once per epoch (a list or a DataLoader; a
+            one-shot iterator only with ``epochs=1``): ``(x, y)`` pairs for the built-in step,
+            any pytree for yours.
+        loss_fn: ``loss_fn(model(x), y)`` returns a scalar tensor (the built-in step).
+        opt: the optimizer (the built-in step's; with your `step`, the one it calls, needed
+            only by optimizer watches).
+        step: your training step ``step(model, batch)``; None: the built-in one.
+        specs: a Spec or an iterable of Specs to run on every step.
+        watches: an :class:`~funhooks.OptimizerWatch` or an iterable of them, read at every
+            optimizer step of `opt`.
+        epochs: how many times to go over `batches`.
+        accumulate: batches per optimizer step (micro-batches, one Step).
+        to_device: move every tensor of each batch to the model's device first.
+        progress: show a progress bar (tqdm); None: in a terminal and not in CI.
+
+    Returns:
+        A generator of Steps with ``training=True``; nothing runs until it is iterated.
+
+    Raises:
+        LoopError: for a bad model, optimizer, `epochs`, `accumulate`, a step that is both or
+            neither built-in and yours, a batch that is not a pair for the built-in step, or a
+            step returning something that is not a loss.
+        SpecError, SelectorError: for bad specs or watches, before anything runs.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> batches = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(3)]
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> steps = list(fh.train(model, batches, nn.functional.mse_loss, opt, specs=fh.outputs("0"), epochs=2))
+        >>> [(s.epoch, s.iteration) for s in steps]
+        [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]
+        >>> steps[0].record["0"]["output"].shape, steps[0].loss.requires_grad
+        (torch.Size([8, 4]), False)
+        >>> def my_step(model, batch):                # any step your research code has
+        ...     opt.zero_grad()
+        ...     loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        ...     loss.backward()
+        ...     opt.step()
+        ...     return {"loss": loss, "scale": torch.tensor(2.0)}
+        >>> dicts = [{"x": x, "y": y} for x, y in batches]
+        >>> steps = list(fh.train(model, dicts, step=my_step, specs=fh.outputs("0"), to_device=True))
+        >>> len(steps), steps[0].record["0"]["output"].shape, float(steps[0].metrics["scale"])
+        (3, torch.Size([8, 4]), 2.0)
+        >>> fh.testing.assert_no_hooks(model)
+    """
+    steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
+                        accumulate=accumulate, to_device=to_device)
+    return _progress.wrap(steps, total=work.total(batches, epochs, accumulate), desc="train", progress=progress)
+
+
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    *,
+    step: StepFn | None = None,
+    specs: Spec | Iterable[Spec] = (),
+    to_device: bool = False,
+    progress: bool | None = None,
+) -> Iterator[Step]:
+    """Run `model` in eval mode without gradients, yielding one frozen :class:`~funhooks.Step` per batch.
+
+    Args:
+        model: the model.
+        batches: an iterable of batches: ``(x, y)`` pairs; without `loss_fn` and `step`, a
+            batch may also be the input ``x`` alone.
+        loss_fn: ``loss_fn(model(x), y)``; None (and no `step`) gives steps with ``loss=None``.
+        step: your evaluation step ``step(model, batch)``, returning the loss, a dict holding
+            it under ``"loss"``, or None; it runs under ``torch.no_grad()``.
+        specs: a Spec or an iterable of Specs to run on every batch.
+        to_device: move every tensor of each batch to the model's device first.
+        progress: show a progress bar (tqdm); None: in a terminal and not in CI.
+
+    Returns:
+        A generator of Steps with ``training=False``, ``epoch=0`` and ``iteration`` the batch
+        index. The model's train/eval mode is restored when it finishes.
+
+    Raises:
+        LoopError: for a bad model, or a batch that is not a pair where `loss_fn` needs one.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+        >>> xs = [torch.ones(4, 3), torch.zeros(2, 3)]
+        >>> steps = list(fh.evaluate(model, xs, specs=fh.outputs("1")))
+        >>> [(s.iteration, s.training, s.loss) for s in steps]
+        [(0, False, None), (1, False, None)]
+        >>> steps[1].record["1"]["output"].shape, model.training
+        (torch.Size([2, 2]), True)
+    """
+    work.check_loop(model, batches, 1, "evaluate")
+    if step is not None and not callable(step):
+        raise LoopError(f"evaluate: `step` is a function `step(model, batch)`, got {step!r}. Pass a function.")
+    recorder = Recorder(model, specs, (), None, "evaluate")
+    steps = _evaluate(model, batches, loss_fn, step, recorder, to_device)
+    return _progress.wrap(steps, total=work.total(batches, 1), desc="evaluate", progress=progress)
+
+
+def _evaluate(model: nn.Module, batches: Iterable[Any], loss_fn: Any, step: StepFn | None, recorder: Recorder,
+              to_device: bool) -> Generator[Step, None, None]:
+    device = _batch.model_device(model) if to_device else None
+    for index, batch in enumerate(batches):
+        if device is not None:
+            batch = _batch.to_device(batch, device)
+        run = work.evaluation(model, batch, index, loss_fn, step, "evaluate")
+        with in_mode(model, False), torch.no_grad():
+            (loss, metrics), record = recorder(run)
+        yield Step(0, index, loss, record, False, metrics)
