@@ -4,12 +4,24 @@ damaged, shards swapped or rotted, and directories that are files."""
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
+import tempfile
 import zlib
 
+import hypothesis
 import pytest
 import torch
-from store_helpers import FEATURES, Two, expected_rows, feed, record_of, same_rows, writer_for
+from hypothesis import strategies as st
+from store_helpers import (
+    FEATURES,
+    Two,
+    expected_rows,
+    feed,
+    record_of,
+    same_rows,
+    writer_for,
+)
 
 import funhooks as fh
 
@@ -166,31 +178,31 @@ DAMAGE = [
     (1, lambda h: h.pop("rank"), "a manifest's header gives the `rank` of its file name, 0, got no `rank` on line 1"),
     (1, lambda h: h.update(rank="0"), "got `rank` '0' on line 1"),
     (1, lambda h: h.update(rank=1), "got `rank` 1 on line 1"),
-    (1, lambda h: h.pop("columns"), "a manifest's header gives `columns`, a non-empty list of {name, dtype, shape} "
-     "objects, got no `columns` on line 1"),
+    (1, lambda h: h.pop("columns"), ("a manifest's header gives `columns`, a non-empty list of {name, dtype, shape} "
+     "objects, got no `columns` on line 1")),
     (1, lambda h: h.update(columns={}), "got `columns` {} on line 1"),
-    (1, lambda h: h["columns"][0].update(shape=[-2]), "a column's `shape` is a list of non-negative ints, one row "
-     "under 2**63 bytes, got `columns[0].shape` [-2] on line 1"),
-    (1, lambda h: h["columns"][0].update(shape=[2**40, 2**40]), "got `columns[0].shape` [1099511627776, "
-     "1099511627776] on line 1"),
-    (1, lambda h: h["columns"][1].update(dtype="complex64"), "a column's `dtype` names a dtype a store holds (bool, "
-     "an int or a float type), got `columns[1].dtype` 'complex64' on line 1"),
+    (1, lambda h: h["columns"][0].update(shape=[-2]), ("a column's `shape` is a list of non-negative ints, one row "
+     "under 2**63 bytes, got `columns[0].shape` [-2] on line 1")),
+    (1, lambda h: h["columns"][0].update(shape=[2**40, 2**40]), ("got `columns[0].shape` [1099511627776, "
+     "1099511627776] on line 1")),
+    (1, lambda h: h["columns"][1].update(dtype="complex64"), ("a column's `dtype` names a dtype a store holds (bool, "
+     "an int or a float type), got `columns[1].dtype` 'complex64' on line 1")),
     (1, lambda h: h["columns"][1].pop("name"), "a column's `name` is a string, got no `columns[1].name` on line 1"),
-    (1, lambda h: h.update(rows_per_shard=0), "a manifest's header gives `rows_per_shard`, a positive int, got "
-     "`rows_per_shard` 0 on line 1"),
-    (2, lambda s: s.pop("file"), "each shard line names its file as the writer does, "
-     "'shard.rank0.000000.safetensors' here, got no `file` on line 2"),
+    (1, lambda h: h.update(rows_per_shard=0), ("a manifest's header gives `rows_per_shard`, a positive int, got "
+     "`rows_per_shard` 0 on line 1")),
+    (2, lambda s: s.pop("file"), ("each shard line names its file as the writer does, "
+     "'shard.rank0.000000.safetensors' here, got no `file` on line 2")),
     (2, lambda s: s.update(file=5), "got `file` 5 on line 2"),
     (3, lambda s: s.update(shard=0), "each shard line gives its place `shard`, 1 here, got `shard` 0 on line 3"),
     (2, lambda s: s.update(rows="2"), "each shard line gives its `rows`, a positive int, got `rows` '2' on line 2"),
     (2, lambda s: s.update(rows=-3), "got `rows` -3 on line 2"),
-    (2, lambda s: s.update(rows=10**12), "each shard line gives its `bytes`, at least the 20000000000008 its rows "
-     "take, got `bytes`"),
+    (2, lambda s: s.update(rows=10**12), ("each shard line gives its `bytes`, at least the 20000000000008 its rows "
+     "take, got `bytes`")),
     (2, lambda s: s.update(bytes=None), "got `bytes` None on line 2"),
-    (2, lambda s: s.update(end=[1]), "each shard line gives its `end`, [batch, row] as two non-negative ints, got "
-     "`end` [1] on line 2"),
-    (2, lambda s: s.update(crc32=-1), "each shard line gives its `crc32`, if any, as an int in range(2**32), got "
-     "`crc32` -1 on line 2"),
+    (2, lambda s: s.update(end=[1]), ("each shard line gives its `end`, [batch, row] as two non-negative ints, got "
+     "`end` [1] on line 2")),
+    (2, lambda s: s.update(crc32=-1), ("each shard line gives its `crc32`, if any, as an int in range(2**32), got "
+     "`crc32` -1 on line 2")),
 ]
 
 
@@ -206,6 +218,43 @@ def test_a_damaged_manifest_names_the_file_and_the_field(tmp_path, line, damage,
     for got, caller in zip(_refused(tmp_path, stream), ("ActivationDataset", "ActivationWriter"), strict=True):
         assert got.startswith(f"{caller}: ") and message in got, got
         assert got.endswith(f" of {manifest!r}. {FIX}")
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**70) | st.floats() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                    max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """One store, copied by each example (writing one per example would be slower)."""
+    directory = tmp_path_factory.mktemp("pristine")
+    _store(directory)
+    return directory
+
+
+@hypothesis.given(line=st.integers(0, 4), data=st.data())
+def test_any_damaged_field_is_a_store_error_or_harmless(pristine, line, data):
+    """Whatever JSON value replaces (or drops) a field of any manifest line, opening, reading
+    and continuing the store either work or raise StoreError, never another exception."""
+    with tempfile.TemporaryDirectory() as d:
+        directory = pathlib.Path(shutil.copytree(pristine, f"{d}/store"))
+        lines = _lines(directory)
+        target = lines[line]
+        key = data.draw(st.sampled_from(sorted(target)))
+        if data.draw(st.booleans()):
+            del target[key]
+        else:
+            target[key] = data.draw(JSON)
+        _rewrite(directory, lines)
+        try:
+            fh.ActivationDataset(directory).verify()
+        except fh.StoreError:
+            pass
+        try:
+            writer_for(directory, _stream()).init().sink.close()
+        except fh.StoreError:
+            pass
 
 
 # -- item 11: a file as the store's directory ------------------------------------------------------
