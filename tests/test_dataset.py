@@ -159,3 +159,43 @@ def test_a_directory_without_a_store_is_named(tmp_path):
         "ActivationDataset: a store's directory holds a manifest.rank<r>.jsonl per rank, got none with a header in "
         f"{str(tmp_path / 'nothing')!r}. Write one with fh.ActivationWriter or fh.collect, or check the path."
     )
+
+
+NARROW = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_every_storable_dtype_reads_by_indices_slices_and_dataloader(tmp_path, dtype):
+    """float8, unsigned and other columns the writer accepts read back in batches exactly as
+    row by row: by a list of indices, a slice, and a DataLoader."""
+    values = torch.arange(24).reshape(12, 2) % 7
+    writer = fh.ActivationWriter(nn.Sequential(nn.Identity()), fh.outputs("0"), tmp_path, rows_per_shard=5, fsync=False)
+    state = writer.init()
+    for i, rows in enumerate(values.to(dtype).split(4)):
+        state = writer.write(state, i, fh.Record({"0": {"output": (rows,)}}))
+    ds = fh.ActivationDataset(writer.result(state).directory, columns="0/output")
+    want = values.to(dtype)
+    assert all(torch.equal(ds[i].view(torch.uint8), want[i].view(torch.uint8)) for i in range(12))
+    assert torch.equal(ds[[11, 0, 6]].view(torch.uint8), want[[11, 0, 6]].view(torch.uint8))
+    assert torch.equal(ds[2:9].view(torch.uint8), want[2:9].view(torch.uint8))
+    loaded = torch.cat(list(torch.utils.data.DataLoader(ds, batch_size=5)))
+    assert loaded.dtype == dtype and torch.equal(loaded.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_indices_that_are_not_ints_are_refused(store):
+    """A column name says how to read a column; floats, bools and strings are not rounded or
+    taken as masks but refused, whether alone, in a list or a tensor."""
+    ds, _ = store
+    with pytest.raises(TypeError) as info:
+        ds["0/output"]
+    assert str(info.value) == (
+        "ActivationDataset: an index picks rows by position, got '0/output'. To read one column, open the store with "
+        "`columns='0/output'`: fh.ActivationDataset(directory, columns='0/output')."
+    )
+    for index in (1.5, [1.5, 2.0], torch.tensor([0.0, 1.0]), torch.tensor([True, False]), True, ["a"], None):
+        with pytest.raises(TypeError) as info:
+            ds[index]
+        assert str(info.value) == (
+            f"ActivationDataset: an index is an int, a slice, or a list or tensor of ints, got {index!r}. "
+            "Pass row numbers (int(x) rounds a float towards zero)."
+        )

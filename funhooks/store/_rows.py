@@ -48,8 +48,8 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
         batch: the batch index, for messages.
 
     Raises:
-        StoreError: for a column missing, not a tensor, called more than once, of too few
-            dimensions; columns whose leading shapes differ; a mask of another shape.
+        StoreError: for a column missing, not a tensor, not dense, called more than once, of
+            too few dimensions; columns whose leading shapes differ; a mask of another shape.
     """
     values, lead = {}, 2 if flatten else 1
     for name, path, rec_name in columns:
@@ -63,6 +63,11 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
                 f"{CALLER}: each column holds one {'(batch, position, ...)' if flatten else '(batch, ...)'} "
                 f"tensor per batch, got {got} for {name!r} in batch {batch}. Run the steps with "
                 "`specs=writer.specs`, and store a tensor (fh.observe(where, fn) can pick one from a tuple)."
+            )
+        if calls[0].layout != torch.strided:
+            raise StoreError(
+                f"{CALLER}: columns hold dense (strided) tensors, got a {calls[0].layout} tensor for {name!r} in batch "
+                f"{batch}. Store a dense one (e.g. `.to_dense()` in an fh.observe spec)."
             )
         values[name] = calls[0].detach()
     leads = {name: tuple(v.shape[:lead]) for name, v in values.items()}

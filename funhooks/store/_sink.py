@@ -53,7 +53,14 @@ class Sink:
     """One rank of a store, open for writing."""
 
     def __init__(self, directory: pathlib.Path, rank: int, *, fsync: bool) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            where = "a file" if directory.exists() else f"which cannot be made ({e.strerror})"
+            raise StoreError(
+                f"{CALLER}: a store is a directory (created if needed), got {str(directory)!r}, {where}. Pass the "
+                "path of a directory, or of nothing yet."
+            ) from None
         self.directory, self.rank, self.fsync = directory, rank, fsync
         key = (os.path.realpath(directory), rank)
         previous = _OPEN.get(key)
@@ -147,13 +154,13 @@ class Sink:
         assert shard is not None
 
         def commit() -> None:
-            size = shard.finish(fsync=self.fsync)
+            finished = shard.finish(fsync=self.fsync)
             os.replace(shard.temp, shard.final)
             try:
                 if self.fsync:
                     _manifest.fsync_directory(self.directory)
-                line = {"shard": self.shards, "file": shard.final.name, "rows": shard.rows, "bytes": size,
-                        "end": list(end)}
+                line = {"shard": self.shards, "file": shard.final.name, "rows": shard.rows, "bytes": finished.bytes,
+                        "end": list(end), "crc32": finished.crc32}
                 _manifest.append_line(self.manifest_path, line, fsync=self.fsync)
             except BaseException:
                 with contextlib.suppress(OSError):

@@ -7,6 +7,12 @@ reading it, and at most ``MAX_OPEN_SHARDS`` are kept open (per process: a DataLo
 worker opens its own). Rows come back as copies, never as views of a mapping, and exactly
 as recorded (after the writer's cast).
 
+Trust: the manifests are checked field by field, and a shard is read only under the plain
+name the writer gave it in the store's directory, never through a link. A shard's own
+metadata (rank and index) is checked when it is first mapped, so swapped files are refused
+before a row of them is returned; :meth:`ActivationDataset.verify` reads every byte against
+the CRC-32 each manifest line records.
+
 Costs: opening the dataset reads the manifests and ``stat``s every shard (no data). One row
 (``ds[i]``) costs a bisection and one small copy per column; a batch (``ds[indices]``, or a
 DataLoader through ``__getitems__``) one gather per shard it touches. Pages of the files
@@ -18,10 +24,11 @@ from __future__ import annotations
 import bisect
 import collections
 import importlib.util
+import json
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +43,39 @@ MAX_OPEN_SHARDS = 64
 
 CALLER = "ActivationDataset"
 _AGREE = (("columns", "columns"), ("specs", "specs"), ("flatten", "`flatten`"), ("dtype", "`dtype`"))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each element size, through which rows of any dtype are gathered."""
+
+
+class _Listed(NamedTuple):
+    """A shard as its manifest lists it."""
+
+    path: pathlib.Path
+    rows: int
+    rank: int
+    shard: int
+    crc32: int | None
+
+
+def _as_indices(index: Any) -> torch.Tensor:
+    """`index` as a tensor of row numbers; a TypeError for anything but ints."""
+    if isinstance(index, str):
+        raise TypeError(
+            f"{CALLER}: an index picks rows by position, got {index!r}. To read one column, open the store with "
+            f"`columns={index!r}`: fh.ActivationDataset(directory, columns={index!r})."
+        )
+    try:
+        idx = torch.as_tensor(index)
+    except (TypeError, ValueError, RuntimeError):
+        idx = None
+    if idx is None or (idx.numel() and (idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex())):
+        raise TypeError(
+            f"{CALLER}: an index is an int, a slice, or a list or tensor of ints, got {index!r}. "
+            "Pass row numbers (int(x) rounds a float towards zero)."
+        )
+    return idx.long()
 
 
 def require_safetensors(caller: str) -> Any:
@@ -66,11 +106,14 @@ class ActivationDataset(torch.utils.data.Dataset):
             tensor; a list of names: dicts of those.
 
     ``ds[i]`` is one row; ``ds[indices]`` (a list, tensor or slice) stacks rows into a batch
-    in one gather per shard. It works with a ``DataLoader``, with workers too.
+    in one gather per shard. It works with a ``DataLoader``, with workers too. Opening reads
+    no shard data: ``ds.verify()`` checks every shard's bytes against its checksum.
 
     Raises:
         StoreError: for a directory without a store, of another format version, whose ranks
-            disagree, with a listed shard missing or replaced, or an unknown column.
+            disagree, with a damaged manifest, a listed shard missing, replaced or a link, or
+            an unknown column; at a read, for a shard whose metadata or layout differs.
+        TypeError: at a read, for an index that is not an int (a float, a bool, a column name).
         ExtraError: without safetensors (``funhooks[store]``).
 
     Example:
@@ -109,15 +152,17 @@ class ActivationDataset(torch.utils.data.Dataset):
                         f"in {str(self.directory)!r}. Write every rank with one writer, or keep them in separate "
                         "directories."
                     )
-        self._files: list[tuple[pathlib.Path, int]] = []
+        self._files: list[_Listed] = []
         for m in manifests:
-            error = _manifest.check_listed(m, int(m.header["rank"]), self.directory, CALLER)  # type: ignore[index]
+            rank = int(m.header["rank"])  # type: ignore[index]
+            error = _manifest.check_listed(m, rank, self.directory, CALLER)
             if error is not None:
                 raise error
-            self._files += [(self.directory / line["file"], int(line["rows"])) for line in m.shards]
+            self._files += [_Listed(self.directory / line["file"], line["rows"], rank, line["shard"], line.get("crc32"))
+                            for line in m.shards]
         self._starts = [0]
-        for _, rows in self._files:
-            self._starts.append(self._starts[-1] + rows)
+        for listed in self._files:
+            self._starts.append(self._starts[-1] + listed.rows)
         self._starts_t = torch.tensor(self._starts[:-1], dtype=torch.long)
         self.metadata: dict[str, Any] = {**first.header, "ranks": [int(m.header["rank"]) for m in manifests]}  # type: ignore[index, dict-item]
         """The header of the first rank (format, columns, specs, model, module paths, options,
@@ -168,14 +213,22 @@ class ActivationDataset(torch.utils.data.Dataset):
         if tensors is not None:
             self._cache.move_to_end(s)
             return tensors
-        path, rows = self._files[s]
+        path, rows, rank, index, _ = self._files[s]
         problem: str | None
         try:
             with self._safe_open(path, framework="pt") as f:
                 tensors = {c.name: f.get_tensor(c.name) for c in self._columns}
+                about = json.loads((f.metadata() or {}).get("funhooks", "{}"))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             tensors, problem = {}, f"unreadable ({type(e).__name__}: {e})"
         else:
+            held = (about.get("rank"), about.get("shard")) if isinstance(about, dict) else (None, None)
+            if held != (rank, index):
+                raise StoreError(
+                    f"{CALLER}: a shard file holds the shard its manifest line lists, got {path.name} holding rank "
+                    f"{held[0]} shard {held[1]} where the manifest lists rank {rank} shard {index}. Put the file back "
+                    "under its name, or write the store again."
+                )
             problem = None
             for c in self._columns:
                 t = tensors[c.name]
@@ -192,6 +245,37 @@ class ActivationDataset(torch.utils.data.Dataset):
             self._cache.popitem(last=False)
         return tensors
 
+    def verify(self) -> None:
+        """Read every shard whole: its CRC-32, its own rank and index, and its columns' layout.
+
+        Opening a dataset checks each shard's size only, and a read checks a shard's rank,
+        index and layout when it is first mapped; only this reads every byte, so bit rot
+        inside a shard is found here. Shards of stores written before checksums are checked
+        for all but the checksum.
+
+        Raises:
+            StoreError: naming the first shard that differs from its manifest line.
+
+        Example:
+            >>> import tempfile, torch, funhooks as fh
+            >>> from torch import nn
+            >>> writer = fh.ActivationWriter(nn.Sequential(nn.Tanh()), fh.outputs("0"), tempfile.mkdtemp())
+            >>> ds = fh.collect(writer, [torch.randn(4, 3)])
+            >>> ds.verify()  # None: every shard is as written
+        """
+        for s, listed in enumerate(self._files):
+            self._open(s)
+            if listed.crc32 is None:
+                continue
+            with open(listed.path, "rb") as f:
+                crc = _shards.crc32_of(f)
+            if crc != listed.crc32:
+                raise StoreError(
+                    f"{CALLER}: a shard's bytes have the CRC-32 its manifest line records, got {listed.path.name} "
+                    f"with {crc:#010x} where the manifest says {listed.crc32:#010x}. Restore the file, or write the "
+                    "store again."
+                )
+
     def _row(self, i: int) -> Any:
         n = len(self)
         if not -n <= i < n:
@@ -203,7 +287,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         return row[self._columns[0].name] if self._single else row
 
     def _batch(self, indices: Any) -> dict[str, torch.Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long)
+        idx = _as_indices(indices)
         shape, idx = idx.shape, idx.reshape(-1)
         n = len(self)
         if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
@@ -216,16 +300,20 @@ class ActivationDataset(torch.utils.data.Dataset):
             where = (shard == s).nonzero().squeeze(1)
             local = idx[where] - self._starts[s]
             tensors = self._open(s)
-            for name, t in out.items():
-                t.index_copy_(0, where, tensors[name].index_select(0, local))
+            for name, t in out.items():  # copied as same-width ints: float8 and uint have no index_copy_
+                bits = _BITS[t.element_size()]
+                t.view(bits).index_copy_(0, where, tensors[name].view(bits).index_select(0, local))
         return {name: t.reshape(*shape, *t.shape[1:]) for name, t in out.items()}
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             index = range(*index.indices(len(self)))
-        if isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0):
+        if isinstance(index, int) and not isinstance(index, bool):
+            return self._row(index)
+        index = _as_indices(list(index) if isinstance(index, range) else index)
+        if index.dim() == 0:
             return self._row(int(index))
-        batch = self._batch(list(index) if isinstance(index, range) else index)
+        batch = self._batch(index)
         return batch[self._columns[0].name] if self._single else batch
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:

@@ -183,8 +183,9 @@ class ActivationWriter:
 
     Raises:
         ReducerError: for bad arguments. SelectorError: for a selector matching no module.
-        StoreError: when `directory` holds a store of other specs or options (at ``init``),
-            a batch's columns change shape or dtype, a listed shard is missing, or a write fails.
+        StoreError: when `directory` is a file, holds a store of other specs or options or a
+            damaged manifest (at ``init``), a batch's columns change shape or dtype or are not
+            dense, a listed shard is missing, or a write fails.
         ExtraError: without safetensors (``funhooks[store]``).
 
     Example:
