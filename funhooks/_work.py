@@ -21,7 +21,8 @@ from torch import nn
 from . import _batch, _torch
 from .errors import LoopError
 
-__all__ = ["builtin_step", "check_loop", "check_start", "check_step", "empty", "evaluation", "outcome", "scalar", "total"]
+__all__ = ["builtin_step", "check_loop", "check_start", "check_step", "empty", "evaluation", "outcome", "scalar",
+           "total"]
 
 StepFn = Callable[[nn.Module, Any], Any]
 
@@ -130,7 +131,8 @@ def scalar(loss: Any, caller: str) -> torch.Tensor:
     """What `loss_fn` returned, when it is a one-element tensor; else a LoopError."""
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
-    got = f"a Tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"{type(loss).__name__} {loss!r}"
+    got = (f"a Tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+           else f"{type(loss).__name__} {loss!r}")
     raise LoopError(
         f"{caller}: `loss_fn(model(x), y)` returns the loss as a one-element tensor, got {got}. Return the tensor "
         "itself (not `loss.item()`), reduced to one value (e.g. `reduction='mean'`)."
