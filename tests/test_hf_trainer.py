@@ -36,15 +36,16 @@ def _data(n: int = EXAMPLES) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": i, "labels": i} for i in ids]
 
 
-def _train(model: Any, cb: Any, out: pathlib.Path, **kwargs: Any) -> Any:
+def _train(model: Any, cb: Any, out: pathlib.Path, resume_from_checkpoint: str | None = None, **kwargs: Any) -> Any:
+    options = {"save_strategy": "no", **kwargs}
     args = transformers.TrainingArguments(
         str(out), per_device_train_batch_size=BATCH, num_train_epochs=EPOCHS, learning_rate=1e-3,
-        gradient_accumulation_steps=ACCUMULATE, logging_strategy="steps", logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **kwargs)
+        gradient_accumulation_steps=ACCUMULATE, logging_strategy="steps", logging_steps=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **options)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), callbacks=[cb], **(
         {"eval_dataset": _data(8)} if kwargs.get("eval_strategy") else {}))
     trainer.remove_callback(transformers.PrinterCallback)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
 
@@ -113,3 +114,47 @@ def test_missing_transformers_names_the_extra() -> None:
         "funhooks.hf: the Trainer callback needs transformers, got it not installed. "
         "Install the extra: pip install 'funhooks[hf]'."
     )
+
+
+class Numbers:
+    """A reducer keeping each Step's `(epoch, iteration)`."""
+
+    specs = ()
+
+    def init(self) -> tuple:
+        return ()
+
+    def step(self, state: tuple, step: fh.Step) -> tuple:
+        return (*state, (step.epoch, step.iteration))
+
+    def result(self, state: tuple) -> tuple:
+        return state
+
+
+def test_a_resumed_training_numbers_its_steps_by_the_global_step(tmp_path: pathlib.Path) -> None:
+    """A new callback after `train(resume_from_checkpoint=...)` numbers its Steps with the
+    Trainer's global step and epoch, so its LossCurve state merges with the first run's into
+    the uninterrupted run's curve (issue 26)."""
+    curve = fh.LossCurve()
+    with fh.hf.FoldCallback([Numbers(), curve]) as whole:
+        _train(_model(), whole, tmp_path / "a", save_strategy="steps", save_steps=3)
+    with fh.hf.FoldCallback([Numbers(), curve]) as resumed:
+        _train(_model(), resumed, tmp_path / "a", resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    assert whole.result[0] == ((0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (1, 5))
+    assert resumed.result[0] == ((1, 3), (1, 4), (1, 5))
+    assert resumed.result[1].losses == pytest.approx(whole.result[1].losses[3:], rel=1e-5)
+    first = curve.merge(whole.states[1], resumed.states[1])
+    assert curve.result(first).iterations == tuple(range(6))  # the same steps, never new ones
+
+
+def test_the_lightning_callback_in_the_hf_trainer_is_named(tmp_path: pathlib.Path) -> None:
+    """fh.lightning.FoldCallback given to a transformers.Trainer: a LoopError saying which
+    callback belongs where, not an AttributeError for `on_init_end`."""
+    pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
+    args = transformers.TrainingArguments(str(tmp_path), report_to=[], save_strategy="no", use_cpu=True)
+    with pytest.raises(fh.LoopError) as err:
+        transformers.Trainer(model=_model(), args=args, train_dataset=_data(),
+                             callbacks=[fh.lightning.FoldCallback([fh.LossCurve()])])
+    assert str(err.value) == (
+        "FoldCallback: `fh.lightning.FoldCallback` is a callback of `lightning.Trainer`, got it in a "
+        "`transformers.Trainer`. Pass `fh.hf.FoldCallback(reducers)` to the Hugging Face Trainer.")

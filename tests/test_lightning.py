@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pathlib
 import subprocess
 import sys
 from typing import Any
@@ -56,9 +57,9 @@ def _data(n: int = 32) -> torch.utils.data.TensorDataset:
 
 
 def _trainer(cb: Any, **kwargs: Any) -> Any:
-    return lightning.Trainer(max_epochs=EPOCHS, callbacks=[cb], accelerator="cpu", devices=1, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, **kwargs)
+    return lightning.Trainer(callbacks=[cb], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             **{"max_epochs": EPOCHS, **kwargs})
 
 
 def _reducers() -> dict:
@@ -130,3 +131,51 @@ def test_missing_lightning_names_the_extra() -> None:
         "funhooks.lightning: the Lightning callback needs lightning, got it not installed. "
         "Install the extra: pip install 'funhooks[lightning]'."
     )
+
+
+class Numbers:
+    """A reducer keeping each Step's `(epoch, iteration)`."""
+
+    specs = ()
+
+    def init(self) -> tuple:
+        return ()
+
+    def step(self, state: tuple, step: fh.Step) -> tuple:
+        return (*state, (step.epoch, step.iteration))
+
+    def result(self, state: tuple) -> tuple:
+        return state
+
+
+def test_a_resumed_fit_numbers_its_steps_by_the_global_step(tmp_path: pathlib.Path) -> None:
+    """A new callback after `fit(ckpt_path=...)` numbers its Steps with the Trainer's global step
+    and epoch; merged with the first run's state, the loss curve is the uninterrupted run's (issue 26)."""
+    loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH)
+    curve = fh.LossCurve()
+    whole = fh.lightning.FoldCallback([Numbers(), curve])
+    _trainer(whole).fit(Regressor(), loader)
+    first = fh.lightning.FoldCallback([Numbers(), curve])
+    trainer = _trainer(first, max_epochs=1, default_root_dir=tmp_path)
+    trainer.fit(module := Regressor(), loader)
+    trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
+    resumed = fh.lightning.FoldCallback([Numbers(), curve])
+    _trainer(resumed, default_root_dir=tmp_path).fit(module, loader, ckpt_path=tmp_path / "epoch0.ckpt")
+    assert first.result[0] == tuple((0, i) for i in range(4))
+    assert resumed.result[0] == tuple((1, i) for i in range(4, 8))
+    merged = curve.result(curve.merge(first.states[1], resumed.states[1]))
+    assert merged.iterations == tuple(range(8))
+    assert merged.losses == pytest.approx(whole.result[1].losses, rel=1e-6)
+
+
+def test_the_hf_callback_in_a_lightning_trainer_is_named() -> None:
+    """fh.hf.FoldCallback given to a lightning.Trainer: a LoopError saying which callback belongs
+    where, not an AttributeError for `setup` / `on_exception`."""
+    pytest.importorskip("transformers", reason="the `hf` extra is not installed")
+    module = Regressor()
+    with pytest.raises(fh.LoopError) as err:
+        _trainer(fh.hf.FoldCallback([fh.LossCurve()])).fit(module, torch.utils.data.DataLoader(_data(), batch_size=8))
+    assert str(err.value) == (
+        "FoldCallback: `fh.hf.FoldCallback` is a callback of `transformers.Trainer`, got it in a "
+        "`lightning.Trainer`. Pass `fh.lightning.FoldCallback(reducers)` to the Lightning Trainer.")
+    fh.testing.assert_no_hooks(module)

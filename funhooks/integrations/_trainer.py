@@ -1,8 +1,9 @@
 """What the Lightning and Hugging Face callbacks share: reducers advanced by the steps a
 training framework brackets with its own callbacks.
 
-A framework says when an optimizer step begins (its first micro-batch) and when it has ended
-(after the optimizer's update); :class:`Stepwise` opens a :class:`~funhooks.training._recorder.Recorder`
+A framework says when an optimizer step begins (its first micro-batch, with the trainer's
+epoch and global step: a resumed run numbers its steps on from the checkpoint's) and when it
+has ended (after the optimizer's update); :class:`Stepwise` opens a :class:`~funhooks.training._recorder.Recorder`
 at the first (when some reducer reads the step), closes it at the second, builds the Step with
 the micro-batches' mean loss and advances every reducer's state. Between steps nothing is
 attached. A step that raises is aborted: everything detached, nothing read.
@@ -25,7 +26,18 @@ from funhooks.training._recorder import Recorder
 from funhooks.training.folds import Reducer, as_items, records_of, watches_of
 from funhooks.training.step import EMPTY_RECORD, Step
 
-__all__ = ["Results", "Stepwise"]
+__all__ = ["Results", "Stepwise", "misplaced"]
+
+TRAINERS = {"hf": ("transformers.Trainer", "Hugging Face"), "lightning": ("lightning.Trainer", "Lightning")}
+"""Each callback module's trainer: its class and the name its docs give it."""
+
+
+def misplaced(ours: str, theirs: str) -> LoopError:
+    """The error for ``fh.<ours>.FoldCallback`` called by the trainer of ``fh.<theirs>``."""
+    return LoopError(
+        f"FoldCallback: `fh.{ours}.FoldCallback` is a callback of `{TRAINERS[ours][0]}`, got it in a "
+        f"`{TRAINERS[theirs][0]}`. Pass `fh.{theirs}.FoldCallback(reducers)` to the {TRAINERS[theirs][1]} Trainer."
+    )
 
 
 class Stepwise:
@@ -55,11 +67,12 @@ class Stepwise:
         self.recorder = Recorder(model, self.specs, self.watches, opts if self.watches else None, self.caller,
                                  manual_before=manual_before)
 
-    def begin(self, epoch: int) -> None:
-        """A step begins (its first micro-batch); a step already open goes on (accumulation)."""
+    def begin(self, epoch: int, iteration: int) -> None:
+        """A step begins (its first micro-batch), the trainer's global step `iteration`; a step
+        already open goes on (accumulation)."""
         if self.open or self.recorder is None:
             return
-        self.epoch, self.losses, self.metrics, self.open = epoch, [], {}, True
+        self.epoch, self.iteration, self.losses, self.metrics, self.open = epoch, iteration, [], {}, True
         if self.recorder.active and (self.records is None or self.records(self.iteration, True)):
             self.recorder.open()
             self.recording = True
@@ -94,7 +107,6 @@ class Stepwise:
                 [t.to(self.losses[0].device) for t in self.losses]).mean()
         step = Step(self.epoch, self.iteration, loss, record, True, self.metrics)
         self.states = [r.step(s, step) for r, s in zip(self.items, self.states)]
-        self.iteration += 1
         return step
 
     def abort(self) -> None:

@@ -10,7 +10,10 @@ makes the loss it logs, from the ``loss`` the model returned on the step's micro
 model called with ``labels``): their sum when the Trainer passed ``num_items_in_batch`` (the
 model then divides by the whole step's token count), their mean otherwise; None when the loss
 is computed outside the model. Evaluation runs outside the steps and is
-never recorded. ``cb.result`` holds the results in the shape of `reducers`.
+never recorded. A Step's ``epoch`` and ``iteration`` are the Trainer's epoch and
+``state.global_step``, so a new callback on a run resumed with
+``train(resume_from_checkpoint=...)`` numbers its steps on from the checkpoint's (and its
+states merge with the first run's). ``cb.result`` holds the results in the shape of `reducers`.
 
 The Trainer calls no callback when training raises, so a step open at that moment stays
 attached until the callback is closed: use it as a context manager (``with
@@ -36,7 +39,7 @@ from funhooks.specs.spec import inputs, observe
 from funhooks.training._recorder import Recorder
 from funhooks.training.folds import Reducer
 
-from ._trainer import Results, Stepwise
+from ._trainer import Results, Stepwise, misplaced
 
 try:
     import transformers
@@ -120,15 +123,17 @@ class FoldCallback(Results, transformers.TrainerCallback):
         self._fold.start(model, optimizer)
         specs = [observe("", model_loss, name=LOSS, detach=False), inputs("")]
         self._losses = Recorder(model, specs, (), None, "FoldCallback")
-        self._epoch = -1
+        self._epoch = 0
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Count epochs from 0."""
-        self._epoch += 1
+        """The Trainer's epoch, from 0 (resumed: the checkpoint's, whose ``state.epoch`` counts
+        the epochs done, a fraction for one done in part)."""
+        self._epoch = int(state.epoch or 0)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The first micro-batch of an optimizer step opens the step."""
-        self._fold.begin(max(self._epoch, 0))
+        """The first micro-batch of an optimizer step opens the step, numbered by the Trainer's
+        global step."""
+        self._fold.begin(self._epoch, state.global_step)
         if self._losses is not None and not self._losses_open:
             self._losses.open()
             self._losses_open = True
@@ -148,3 +153,19 @@ class FoldCallback(Results, transformers.TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """A step left open (training stopped mid-accumulation) is dropped."""
         self.close()
+
+    @property
+    def state_key(self) -> str:
+        """The name a ``lightning.Trainer`` reads before calling a callback (then :meth:`setup` refuses)."""
+        return type(self).__qualname__
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        """The first call of a ``lightning.Trainer`` to its callbacks: this one is the Hugging Face Trainer's.
+
+        Raises:
+            LoopError: always, naming ``fh.lightning.FoldCallback``.
+        """
+        raise misplaced("hf", "lightning")
+
+    def on_exception(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's call after :meth:`setup` refused: nothing was attached, nothing to undo."""

@@ -7,8 +7,10 @@ micro-batches each, the Step's loss their mean), the specs attached from the fir
 micro-batch's ``on_train_batch_start`` to the ``on_train_batch_end`` after the update, the
 optimizer watches read around the update (``before`` in ``on_before_optimizer_step``, which
 Lightning calls after its gradients are unscaled and before it clips them). Validation and
-sanity checks run outside those steps and are never recorded. ``cb.result`` holds the
-results in the shape of `reducers`.
+sanity checks run outside those steps and are never recorded. A Step's ``epoch`` and
+``iteration`` are the Trainer's ``current_epoch`` and ``global_step``, so a new callback on a
+run resumed with ``fit(ckpt_path=...)`` numbers its steps on from the checkpoint's (and its
+states merge with the first run's). ``cb.result`` holds the results in the shape of `reducers`.
 
 Needs the ``lightning`` extra (``pip install 'funhooks[lightning]'``); ``import funhooks``
 never imports Lightning.
@@ -24,7 +26,7 @@ from typing import Any
 from funhooks.errors import ExtraError
 from funhooks.training.folds import Reducer
 
-from ._trainer import Results, Stepwise
+from ._trainer import Results, Stepwise, misplaced
 
 try:
     import lightning.pytorch as pl
@@ -91,7 +93,7 @@ class FoldCallback(Results, pl.Callback):
         """The first micro-batch of an optimizer step opens the step."""
         if not self._fold.open:
             self._global_step = trainer.global_step
-        self._fold.begin(trainer.current_epoch)
+        self._fold.begin(trainer.current_epoch, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The gradients are final (unscaled, before Lightning's clipping): the watches' ``before``."""
@@ -117,3 +119,11 @@ class FoldCallback(Results, pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Training raised: the open step is dropped, nothing stays attached."""
         self._fold.abort()
+
+    def on_init_end(self, *args: Any, **kwargs: Any) -> None:
+        """The first call of a ``transformers.Trainer`` to its callbacks: this one is Lightning's.
+
+        Raises:
+            LoopError: always, naming ``fh.hf.FoldCallback``.
+        """
+        raise misplaced("lightning", "hf")

@@ -23,7 +23,8 @@ from funhooks.errors import LoopError
 
 from . import _batches as _batch
 
-__all__ = ["builtin_step", "check_loop", "check_step", "evaluation", "outcome", "total"]
+__all__ = ["builtin_step", "check_loop", "check_start", "check_step", "empty", "evaluation", "outcome", "scalar",
+           "total"]
 
 StepFn = Callable[[nn.Module, Any], Any]
 
@@ -43,6 +44,26 @@ def check_loop(model: Any, batches: Any, epochs: Any, caller: str) -> None:
         raise LoopError(
             f"{caller}: `batches` is iterated once per epoch, got a one-shot {type(batches).__name__} with "
             f"epochs={epochs}. Pass a re-iterable such as a list or a DataLoader."
+        )
+    if total(batches, 1) == 0:
+        raise empty(f"an empty {type(batches).__name__}", caller)
+
+
+def empty(got: str, caller: str) -> LoopError:
+    """The error for batches that give no batch in an epoch (`got` says how that was seen)."""
+    return LoopError(
+        f"{caller}: `batches` gives at least one batch per epoch, got {got}. Check the data set's length against "
+        "the batch size (`drop_last=True` drops a last partial batch)."
+    )
+
+
+def check_start(start_iteration: Any, caller: str) -> None:
+    """The iteration of a run's first train step: a non-negative int, or a LoopError."""
+    if isinstance(start_iteration, bool) or not isinstance(start_iteration, int) or start_iteration < 0:
+        raise LoopError(
+            f"{caller}: `start_iteration` is a non-negative int (the iteration of the first step), got "
+            f"{start_iteration!r}. Pass the number of optimizer steps already trained, e.g. "
+            "start_iteration=trainer_state['step']."
         )
 
 
@@ -95,17 +116,29 @@ def builtin_step(model: nn.Module, batches: list[Any], start: int, loss_fn: Call
     opt.zero_grad()
     if len(pairs) == 1:
         x, y = pairs[0]
-        loss = loss_fn(model(x), y)
+        loss = scalar(loss_fn(model(x), y), caller)
         loss.backward()
         opt.step()
         return loss.detach()
     losses = []
     for x, y in pairs:
-        loss = loss_fn(model(x), y)
+        loss = scalar(loss_fn(model(x), y), caller)
         (loss / len(pairs)).backward()
         losses.append(loss.detach())
     opt.step()
     return torch.stack(losses).mean()
+
+
+def scalar(loss: Any, caller: str) -> torch.Tensor:
+    """What `loss_fn` returned, when it is a one-element tensor; else a LoopError."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    got = (f"a Tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+           else f"{type(loss).__name__} {loss!r}")
+    raise LoopError(
+        f"{caller}: `loss_fn(model(x), y)` returns the loss as a one-element tensor, got {got}. Return the tensor "
+        "itself (not `loss.item()`), reduced to one value (e.g. `reduction='mean'`)."
+    )
 
 
 def outcome(out: Any, caller: str) -> tuple[torch.Tensor | None, Mapping[str, Any] | None]:
@@ -144,4 +177,4 @@ def evaluation(model: nn.Module, batch: Any, index: int, loss_fn: Any, step: Ste
 
         return forward
     x, y = _batch.pair(batch, index, caller)
-    return lambda: (loss_fn(model(x), y).detach(), None)
+    return lambda: (scalar(loss_fn(model(x), y), caller).detach(), None)

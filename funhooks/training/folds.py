@@ -237,6 +237,7 @@ def fit(
     epochs: int = 1,
     accumulate: int = 1,
     to_device: bool = False,
+    start_iteration: int = 0,
     progress: bool | None = None,
 ) -> Any:
     """Train `model` with the union of the reducers' specs and watches, and fold them over the steps.
@@ -246,9 +247,10 @@ def fit(
     functions do not run at all. Hooks are removed however training ends.
 
     Args:
-        model, batches, loss_fn, opt, step, epochs, accumulate, to_device: as for
-            :func:`funhooks.train` (with your own `step`, pass `opt` when a reducer watches
-            the optimizer).
+        model, batches, loss_fn, opt, step, epochs, accumulate, to_device, start_iteration: as
+            for :func:`funhooks.train` (with your own `step`, pass `opt` when a reducer watches
+            the optimizer; resuming a run, ``start_iteration`` is the number of steps already
+            trained, so the results number on from the first run's and merge with them).
         reducers: a dict or a list of reducers (a single reducer gives its result).
         progress: show a progress bar (tqdm); None: in a terminal and not in CI.
 
@@ -257,7 +259,7 @@ def fit(
 
     Raises:
         ReducerError: when an entry lacks the reducer protocol.
-        LoopError: for bad training arguments or batches.
+        LoopError: for bad training arguments or batches (none at all included).
 
     Example:
         >>> import torch, funhooks as fh
@@ -278,6 +280,7 @@ def fit(
     specs = tuple(dict.fromkeys(s for r in items for s in r.specs))
     watches = tuple(dict.fromkeys(w for r in items for w in watches_of(r)))
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
-                        accumulate=accumulate, to_device=to_device, records=records_of(items), caller="fit")
+                        accumulate=accumulate, to_device=to_device, records=records_of(items),
+                        start_iteration=start_iteration, caller="fit")
     wrapped = _progress.wrap(steps, total=total(batches, epochs, accumulate), desc="fit", progress=progress)
     return shape(fold_all(list(items), wrapped))

@@ -63,6 +63,7 @@ def train_steps(
     accumulate: int = 1,
     to_device: bool = False,
     records: Records | None = None,
+    start_iteration: int = 0,
     caller: str = "train",
 ) -> Generator[Step, None, None]:
     """:func:`train` without the progress bar, with `records` saying which steps store.
@@ -72,19 +73,20 @@ def train_steps(
     """
     work.check_loop(model, batches, epochs, caller)
     work.check_step(loss_fn, opt, step, accumulate, to_device, caller)
+    work.check_start(start_iteration, caller)
     watches = as_watches(watches, caller)
     if watches and opt is None:
         raise LoopError(f"{caller}: `watches` read the optimizer step, got no optimizer. Pass `opt=` (the "
                         "optimizer your `step` function calls).")
     recorder = Recorder(model, specs, watches, opt, caller)
-    return _train(model, batches, loss_fn, opt, step, recorder, epochs, accumulate, to_device, records, caller)
+    return _train(model, batches, loss_fn, opt, step, recorder, epochs, accumulate, to_device, records,
+                  start_iteration, caller)
 
 
 def _train(model: nn.Module, batches: Iterable[Any], loss_fn: Any, opt: Any, step: StepFn | None, recorder: Recorder,
-           epochs: int, accumulate: int, to_device: bool, records: Records | None,
+           epochs: int, accumulate: int, to_device: bool, records: Records | None, iteration: int,
            caller: str) -> Generator[Step, None, None]:
     device = _batch.model_device(model) if to_device else None
-    iteration = 0
     for epoch in range(epochs):
         start = 0
         for group in (_batch.group(batches, accumulate) if accumulate > 1 else ([b] for b in batches)):
@@ -103,6 +105,8 @@ def _train(model: nn.Module, batches: Iterable[Any], loss_fn: Any, opt: Any, ste
             yield Step(epoch, iteration, loss, record, True, metrics)
             iteration += 1
             start += len(group)
+        if start == 0:
+            raise work.empty(f"none in epoch {epoch} from a {type(batches).__name__}", caller)
 
 
 def train(
@@ -117,6 +121,7 @@ def train(
     epochs: int = 1,
     accumulate: int = 1,
     to_device: bool = False,
+    start_iteration: int = 0,
     progress: bool | None = None,
 ) -> Iterator[Step]:
     """Train `model`, yielding one frozen :class:`~funhooks.Step` per optimizer step.
@@ -146,15 +151,20 @@ def train(
         epochs: how many times to go over `batches`.
         accumulate: batches per optimizer step (micro-batches, one Step).
         to_device: move every tensor of each batch to the model's device first.
+        start_iteration: the ``iteration`` of the first Step; resuming a run, the number of
+            optimizer steps already trained, so that steps number on from the first run's
+            (and the reducers' ``every`` rule and ``merge`` see the global iteration).
         progress: show a progress bar (tqdm); None: in a terminal and not in CI.
 
     Returns:
         A generator of Steps with ``training=True``; nothing runs until it is iterated.
 
     Raises:
-        LoopError: for a bad model, optimizer, `epochs`, `accumulate`, a step that is both or
-            neither built-in and yours, a batch that is not a pair for the built-in step, or a
-            step returning something that is not a loss.
+        LoopError: for a bad model, optimizer, `epochs`, `accumulate`, `start_iteration`, a
+            step that is both or neither built-in and yours, `batches` that give no batch in an
+            epoch (an empty DataLoader: now; a one-shot iterable: when it ends), a batch that is
+            not a pair for the built-in step, a `loss_fn` that returns no one-element tensor, or
+            a step returning something that is not a loss.
         SpecError, SelectorError: for bad specs or watches, before anything runs.
 
     Example:
@@ -182,7 +192,7 @@ def train(
         >>> fh.testing.assert_no_hooks(model)
     """
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
-                        accumulate=accumulate, to_device=to_device)
+                        accumulate=accumulate, to_device=to_device, start_iteration=start_iteration)
     return _progress.wrap(steps, total=work.total(batches, epochs, accumulate), desc="train", progress=progress)
 
 
@@ -214,7 +224,8 @@ def evaluate(
         index. The model's train/eval mode is restored when it finishes.
 
     Raises:
-        LoopError: for a bad model, or a batch that is not a pair where `loss_fn` needs one.
+        LoopError: for a bad model, `batches` that give no batch, a batch that is not a pair
+            where `loss_fn` needs one, or a `loss_fn` that returns no one-element tensor.
 
     Example:
         >>> import torch, funhooks as fh
@@ -238,6 +249,7 @@ def evaluate(
 def _evaluate(model: nn.Module, batches: Iterable[Any], loss_fn: Any, step: StepFn | None, recorder: Recorder,
               to_device: bool) -> Generator[Step, None, None]:
     device = _batch.model_device(model) if to_device else None
+    index = -1
     for index, batch in enumerate(batches):
         if device is not None:
             batch = _batch.to_device(batch, device)
@@ -245,3 +257,5 @@ def _evaluate(model: nn.Module, batches: Iterable[Any], loss_fn: Any, step: Step
         with in_mode(model, False), torch.no_grad():
             (loss, metrics), record = recorder(run)
         yield Step(0, index, loss, record, False, metrics)
+    if index < 0:
+        raise work.empty(f"none from a {type(batches).__name__}", "evaluate")

@@ -51,9 +51,10 @@ class Folding:
     """
 
     def __init__(self, model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer], opt: Any,
-                 caller: str = "folding") -> None:
+                 start_iteration: int = 0, caller: str = "folding") -> None:
         if not isinstance(model, nn.Module):
             raise LoopError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model you train.")
+        _work.check_start(start_iteration, caller)
         self._shape, self._items = as_items(reducers, caller)
         specs = tuple(dict.fromkeys(s for r in self._items for s in r.specs))
         watches = tuple(dict.fromkeys(w for r in self._items for w in watches_of(r)))
@@ -64,7 +65,7 @@ class Folding:
         self._recorder = Recorder(model, specs, watches, opt, caller)
         self._records = records_of(self._items)
         self._states = [r.init() for r in self._items]
-        self._iteration = 0
+        self._start = self._iteration = start_iteration
         self._evaluated = 0
         self._epoch = 0
         self._state = "new"
@@ -144,10 +145,11 @@ class Folding:
         return self._shape([r.result(s) for r, s in zip(self._items, self._states)])
 
     def __repr__(self) -> str:
-        return f"Folding({len(self._items)} reducers, {self._iteration} train steps marked)"
+        return f"Folding({len(self._items)} reducers, {self._iteration - self._start} train steps marked)"
 
 
-def folding(model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer], *, opt: Any = None) -> Folding:
+def folding(model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer], *, opt: Any = None,
+            start_iteration: int = 0) -> Folding:
     """Fold `reducers` over the steps of a training loop you write: mark each with ``fold.step(loss)``.
 
     Args:
@@ -155,6 +157,8 @@ def folding(model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer
         reducers: a dict or a list of reducers (a single reducer gives its result).
         opt: the optimizer (or optimizers) your loop steps; needed when a reducer watches the
             optimizer (``fh.GradientStats``, ``fh.UpdateRatio``).
+        start_iteration: the ``iteration`` of the first train step marked; resuming a loop
+            from a checkpoint, the number of optimizer steps already trained.
 
     Returns:
         A :class:`Folding` to use as a context manager; ``fold.result()`` after (or during) the
@@ -162,7 +166,7 @@ def folding(model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer
 
     Raises:
         ReducerError: when an entry lacks the reducer protocol.
-        LoopError: for a missing optimizer a watch needs.
+        LoopError: for a missing optimizer a watch needs, or a bad `start_iteration`.
         SpecError, SelectorError: for specs or watches that do not fit the model.
 
     Example:
@@ -184,4 +188,4 @@ def folding(model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer
         (4, ('0', '2'))
         >>> fh.testing.assert_no_hooks(model)
     """
-    return Folding(model, reducers, opt)
+    return Folding(model, reducers, opt, start_iteration)

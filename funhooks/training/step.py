@@ -48,8 +48,10 @@ class Step:
     Attributes:
         epoch: the epoch, from 0 (always 0 for :func:`~funhooks.evaluate`).
         iteration: the global train-step index from 0, counted across epochs (one per
-            optimizer step: micro-batches accumulated into one step are one iteration; for
-            :func:`~funhooks.evaluate`, the batch index within the evaluation).
+            optimizer step: micro-batches accumulated into one step are one iteration; a
+            resumed run goes on from ``start_iteration``, a trainer callback from the
+            trainer's global step; for :func:`~funhooks.evaluate`, the batch index within the
+            evaluation).
         loss: the step's loss, a detached 0-d tensor on the model's device (``None`` when
             there is none). Call ``float(step.loss)`` to read it: that syncs a GPU, so do it
             only where you need the number.
