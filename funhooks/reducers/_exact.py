@@ -34,8 +34,8 @@ from funhooks.specs.selector import path_label as where
 
 from . import _shared as red
 
-__all__ = ["REDUCE_IN_HOOK_NUMEL", "Entry", "Snapshot", "combine", "empty_entry", "reduce_step", "round_std",
-           "row_stats"]
+__all__ = ["REDUCE_IN_HOOK_NUMEL", "Entry", "Snapshot", "combine", "empty_entry", "reduce_calls", "reduce_step",
+           "round_std", "row_stats"]
 
 REDUCE_IN_HOOK_NUMEL = (1 << 15) - 1
 """Contiguous CPU activations of at most this many elements are kept by the hook and
@@ -271,6 +271,27 @@ def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
     rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # float64 where a big one is (exact counts)
     hist = None if not snap.with_hist else hists[0] if len(hists) == 1 else torch.cat(hists)
     return tuple(order), tuple(ns), rows, hist
+
+
+def reduce_calls(calls: dict[str, tuple[Any, ...]], snap: Snapshot, iteration: int) -> Entry:
+    """The Entry of one step from every call's hook value, by path (module order): the calls
+    of a module on one step (micro-batches, several forwards before a mark) are one batch.
+
+    With one call per module, its statistics are :func:`reduce_step`'s (fastai's, to the
+    bit); each further round of calls is reduced the same way and added by :func:`combine`
+    (Chan's exact merge, as two ranks' parts of one step).
+    """
+    paths, values = list(calls), list(calls.values())
+    entries = []
+    for k in range(max(len(v) for v in values)):
+        here = [(p, v[k]) for p, v in zip(paths, values) if len(v) > k]
+        ps = [p for p, _ in here]
+        order, ns, rows, hist = reduce_step([v for _, v in here], ps, snap, iteration)
+        entries.append(Entry(iteration, tuple(ps), ns, order, rows, hist))
+    entry = entries[0]
+    for part in entries[1:]:
+        entry = combine(entry, part)
+    return entry
 
 
 def empty_entry(iteration: int, snap: Snapshot) -> Entry:

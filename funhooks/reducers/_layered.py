@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,22 +30,23 @@ __all__ = ["Entry", "Reducer", "Table", "TableResult", "add_step", "index", "mer
 
 
 class Entry(NamedTuple):
-    """One recorded step: ``rows[i]`` holds the values of layer ``paths[i]``."""
+    """One recorded step: ``rows[i]`` holds the values of layer ``paths[i]`` (lists of floats
+    on the CPU, see :func:`~funhooks.reducers._shared.settled`)."""
 
     iteration: int
     paths: tuple[str, ...]
-    rows: torch.Tensor
+    rows: torch.Tensor | list[list[float]]
 
 
-def add_step(state: tuple, step: Step, every: int | None, name: str, width: int) -> tuple:
-    """`state` with the step's entry (the last value each layer stored under `name`, as rows of
-    `width` values) when the ``every`` rule records the step."""
+def add_step(state: tuple, step: Step, every: int | None, name: str) -> tuple:
+    """`state` with the step's entry (the last value each layer stored under `name`, as rows)
+    when the ``every`` rule records the step."""
     if not red.records(every, step.iteration, step.training):
         return state
     paths, values = red.last_values(step.record, name)
     if not values:
-        return (state, Entry(step.iteration, (), torch.zeros(0, width)))
-    return (state, Entry(step.iteration, tuple(paths), stacked(values)))
+        return (state, Entry(step.iteration, (), []))
+    return (state, Entry(step.iteration, tuple(paths), red.settled(stacked(values))))
 
 
 def table(state: tuple, reducer: str, name: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> Table:
@@ -87,9 +88,11 @@ def keep_first(a: Entry, b: Entry) -> Entry:
     if not extra:
         return a
     paths = red.module_order([a.paths, b.paths])
-    rows = {p: r for p, r in zip(a.paths, a.rows)}
+    rows: dict[str, Any] = dict(zip(a.paths, a.rows))
     rows.update((b.paths[i], b.rows[i]) for i in extra)
-    return Entry(a.iteration, paths, torch.stack([rows[p].to(a.rows.device) for p in paths]))
+    if isinstance(a.rows, torch.Tensor):
+        return Entry(a.iteration, paths, torch.stack([red.as_tensor(rows[p], a.rows.device, a.rows.dtype) for p in paths]))
+    return Entry(a.iteration, paths, [r.tolist() if isinstance(r, torch.Tensor) else r for r in (rows[p] for p in paths)])
 
 
 def index(paths: Sequence[str], idx: int | str, caller: str) -> int:
@@ -107,11 +110,10 @@ def index(paths: Sequence[str], idx: int | str, caller: str) -> int:
 class Reducer:
     """What the per-layer reducers over optimizer watches share: no specs, the ``every`` rule,
     cons-list states of one :class:`Entry` per recorded step (the rows their watch stored
-    under ``NAME``, ``WIDTH`` values per layer), merged by iteration keeping the first rank's."""
+    under ``NAME``), merged by iteration keeping the first rank's."""
 
     __slots__ = ()
     NAME: str
-    WIDTH: int
     every: int | None
 
     @property
@@ -129,7 +131,7 @@ class Reducer:
 
     def step(self, state: tuple, step: Step) -> tuple:
         """Add the step's rows (on the device, not read) when it is recorded."""
-        return add_step(state, step, self.every, self.NAME, self.WIDTH)
+        return add_step(state, step, self.every, self.NAME)
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Chunks of steps in iteration order; of one iteration (two ranks, replicated
@@ -152,11 +154,13 @@ class Table:
         """Per step, ``{path: row as floats}`` (one pass of `finish` and one copy to the host for
         all steps)."""
         if self._rows is None:
-            rows = [e.rows.detach() for e in self.entries]
+            rows = [e.rows for e in self.entries]
             host = []
-            if rows:
-                device = rows[0].device
-                host = self.finish(torch.cat([r.to(device, torch.float64) for r in rows])).tolist()
+            device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+            if device is None and any(rows):  # a CPU run: lists of floats
+                host = self.finish(torch.tensor([row for r in rows for row in r], dtype=torch.float64)).tolist()
+            elif device is not None:
+                host = self.finish(torch.cat([red.as_tensor(r, device, torch.float64) for r in rows if len(r)])).tolist()
             self._rows, start = [], 0
             for e, r in zip(self.entries, rows):
                 self._rows.append(dict(zip(e.paths, host[start:start + len(r)])))

@@ -4,7 +4,8 @@
 Reducer states are cons lists, ``()`` or ``(rest, entry)``: adding a step is O(1) and copies
 nothing, and :func:`unroll` / :func:`roll` turn them into lists and back.
 
-Cost: nothing per step beyond a tuple per recorded step; :func:`module_order` is a
+Cost: nothing per step beyond a tuple per recorded step (values of a CPU step are kept as
+Python numbers, see :func:`settled`); :func:`module_order` is a
 topological sort over the distinct path orders seen, run when a result is read.
 """
 
@@ -18,13 +19,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
+import torch
 from torch import nn
 
 from funhooks.errors import ReducerError
 from funhooks.records.record import Record
 from funhooks.specs.selector import Selector, Where, select
 
-__all__ = ["LeafModules", "OwnParams", "Steps", "entry_paths", "module_order", "roll", "unroll"]
+__all__ = ["LeafModules", "OwnParams", "Steps", "as_tensor", "entry_paths", "module_order", "roll", "settled", "unroll"]
 
 
 @attrs.frozen
@@ -166,6 +168,20 @@ def roll(entries: Sequence[Any]) -> tuple:
     for entry in entries:
         state = (state, entry)
     return state
+
+
+def settled(value: torch.Tensor) -> Any:
+    """A step's values as a state keeps them: on the CPU as Python numbers (``tolist()``, no
+    sync there), since a small tensor kept per step pins freed heap pages and a long run's
+    memory grows with its steps; on another device the tensor itself, not read (no sync)."""
+    return value.tolist() if value.device.type == "cpu" else value
+
+
+def as_tensor(value: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A value :func:`settled` kept, as a tensor on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device, dtype)
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 def path_key(path: str) -> tuple:

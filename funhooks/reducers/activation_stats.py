@@ -190,14 +190,14 @@ class ActivationStats:
 
     def step(self, state: tuple, step: Step) -> tuple:
         """Add the step's statistics (computed on the device, not read) when it is recorded;
-        the modules that did not run on it are absent from it."""
+        the modules that did not run on it are absent from it, and a module called several
+        times on it (micro-batches) has the statistics of all its calls together."""
         if not red.records(self.every, step.iteration, step.training):
             return state
-        paths, values = red.last_values(step.record, self.record_name)
-        if not values:
+        calls = step.record.calls_by_path(self.record_name)
+        if not calls:
             return (state, ex.empty_entry(step.iteration, self._snapshot))
-        order, ns, rows, hist = ex.reduce_step(values, paths, self._snapshot, step.iteration)
-        return (state, ex.Entry(step.iteration, tuple(paths), ns, order, rows, hist))
+        return (state, ex.reduce_calls(calls, self._snapshot, step.iteration))
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;

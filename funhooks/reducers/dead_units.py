@@ -10,13 +10,15 @@ fraction dead on every recorded step (dead throughout training).
 
 Cost: per selected module call, one reduction of the output to one peak per unit, in the
 hook, on its device (the output itself is not kept); per recorded step, one comparison per
-shape of peaks. The state keeps one bool per unit per layer per recorded step.
+shape of peaks. The state keeps one bool per unit per layer per recorded step (on the CPU one
+bit, in a Python int: no tensor per step, so a long CPU run's memory stays flat).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import attrs
 import torch
@@ -87,24 +89,62 @@ def unit_peaks(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | No
     return o.abs().amax(dim=dims) if dims else o.abs()
 
 
+class _Bits(NamedTuple):
+    """A dead-unit mask kept on the host: bit i of `value` is set when unit i is dead."""
+
+    value: int
+    units: int
+
+
+_BIT = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8)
+
+
+def _on_host(mask: torch.Tensor | _Bits) -> _Bits:
+    """`mask` as bits (units 8j..8j+7 packed into byte j, little-endian)."""
+    if isinstance(mask, _Bits):
+        return mask
+    flat = mask.detach().cpu().flatten().to(torch.uint8)
+    packed = torch.nn.functional.pad(flat, (0, -flat.numel() % 8)).view(-1, 8).mul(_BIT).sum(1, dtype=torch.uint8)
+    return _Bits(int.from_bytes(bytes(packed.tolist()), "little"), flat.numel())
+
+
+def _and(a: torch.Tensor | _Bits, b: torch.Tensor | _Bits) -> torch.Tensor | _Bits:
+    """Dead in both."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a & b.to(a.device)
+    a, b = _on_host(a), _on_host(b)
+    return _Bits(a.value & b.value, a.units)
+
+
+def _fractions(masks: tuple[torch.Tensor | _Bits, ...]) -> torch.Tensor | list[float]:
+    """The dead fraction of each mask: on the device of tensor masks, floats for bits."""
+    if all(isinstance(m, torch.Tensor) for m in masks):
+        device = cast(torch.Tensor, masks[0]).device
+        return torch.stack([cast(torch.Tensor, m).double().mean().to(device) for m in masks])
+    return [b.value.bit_count() / b.units for b in map(_on_host, masks)]
+
+
 class _Entry(NamedTuple):
-    """One recorded step: per layer (module order) its dead-unit mask and the dead fraction."""
+    """One recorded step: per layer (module order) its dead-unit mask and the dead fraction
+    (bits and floats for a CPU step)."""
 
     iteration: int
     paths: tuple[str, ...]
-    masks: tuple[torch.Tensor, ...]
-    fractions: torch.Tensor
+    masks: tuple[torch.Tensor | _Bits, ...]
+    fractions: torch.Tensor | list[float]
 
 
 def _entry(iteration: int, paths: tuple[str, ...], peaks: list[torch.Tensor], near_zero: float) -> _Entry:
     if not peaks:
-        return _Entry(iteration, (), (), torch.zeros(0))
+        return _Entry(iteration, (), (), [])
+    if all(p.is_cpu for p in peaks):
+        masks: tuple[torch.Tensor | _Bits, ...] = tuple(_on_host(p.le(near_zero)) for p in peaks)
+        return _Entry(iteration, paths, masks, _fractions(masks))
     if all(p.shape == peaks[0].shape and p.device == peaks[0].device for p in peaks):
         dead = torch.stack(peaks).le(near_zero)
         return _Entry(iteration, paths, tuple(dead.unbind(0)), dead.double().mean(1))
     masks = tuple(p.le(near_zero) for p in peaks)
-    device = masks[0].device
-    return _Entry(iteration, paths, masks, torch.stack([m.double().mean().to(device) for m in masks]))
+    return _Entry(iteration, paths, masks, _fractions(masks))
 
 
 @attrs.frozen
@@ -181,11 +221,10 @@ class DeadUnits:
     def _combine(self, a: _Entry, b: _Entry) -> _Entry:
         masks = dict(zip(a.paths, a.masks))
         for path, mask in zip(b.paths, b.masks):
-            masks[path] = mask if path not in masks else masks[path] & mask.to(masks[path].device)
+            masks[path] = mask if path not in masks else _and(masks[path], mask)
         paths = red.module_order([a.paths, b.paths])
         ordered = tuple(masks[p] for p in paths)
-        device = ordered[0].device
-        return _Entry(a.iteration, paths, ordered, torch.stack([m.double().mean().to(device) for m in ordered]))
+        return _Entry(a.iteration, paths, ordered, _fractions(ordered))
 
     def result(self, state: tuple) -> DeadUnitsResult:
         """The dead fractions of every recorded step.
@@ -225,7 +264,7 @@ class DeadUnitsResult(red.Steps):
     def dead(self) -> list[list[float]]:
         """Per recorded step, per layer of ``paths``, the fraction of its units dead on that
         step (NaN where the layer did not run); one copy to the host."""
-        host = [e.fractions.tolist() for e in self.entries]
+        host = [e.fractions if isinstance(e.fractions, list) else e.fractions.tolist() for e in self.entries]
         return [[row[e.paths.index(p)] if p in e.paths else math.nan for p in self.paths]
                 for e, row in zip(self.entries, host)]
 
@@ -245,8 +284,14 @@ class DeadUnitsResult(red.Steps):
         out = {}
         for path in self.paths:
             masks = [e.masks[e.paths.index(path)] for e in self.entries if path in e.paths]
-            if all(m.shape == masks[0].shape for m in masks):
-                out[path] = torch.stack([m.to(masks[0].device) for m in masks]).all(0).double().mean().item()
+            first = masks[0]
+            if isinstance(first, torch.Tensor) and all(isinstance(m, torch.Tensor) and m.shape == first.shape
+                                                       for m in masks):
+                tensors = cast(list[torch.Tensor], masks)
+                out[path] = torch.stack([m.to(first.device) for m in tensors]).all(0).double().mean().item()
+            elif len({b.units for b in map(_on_host, masks)}) == 1:
+                dead = _on_host(functools.reduce(_and, masks))
+                out[path] = dead.value.bit_count() / dead.units
             else:
                 out[path] = math.nan  # the unit count changed between steps: no unit is followed throughout
         return out

@@ -1,12 +1,13 @@
 """LossCurve: the training loss of every step and its moving average, as a reducer.
 
 It needs no hooks: it reads ``step.loss``, keeping the tensors on their device (no
-``.item()`` per step) until the result is read, which copies them to the host at once and
+``.item()`` per step; a CPU loss is kept as a float, not a tensor per step) until the result is read, which copies them to the host at once and
 computes the exponential moving average there: fastai's smoothed loss, debiased,
 ``ema_t = (beta * m_{t-1} + (1 - beta) * loss_t) / (1 - beta ** t)`` with the raw average
 ``m``.
 
-Cost: one tuple per train step; the state keeps every step's 0-d loss tensor.
+Cost: one tuple per train step; the state keeps every step's loss (a float on the CPU, a
+0-d tensor on another device).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _check_beta(instance: Any, attribute: Any, beta: Any) -> None:
 
 class _Entry(NamedTuple):
     iteration: int
-    loss: torch.Tensor
+    loss: torch.Tensor | float
     parts: int
     """How many ranks' losses `loss` sums (1 until states of one iteration merge)."""
 
@@ -80,7 +81,7 @@ class LossCurve:
         """Add the loss of a train step (one that has a loss)."""
         if not step.training or step.loss is None:
             return state
-        return (state, _Entry(step.iteration, step.loss, 1))
+        return (state, _Entry(step.iteration, red.settled(step.loss.detach()), 1))
 
     def merge(self, a: tuple, b: tuple) -> tuple:
         """Chunks of steps in iteration order; one iteration's losses from two ranks average."""
@@ -88,7 +89,7 @@ class LossCurve:
         for entry in red.unroll(a) + red.unroll(b):
             seen = by_iteration.get(entry.iteration)
             if seen is not None:
-                entry = _Entry(entry.iteration, seen.loss + entry.loss.to(seen.loss.device), seen.parts + entry.parts)
+                entry = _Entry(entry.iteration, _added(seen.loss, entry.loss), seen.parts + entry.parts)
             by_iteration[entry.iteration] = entry
         return red.roll([by_iteration[k] for k in sorted(by_iteration)])
 
@@ -97,9 +98,23 @@ class LossCurve:
         entries = red.unroll(state)
         if not entries:
             return LossCurveResult((), [], [], self.beta)
-        device = entries[0].loss.device
-        losses = torch.stack([e.loss.detach().float().to(device) / e.parts for e in entries]).tolist()
+        device = next((e.loss.device for e in entries if isinstance(e.loss, torch.Tensor)), None)
+        if device is None:  # a CPU run: floats
+            values = torch.tensor([e.loss for e in entries], dtype=torch.float32)
+        else:
+            values = torch.stack([red.as_tensor(e.loss, device, torch.float32) for e in entries])
+        parts = torch.tensor([e.parts for e in entries], dtype=torch.float32, device=values.device)
+        losses = values.div_(parts).tolist()
         return LossCurveResult(tuple(e.iteration for e in entries), losses, _ema(losses, self.beta), self.beta)
+
+
+def _added(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor | float:
+    """Two ranks' losses of one iteration, added (on the device of a tensor one)."""
+    if isinstance(a, torch.Tensor):
+        return a + red.as_tensor(b, a.device, a.dtype)
+    if isinstance(b, torch.Tensor):
+        return red.as_tensor(a, b.device, b.dtype) + b
+    return a + b
 
 
 def _ema(losses: list[float], beta: float) -> list[float]:

@@ -125,7 +125,6 @@ class GradientStats(lay.Reducer):
     modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
     every: int | None = attrs.field(default=None, validator=red.check_every("GradientStats"))
     NAME = NAME
-    WIDTH = len(COLUMNS)
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:

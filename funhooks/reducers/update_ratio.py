@@ -99,7 +99,6 @@ class UpdateRatio(lay.Reducer):
     modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
     every: int | None = attrs.field(default=None, validator=red.check_every("UpdateRatio"))
     NAME = NAME
-    WIDTH = 2
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:

@@ -20,7 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from funhooks.errors import SpecError
+from funhooks import _torch
+from funhooks.errors import SelectorError, SpecError
 from funhooks.records.record import Record
 from funhooks.runs.run import Run
 from funhooks.specs.spec import Spec
@@ -74,7 +75,7 @@ class Recorder:
         if self.watching is None:
             if self.specs is None:
                 return work(), EMPTY_RECORD
-            with Run._make(self.model, self.specs, self.caller) as run:
+            with self._run() as run:
                 result = work()
             return result, run.record
         self.open()
@@ -85,10 +86,24 @@ class Recorder:
             raise
         return result, self.close()
 
+    def _run(self) -> Run:
+        """A run of the specs on the model as it is now; a spec whose selector matches no module
+        any more (a layer swapped or removed mid-training) sits the step out (the constructor
+        refused it on the model as it was)."""
+        specs = self.specs or ()
+        try:
+            return Run._make(self.model, specs, self.caller)
+        except SelectorError:
+            modules = list(_torch.named_modules(self.model))
+            kept = tuple(s for s in specs if any(s.where.matches(p, m) for p, m in modules))
+            if len(kept) == len(specs):
+                raise
+            return Run._make(self.model, kept, self.caller)
+
     def open(self) -> None:
         """Start recording in the calling context (a ``with_hooks`` block, the watches' hooks)."""
         if self.specs is not None:
-            run = Run._make(self.model, self.specs, self.caller)
+            run = self._run()
             run.__enter__()
             self.run = run
         if self.watching is not None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from funhooks import _torch
-from funhooks.errors import HookError, LoopError, SpecError
+from funhooks.errors import HookError, LoopError, SelectorError, SpecError
 from funhooks.specs.selector import Selector, resolve, select
 
 __all__ = ["Layers", "OptimizerWatch", "Watching", "optimizers"]
@@ -130,17 +130,21 @@ def optimizers(opt: Any, caller: str) -> tuple[torch.optim.Optimizer, ...]:
 class Watching:
     """Optimizer watches attached for one step at a time; what they stored, by path."""
 
-    __slots__ = ("caller", "carries", "current", "data", "handles", "manual", "opts", "owner", "resolved", "watches")
+    __slots__ = ("caller", "carries", "current", "data", "handles", "manual", "model", "opts", "owner", "resolved",
+                 "watches", "wheres")
 
     def __init__(self, model: nn.Module, watches: tuple[OptimizerWatch, ...], opts: tuple[torch.optim.Optimizer, ...],
                  caller: str, *, manual_before: bool = False) -> None:
-        """Resolve the watches' layers on `model` now (selectors that match nothing raise).
+        """Resolve the watches' layers on `model` now (selectors that match nothing raise); each
+        :meth:`attach` finds them again if the model changed since (layers added mid-training are
+        watched from then on; a selector that matches nothing any more reads no layer).
 
         Args: `manual_before`: do not register pre-hooks; the caller calls :meth:`before`
         (Lightning, whose optimizer runs the training step after its pre-hooks).
         """
-        self.caller, self.watches, self.opts, self.manual = caller, watches, opts, manual_before
-        self.resolved = _Resolved.get(model, tuple(dict.fromkeys(w.where for w in watches)), caller, watches)
+        self.caller, self.watches, self.opts, self.manual, self.model = caller, watches, opts, manual_before, model
+        self.wheres = tuple(dict.fromkeys(w.where for w in watches))
+        self.resolved = _Resolved.get(model, self.wheres, caller, watches)
         for watch in watches:
             if opts and all(self.resolved.layers(opt, watch.where) is None for opt in opts):
                 raise LoopError(
@@ -158,8 +162,10 @@ class Watching:
         return [self.resolved.layers(opt, watch.where) for watch in self.watches]
 
     def attach(self) -> None:
-        """Register the hooks on every optimizer, for the calling thread."""
+        """Register the hooks on every optimizer, for the calling thread, on the layers of the
+        model as it is now."""
         self.owner = threading.get_ident()
+        self.resolved = _Resolved.get(self.model, self.wheres, self.caller, self.watches, strict=False)
         self.current = {id(opt): self._layers(opt) for opt in self.opts}
         try:
             for opt in self.opts:
@@ -236,7 +242,7 @@ class _Resolved:
     their ``cache`` (kept while its param groups are), so that the watch functions' caches
     (stacking plans) last from run to run; and the model's module order."""
 
-    __slots__ = ("by_opt", "found", "held", "order", "shape")
+    __slots__ = ("by_opt", "found", "held", "order", "partial", "shape")
 
     _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Selector, ...], _Resolved]] = weakref.WeakKeyDictionary()
     _PER_MODEL = 8
@@ -245,25 +251,33 @@ class _Resolved:
     def __init__(self, found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]], shape: list[Any],
                  held: list[Any], order: dict[str, tuple[int, int]]) -> None:
         self.found, self.shape, self.held, self.order = found, shape, held, order
+        self.partial = False  # some selector matched no module (a layer left mid-training)
         self.by_opt: dict[tuple[int, Selector], tuple[weakref.ref, tuple, tuple[Any, Any, dict] | None]] = {}
 
     @classmethod
     def get(cls, model: nn.Module, wheres: tuple[Selector, ...], caller: str,
-            watches: tuple[OptimizerWatch, ...]) -> _Resolved:
+            watches: tuple[OptimizerWatch, ...], *, strict: bool = True) -> _Resolved:
         """The layers of `wheres` on `model`: cached, or resolved now (a selector that matches
-        nothing raises, naming its watch)."""
+        nothing raises, naming its watch; with ``strict=False`` it has no layers)."""
         shape, held = _shape(model)
         with cls._LOCK:
             known = cls._CACHE.get(model, {}).get(wheres)
-        if known is not None and known.shape == shape:
+        if known is not None and known.shape == shape and not (strict and known.partial):
             return known
         found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]] = {}
+        partial = False
         for where in wheres:
             watch = next(w for w in watches if w.where == where)
-            pairs = resolve(where, model, caller=caller, spec=watch)
+            try:
+                pairs = resolve(where, model, caller=caller, spec=watch)
+            except SelectorError:
+                if strict:
+                    raise
+                pairs, partial = (), True
             layers = [(p, tuple(q for q in m.parameters(recurse=False) if q.requires_grad)) for p, m in pairs]
             found[where] = [(p, ps) for p, ps in layers if ps]
         made = cls(found, shape, held, {p: (i, 0) for i, (p, _) in enumerate(_torch.named_modules(model))})
+        made.partial = partial
         with cls._LOCK:
             cache = cls._CACHE.setdefault(model, {})
             if len(cache) >= cls._PER_MODEL and wheres not in cache:
