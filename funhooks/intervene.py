@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._intervention import Arg, Intervention, show
+from ._intervention import Arg, Intervention, is_number, show
 from .errors import SpecError
 from .ops import Op, around_spec, as_op
 from .record import Record
@@ -71,13 +71,6 @@ def arg(name: str) -> Arg:
 
 # -- the constructors ----------------------------------------------------------------------------
 
-_NUMBER = (int, float)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, _NUMBER) and not isinstance(x, bool)
-
-
 def _checked(label: str, *, index: Any, dim: Any, nth: Any, element: Any, name: Any) -> None:
     ints = isinstance(index, Sequence) and not isinstance(index, str) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in index)
@@ -98,7 +91,7 @@ def _checked(label: str, *, index: Any, dim: Any, nth: Any, element: Any, name: 
 
 def _checked_value(label: str, arg_name: str, value: Any, *, record: bool = True, none: bool = False) -> Any:
     kinds = (Tensor, Arg, Record) if record else (Tensor, Arg)
-    if isinstance(value, kinds) or _is_number(value) or (none and value is None):
+    if isinstance(value, kinds) or is_number(value) or (none and value is None):
         return value
     what = "a tensor, a number" + (", a Record" if record else "") + " or `fh.arg(name)`" + (" or None" if none else "")
     raise SpecError(f"{label}: `{arg_name}` is {what}, got {show(value)}. Pass one of those.")

@@ -122,6 +122,11 @@ class OpAction:
         """The per-call values it reads (an intervention's ``fh.arg`` names)."""
         return self.fn.args if self.kind == "intervene" else ()
 
+    @property
+    def nth(self) -> Any:
+        """An intervention's `nth` (None for the other kinds)."""
+        return self.fn.nth if self.kind == "intervene" else None
+
     def __call__(self, *args: Any) -> Any:
         """An op editor's function: ``fn(module, args, kwargs, output)``."""
         return self.fn(*args)

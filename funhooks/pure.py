@@ -111,6 +111,8 @@ class _Recorder:
             # dynamo cannot trace it on this torch: the same recording, in a frame dynamo skips
             return torch.compiler.disable(self._traced)(fn, args, kwargs, values)
         plan = self.current()
+        if values:
+            plan.check_values(values, self.caller)
         frame = Frame(plan, self.caller, values=values)
         attached = Attached(plan, frame, copies=bool(frame.level))
         try:
