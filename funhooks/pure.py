@@ -121,6 +121,7 @@ class _Recorder:
         finally:
             attached.detach()
             frame.close()
+        frame.check()
         record = frame.record()
         if frame.level:
             _check_leaves(record, self.caller)
@@ -130,6 +131,7 @@ class _Recorder:
                 values: dict[str, Any] | None) -> tuple[Any, Record]:
         frame = Frame(self.plan, self.caller, 0, values)
         out = trace.record(fn, self.inner, self.plan.traced(), [frame], args, kwargs)
+        frame.check()
         frame.buffer = [(key, value, None) for key, value, _ in frame.buffer]  # copies: nothing to check
         record = frame.record()
         if _torch.is_functorch_active():
