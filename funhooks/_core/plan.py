@@ -283,6 +283,12 @@ class Plan:
             position = {id(m): i for i, m in enumerate(given)}
             found = tuple(sorted(found, key=lambda pm: position.get(id(pm[1]), len(position))))
         if spec.hook == "param_grad":
+            if not any(True for p, m in found for _ in _parameters(m, p)):
+                raise SelectorError(
+                    f"{caller}: a `param_grad` spec watches the own parameters of the modules it selects, got none "
+                    f"in {[p for p, _ in found]} for {spec!r}. Select modules that hold parameters themselves: a "
+                    "container's belong to its children."
+                )
             return list(found)
         containers = [(p, m) for p, m in found if never_called(m)]
         if len(containers) == len(found):
