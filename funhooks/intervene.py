@@ -19,8 +19,14 @@ edited value). Options shared by all of them:
 then comes from the keyword argument `name` of the function ``fh.capture`` /
 ``fh.functional`` return, so ``torch.func.vmap`` over it runs a whole sweep in one call.
 
+An ``index`` outside ``dim``, an ``nth`` past the modules matched (refused when the plan is
+made, or per call), ``element`` on a tensor output, a complex value into a real output and a
+per-call value of the wrong kind raise :class:`~funhooks.InterventionError`. Under ``vmap`` a
+batched ``index`` / ``nth`` cannot be read: one out of range edits nothing there.
+
 Cost: per edited call, one new tensor of the edited value's size (``torch.where`` when
-``index``/``nth`` is given). A spec holding a tensor or a Record keeps it alive as long as
+``index``/``nth`` is given); outside ``vmap`` and ``torch.compile`` a tensor ``index`` or
+``nth`` is range-checked with one small comparison read on the host. A spec holding a tensor or a Record keeps it alive as long as
 its plan is cached (at most 32 plans per model); pass large values per call with
 ``fh.arg``.
 """
