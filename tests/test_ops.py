@@ -265,3 +265,46 @@ def test_nested_runs_share_one_op_call_and_the_editor_rule_holds_across_them() -
     assert torch.equal(outer.record["block"]["tanh"], torch.zeros(2, 3))
     assert torch.equal(model.block.lin.weight.grad, torch.zeros(3, 3))
     fh.testing.assert_no_hooks(model)
+
+
+class _Sometimes(nn.Module):
+    """Calls `softmax` only when the sequence is longer than one (as attention caches do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=-1) if x.shape[-1] > 1 else x * 2
+
+
+def test_a_call_that_skips_the_op_records_nothing_and_raises_nothing() -> None:
+    """A module that calls `softmax` in some calls only: those calls record nothing for the
+    op spec, in any order, in `with_hooks` and in `capture`; the run goes on."""
+    model = nn.Sequential(_Sometimes())
+    spec = fh.op_outputs("0", "softmax")
+    with fh.with_hooks(model, spec) as run:
+        model(torch.ones(2, 1))
+        model(torch.ones(2, 3))
+        model(torch.ones(2, 1))
+    assert [t.shape for t in run.record.calls("0", "softmax")] == [(2, 3)]
+    f = fh.capture(model, [spec, fh.ablate("0", op="softmax")])
+    out, rec = f(torch.ones(2, 3))
+    assert torch.equal(out, torch.zeros(2, 3)) and rec["0"]["softmax"].shape == (2, 3)
+
+
+def test_an_op_never_called_in_the_whole_run_still_raises() -> None:
+    """The error is for an op no call of the module made in the run: said when the block
+    exits (or the capture call returns), with the ops the first skipping call made; an
+    error raised inside the block is not replaced by it."""
+    model = nn.Sequential(_Sometimes())
+    message = ("{caller}: an op spec matches an op called by the module it selects, got no call of `softmax` in "
+               "module '0' (_Sometimes) for op_outputs('0', 'softmax'). Pick one of the ops called while it ran, "
+               "['mul'], or select the module that calls it.")
+    with pytest.raises(fh.SelectorError) as err, fh.with_hooks(model, fh.op_outputs("0", "softmax")):
+        model(torch.ones(2, 1))
+        model(torch.ones(3, 1))
+    assert str(err.value) == message.format(caller="with_hooks")
+    with pytest.raises(fh.SelectorError) as err:
+        fh.capture(model, fh.op_outputs("0", "softmax"))(torch.ones(2, 1))
+    assert str(err.value) == message.format(caller="capture")
+    with pytest.raises(ZeroDivisionError), fh.with_hooks(model, fh.op_outputs("0", "softmax")):
+        model(torch.ones(2, 1))
+        1 / 0  # noqa: B018
+    fh.testing.assert_no_hooks(model)

@@ -291,3 +291,22 @@ def test_selector_repr() -> None:
     assert repr(fh.select((nn.Linear, nn.ReLU))) == "(Linear, ReLU)"
     assert repr(fh.select(nn.Linear) & ~fh.select("head.**")) == "(Linear & ~select('head.**'))"
     assert repr(fh.select(["a", is_linear])) == "['a', is_linear]"
+
+
+def test_a_predicate_taking_one_argument_is_refused_when_built() -> None:
+    """Predicates take `(path, module)`: a one-argument `lambda m: ...` is refused by
+    `select` (and every spec constructor) instead of failing inside the user's lambda."""
+
+    def is_relu(m: nn.Module) -> bool:
+        return isinstance(m, nn.ReLU)
+
+    message = ("select: a predicate takes `(path, module)` and returns a bool, got `{name}` taking ({args}). Pass "
+               "e.g. `lambda path, module: isinstance(module, nn.Linear)`.")
+    for build in (lambda: fh.select(is_relu), lambda: fh.outputs(is_relu), lambda: fh.select(["a", is_relu])):
+        with pytest.raises(fh.SelectorError) as err:
+            build()
+        assert str(err.value) == message.format(name="is_relu", args="m")
+    with pytest.raises(fh.SelectorError) as err:
+        fh.outputs(lambda path, module, extra: True)
+    assert str(err.value) == message.format(name="<lambda>", args="path, module, extra")
+    assert paths(lambda path, module, *rest: path == "0", nn.Sequential(nn.ReLU())) == ["0"]  # more may be optional

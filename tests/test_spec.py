@@ -288,3 +288,21 @@ def test_repr_reads_like_the_constructor_call() -> None:
     assert repr(fh.grads((nn.Linear, nn.Conv2d))) == "grads((Linear, Conv2d))"
     assert repr(fh.edit("a", mean)) == "edit('a', mean)"
     assert repr(fh.hook_output(nn.Linear(1, 1), grad=True)) == "hook_output(<Linear instance>, grad=True)"
+
+
+def test_a_param_grad_spec_on_modules_without_parameters_is_refused() -> None:
+    """`param_grad` watches the selected modules' own parameters: a selection holding none
+    would record nothing silently, so the run refuses it, naming the spec and the fix."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 1)))
+    spec = fh.observe([nn.ReLU, "2"], lambda param, grad: grad.norm(), event="param_grad", name="norm")
+    with pytest.raises(fh.SelectorError) as err:
+        fh.with_hooks(model, spec)
+    assert str(err.value) == (
+        "with_hooks: a `param_grad` spec watches the own parameters of the modules it selects, got none in ['1', "
+        "'2'] for observe([ReLU, '2'], <lambda>, event='param_grad', name='norm'). Select modules that hold "
+        "parameters themselves: a container's belong to its children."
+    )
+    fh.testing.assert_no_hooks(model)
+    with fh.with_hooks(model, fh.observe("**", lambda p, g: g.norm(), event="param_grad", name="n")) as run:
+        model(torch.ones(1, 2)).sum().backward()
+    assert list(run.record) == ["0.weight", "0.bias", "2.0.weight", "2.0.bias"]  # some hold some: fine

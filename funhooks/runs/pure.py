@@ -112,6 +112,8 @@ class _Recorder:
             # dynamo cannot trace it on this torch: the same recording, in a frame dynamo skips
             return torch.compiler.disable(self._traced)(fn, args, kwargs, values)
         plan = self.current()
+        if values:
+            plan.check_values(values, self.caller)
         frame = Frame(plan, self.caller, values=values)
         attached = Attached(plan, frame, copies=bool(frame.level))
         try:
@@ -120,6 +122,7 @@ class _Recorder:
         finally:
             attached.detach()
             frame.close()
+        frame.check()
         record = frame.record()
         if frame.level:
             _check_leaves(record, self.caller)
@@ -129,6 +132,7 @@ class _Recorder:
                 values: dict[str, Any] | None) -> tuple[Any, Record]:
         frame = Frame(self.plan, self.caller, 0, values)
         out = trace.record(fn, self.inner, self.plan.traced(), [frame], args, kwargs)
+        frame.check()
         frame.buffer = [(key, value, None) for key, value, _ in frame.buffer]  # copies: nothing to check
         record = frame.record()
         if _torch.is_functorch_active():

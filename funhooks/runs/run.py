@@ -17,6 +17,7 @@ and rebuilt when the model's structure changes.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -148,6 +149,8 @@ class Run(Frozen):
         attached.detach()
         frame.close()
         object.__setattr__(self, "_state", "closed")
+        if exc[0] is None and sys.exc_info()[0] is None:  # not while an error propagates (a step's abort)
+            frame.check()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model: ``run(x)`` is ``model(x)``."""

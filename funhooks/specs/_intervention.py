@@ -21,6 +21,7 @@ from typing import Any, cast
 import attrs
 import torch
 
+from funhooks import _torch
 from funhooks.errors import InterventionError
 from funhooks.records.record import Record
 
@@ -54,6 +55,11 @@ def show(value: Any) -> str:
     if isinstance(value, Record):
         return f"<Record of {len(value)} module{'s' if len(value) != 1 else ''}>"
     return repr(value)
+
+
+def is_number(x: Any) -> bool:
+    """Whether `x` is a Python int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _is_one(x: Any) -> bool:
@@ -106,6 +112,9 @@ class Intervention:
         gate = self._gate(rank, values, at)
         if gate is False:
             return None
+        if isinstance(output, Tensor) and self.element != 0:
+            raise at.error(f"`element` picks an item of a tuple, list or dict output, got element {self.element!r} of "
+                           "a Tensor", "Leave `element` out for a module returning a tensor")
         target = output if isinstance(output, Tensor) else _item(output, self.element, at)
         new, fresh = self._new(target, values, count, at)
         mask = self._mask(target, values, at)
@@ -117,23 +126,35 @@ class Intervention:
             new = new.clone()
         return new if isinstance(output, Tensor) else _replace(output, self.element, new)
 
-    def _get(self, x: Any, values: Mapping[str, Any], at: _At) -> Any:
+    def _get(self, x: Any, values: Mapping[str, Any], at: _At, role: str = "index") -> Any:
+        """`x`, or the call's value for it when it is an ``fh.arg``; a value for a `role` other
+        than ``index`` (checked by :meth:`_mask`) must be of the kind the constructor takes."""
         if not isinstance(x, Arg):
             return x
         try:
-            return values[x.name]
+            value = values[x.name]
         except KeyError:
             raise at.error(
                 f"a per-call value comes from the call's keyword argument `{x.name}`, got none",
                 f"Call the capture function as `f(..., {x.name}=value)`",
             ) from None
+        if role == "nth":
+            if isinstance(value, Tensor) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                return value
+            raise at.error(f"`nth` is an int >= 0 or an integer tensor, got {show(value)}",
+                           "Pass the index of the module to edit among those the selector matches")
+        if role != "index" and not (isinstance(value, Tensor) or is_number(value)
+                                    or (isinstance(value, Record) and role in ("value", "mean"))):
+            what = "a tensor, a number or a Record" if role in ("value", "mean") else "a tensor or a number"
+            raise at.error(f"`{role}` is {what}, got {show(value)}", "Pass one of those per call")
+        return value
 
     def _gate(self, rank: int, values: Mapping[str, Any], at: _At) -> Any:
-        nth = self._get(self.nth, values, at)
+        nth = self._get(self.nth, values, at, "nth")
         if nth is None:
             return None
         if isinstance(nth, Tensor):
-            if nth.ndim != 0 or nth.is_floating_point():
+            if nth.ndim != 0 or nth.is_floating_point() or nth.is_complex():
                 raise at.error(f"`nth` is one integer module index per call, got a tensor of shape {_shape(nth)}",
                                "Map over a 1-d tensor of indices with `torch.func.vmap`, which gives each call one")
             return nth == rank
@@ -144,15 +165,18 @@ class Intervention:
         kind = self.kind
         if kind == "ablate" and self.value is None:
             return torch.zeros_like(target), True
-        value = self._get(self.value, values, at)
+        value = self._get(self.value, values, at, _ROLES[kind])
         if isinstance(value, Record):
             value = _from_record(value, self, count, at) if kind != "ablate" else _record_mean(value, self, at)
         if not isinstance(value, Tensor):
             value = torch.as_tensor(value)
+        _check_real(value, target, at)
         value = value.to(device=target.device, dtype=target.dtype if kind != "scale" else None)
         _check_fits(value, target, at)
         if kind == "steer":
-            coef = self._get(self.coef, values, at)
+            coef = self._get(self.coef, values, at, "scale")
+            if isinstance(coef, Tensor):
+                _check_real(coef, target, at)
             return (target + coef * value).to(target.dtype), True
         if kind == "scale":
             return (target * value).to(target.dtype), True
@@ -169,10 +193,14 @@ class Intervention:
         dim = self.dim % ndim
         size = target.shape[dim]
         positions = torch.arange(size, device=target.device)
+        if not _is_positions(index):
+            raise at.error(f"`index` is an int, ints, a bool mask or an integer tensor, got {show(index)}",
+                           f"Pass integer positions along dim {dim}")
+        outside = _outside(index, size)
+        if outside is not None:
+            raise at.error(f"`index` is a position along dim {dim} (size {size}), got {outside}",
+                           f"Pass an index in [{-size}, {size})")
         if isinstance(index, int):
-            if not -size <= index < size:
-                raise at.error(f"`index` is a position along dim {dim} (size {size}), got {index}",
-                               f"Pass an index in [{-size}, {size})")
             mask = positions == index % size
         else:
             index = torch.as_tensor(index, device=target.device)
@@ -185,6 +213,43 @@ class Intervention:
                 index = torch.where(index < 0, index + size, index)
                 mask = positions == index if index.ndim == 0 else (positions[:, None] == index.reshape(1, -1)).any(-1)
         return mask.reshape((size,) + (1,) * (ndim - dim - 1))
+
+
+_ROLES = {"patch": "value", "steer": "vector", "scale": "factor", "ablate": "mean"}
+"""The name of each kind's value, in messages."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_positions(index: Any) -> bool:
+    """Whether `index` is of a kind `index` takes: an int, ints, a bool or integer tensor."""
+    if isinstance(index, Tensor):
+        return not (index.is_floating_point() or index.is_complex())
+    if isinstance(index, (list, tuple)):
+        return all(map(_is_int, index))
+    return _is_int(index)
+
+
+def _outside(index: Any, size: int) -> int | None:
+    """The first position of `index` outside ``[-size, size)``, or None. A tensor is checked
+    with one comparison (a host read), except under a ``torch.func`` transform or a
+    ``torch.compile`` trace, where its values cannot be read."""
+    if isinstance(index, int):
+        return None if -size <= index < size else index
+    if not isinstance(index, Tensor):
+        return next((i for i in index if not -size <= i < size), None)
+    if index.dtype == torch.bool or _torch.is_functorch_active() or _torch.is_compiling():
+        return None
+    out = (index < -size) | (index >= size)
+    return int(index[out].reshape(-1)[0]) if bool(out.any()) else None
+
+
+def _check_real(value: Tensor, target: Tensor, at: _At) -> None:
+    if value.is_complex() and not target.is_complex():
+        raise at.error(f"an intervention's value is real where the value it edits is real ({target.dtype}), got a "
+                       "complex value", "Pass a real value, or edit a complex output")
 
 
 class _At:

@@ -19,8 +19,14 @@ edited value). Options shared by all of them:
 then comes from the keyword argument `name` of the function ``fh.capture`` /
 ``fh.functional`` return, so ``torch.func.vmap`` over it runs a whole sweep in one call.
 
+An ``index`` outside ``dim``, an ``nth`` past the modules matched (refused when the plan is
+made, or per call), ``element`` on a tensor output, a complex value into a real output and a
+per-call value of the wrong kind raise :class:`~funhooks.InterventionError`. Under ``vmap`` a
+batched ``index`` / ``nth`` cannot be read: one out of range edits nothing there.
+
 Cost: per edited call, one new tensor of the edited value's size (``torch.where`` when
-``index``/``nth`` is given). A spec holding a tensor or a Record keeps it alive as long as
+``index``/``nth`` is given); outside ``vmap`` and ``torch.compile`` a tensor ``index`` or
+``nth`` is range-checked with one small comparison read on the host. A spec holding a tensor or a Record keeps it alive as long as
 its plan is cached (at most 32 plans per model); pass large values per call with
 ``fh.arg``.
 """
@@ -33,9 +39,8 @@ from typing import Any
 import torch
 
 from funhooks.errors import SpecError
-from funhooks.records.record import Record
 
-from ._intervention import Arg, Intervention, show
+from ._intervention import Arg, Intervention, is_number, show
 from .ops import Op, around_spec, as_op
 from .selector import Where, select
 from .spec import Spec
@@ -72,13 +77,6 @@ def arg(name: str) -> Arg:
 
 # -- the constructors ----------------------------------------------------------------------------
 
-_NUMBER = (int, float)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, _NUMBER) and not isinstance(x, bool)
-
-
 def _checked(label: str, *, index: Any, dim: Any, nth: Any, element: Any, name: Any) -> None:
     ints = isinstance(index, Sequence) and not isinstance(index, str) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in index)
@@ -99,7 +97,7 @@ def _checked(label: str, *, index: Any, dim: Any, nth: Any, element: Any, name: 
 
 def _checked_value(label: str, arg_name: str, value: Any, *, record: bool = True, none: bool = False) -> Any:
     kinds = (Tensor, Arg, Record) if record else (Tensor, Arg)
-    if isinstance(value, kinds) or _is_number(value) or (none and value is None):
+    if isinstance(value, kinds) or is_number(value) or (none and value is None):
         return value
     what = "a tensor, a number" + (", a Record" if record else "") + " or `fh.arg(name)`" + (" or None" if none else "")
     raise SpecError(f"{label}: `{arg_name}` is {what}, got {show(value)}. Pass one of those.")

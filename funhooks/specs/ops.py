@@ -9,8 +9,9 @@ module's path and the op's name: ``rec["h.0.attn"]["softmax"]``, one value per o
 An op is a torch function or its name, and every spelling of it matches: ``torch.add``,
 ``Tensor.add`` and ``a + b`` are all ``"add"``. ``fh.op(name, call=k)`` takes only the k-th
 call in each module call (from 0); ``deep=True`` counts ops of its submodules too. A module
-call in which an op spec matched nothing raises :class:`~funhooks.SelectorError` listing
-the ops it called: the model needs no change, and a wrong guess is said at once.
+call that skips the op records nothing for it; an op spec that matched nothing in every call
+of its module in a run raises :class:`~funhooks.SelectorError` when the run ends, listing the
+ops it called: the model needs no change, and a wrong guess is said.
 
 Cost: nothing for modules no op spec selects. While a selected module's forward runs,
 every torch function it calls passes through one Python ``__torch_function__`` (about 1.5 µs
@@ -122,6 +123,11 @@ class OpAction:
     def args(self) -> tuple[str, ...]:
         """The per-call values it reads (an intervention's ``fh.arg`` names)."""
         return self.fn.args if self.kind == "intervene" else ()
+
+    @property
+    def nth(self) -> Any:
+        """An intervention's `nth` (None for the other kinds)."""
+        return self.fn.nth if self.kind == "intervene" else None
 
     def __call__(self, *args: Any) -> Any:
         """An op editor's function: ``fn(module, args, kwargs, output)``."""

@@ -13,6 +13,7 @@ the result per model and spec set.
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any, Union
@@ -201,11 +202,28 @@ def select(where: Where) -> Selector:
                 f"select: a predicate is hashable (selectors are values, compared and cached by it), got an "
                 f"unhashable {type(where).__name__}. Make it hashable (e.g. `@attrs.frozen`), or pass a function."
             ) from None
+        _check_predicate(where)
         return Selector("predicate", where)
     raise SelectorError(
         "select: `where` is a path pattern, a module type, a module instance, a predicate "
         f"`(path, module) -> bool` or a list of these, got {where!r}. Pass one of those."
     )
+
+
+def _check_predicate(fn: Callable[..., Any]) -> None:
+    """A predicate is called as ``fn(path, module)``; one without a signature is trusted."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise SelectorError(
+            f"select: a predicate takes `(path, module)` and returns a bool, got `{name}` taking "
+            f"({', '.join(signature.parameters)}). Pass e.g. `lambda path, module: isinstance(module, nn.Linear)`."
+        ) from None
 
 
 def path_label(path: str) -> str:

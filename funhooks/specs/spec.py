@@ -12,8 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 
-from funhooks.errors import SpecError
+from funhooks import _torch
+from funhooks.errors import InterventionError, SpecError
 
 from .selector import Selector, Where, select
 
@@ -93,6 +95,12 @@ class Spec:
         return self.fn.args if self.role in ("intervene", "op") else ()
 
     @property
+    def nth(self) -> Any:
+        """The index, among the modules it selects, of the one an intervention spec edits
+        (an int, a tensor or an ``fh.arg``); None for every module, and for other specs."""
+        return self.fn.nth if self.role in ("intervene", "op") else None
+
+    @property
     def needs_backward(self) -> bool:
         """True for specs that act during a backward pass (gradients of outputs, module
         backward events, parameter gradients)."""
@@ -126,6 +134,27 @@ class Spec:
 
     def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
         return None
+
+
+_SHOWN_PATHS = 8
+"""How many of the selected paths an `nth` error lists."""
+
+
+def check_nth(spec: Spec, nth: Any, paths: list[str], caller: str) -> None:
+    """An intervention's `nth` (an int, or an integer tensor outside transforms and traces,
+    read with one host sync) must index one of the `paths` its spec selected."""
+    if isinstance(nth, torch.Tensor):
+        if nth.ndim or nth.is_floating_point() or nth.is_complex() or _torch.is_functorch_active() \
+                or _torch.is_compiling():
+            return  # a batched value cannot be read; a wrong kind is said when the intervention applies
+        nth = int(nth)
+    if not isinstance(nth, int) or isinstance(nth, bool) or 0 <= nth < len(paths):
+        return
+    shown = paths[:_SHOWN_PATHS] + (["..."] if len(paths) > _SHOWN_PATHS else [])
+    raise InterventionError(
+        f"{caller}: `nth` is the index of a module the selector matched ({len(paths)} here: {shown}), got {nth}, "
+        f"for {spec!r}. Pass an `nth` below {len(paths)}."
+    )
 
 
 def check_flags(label: str, **flags: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from funhooks.records.record import Record
 from funhooks.specs.selector import path_label as where
 
 from .entries import GradSlot
+from .op_mode import unmatched
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -34,14 +35,15 @@ __all__ = ["Frame"]
 class Frame:
     """One run's mutable state: what its entries stored, and the hooks they registered."""
 
-    __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "open", "plan", "values",
-                 "watches")
+    __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "missed", "open", "plan",
+                 "values", "watches")
 
     def __init__(self, plan: Plan, caller: str, level: int | None = None,
                  values: dict[str, Any] | None = None) -> None:
         self.plan = plan
         self.values: dict[str, Any] = {} if values is None else values  # `fh.arg` name -> this call's value
         self.counts: dict[Any, int] = {}  # intervention entry -> how often it applied in this frame
+        self.missed: dict[Any, Any] = {}  # op entry -> None once it took an op, else why not (``ops.note``)
         self.caller = caller
         self.buffer: list[tuple[Any, Any, Any]] = []
         self.grad_hooks: list[Any] = []
@@ -61,6 +63,12 @@ class Frame:
             handle.remove()
         self.grad_hooks = []
         self.watches = None
+
+    def check(self) -> None:
+        """Raise when an op spec took no op in any call of its module (``ops.unmatched``)."""
+        error = unmatched(self)
+        if error is not None:
+            raise error
 
     def record(self) -> Record:
         """The Record of everything stored so far (a snapshot)."""

@@ -12,8 +12,9 @@ An op is named by its function or its name, and every spelling of it matches:
 ``torch.add``, ``Tensor.add`` and ``a + b`` are all ``add`` (``a += b`` is ``add_``).
 By default only the module's own code counts: an op called inside one of its submodules'
 calls is not the module's (``fh.op(name, deep=True)`` counts them too); telling them apart
-walks up the Python frames of a matched op to the first module call. A module call in which
-an op spec matched nothing raises :class:`SelectorError`, listing the ops that were called.
+walks up the Python frames of a matched op to the first module call. A call that skips an op
+records nothing for it; an op spec that matched nothing in every call of its module in a run
+raises :class:`SelectorError` when the run ends, listing the ops the first such call made.
 
 Cost: nothing for modules without op specs, and nothing for any module outside the calls of
 a selected one. During a selected module's forward, one Python ``__torch_function__`` per
@@ -42,7 +43,7 @@ from .values import preparer, snapshot, unchecked
 if TYPE_CHECKING:
     from .frame import Frame
 
-__all__ = ["OpEntry", "call", "op_entry", "op_name"]
+__all__ = ["OpEntry", "call", "op_entry", "op_name", "unmatched"]
 
 Key = tuple[str, str]
 _NAMES: dict[Any, str] = {}
@@ -193,16 +194,28 @@ class _Mode(TorchFunctionMode):
                     entry.store_out(frame, output)
         return output
 
-    def check(self, module: nn.Module, path: str) -> None:
-        """Raise when an op spec matched no op of this call (or fewer than its ``call`` index)."""
+    def note(self, module: nn.Module, path: str) -> None:
+        """Note in each frame which op specs took an op in this call, and for one that took
+        none (or fewer calls than its ``call`` index) what this call called, for the error
+        :func:`unmatched` gives if no call of the run takes one."""
         for frame, hooked in self.users:
+            missed = frame.missed
             for entries in hooked.ops.values():
                 for entry in entries:
                     n = self.counts.get(entry, 0)
                     if n > (entry.call or 0):
-                        continue
-                    raise _unmatched(frame.caller, entry, module, path, n, self.outside.get(entry, 0),
-                                     sorted(self.seen))
+                        missed[entry] = None
+                    elif entry not in missed:
+                        missed[entry] = (module, path, n, self.outside.get(entry, 0), sorted(self.seen))
+
+
+def unmatched(frame: Frame) -> SelectorError | None:
+    """The error for an op spec that took no op in any call of its module in the frame's
+    run (said with the first such call's ops), or None."""
+    for entry, why in frame.missed.items():
+        if why is not None:
+            return _unmatched(frame.caller, entry, *why)
+    return None
 
 
 def _unmatched(caller: str, entry: OpEntry, module: nn.Module, path: str, n: int, outside: int,
@@ -227,7 +240,7 @@ def _unmatched(caller: str, entry: OpEntry, module: nn.Module, path: str, n: int
 def call(module: nn.Module, inner: Callable[..., Any], users: tuple, path: str, args: tuple, kwargs: dict,
          replay: bool) -> Any:
     """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
-    tables have op entries); then check that every op spec matched."""
+    tables have op entries); then note which op specs matched (:func:`unmatched`)."""
     compiling = _torch.is_compiling()
     if compiling:
         for frame, hooked in users:
@@ -242,5 +255,5 @@ def call(module: nn.Module, inner: Callable[..., Any], users: tuple, path: str, 
     mode = _Mode(module, users, None if compiling else sys._getframe(), replay)
     with mode:
         output = inner(*args, **kwargs)
-    mode.check(module, path)
+    mode.note(module, path)
     return output

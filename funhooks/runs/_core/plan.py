@@ -41,7 +41,7 @@ from funhooks import _torch
 from funhooks.errors import SelectorError, SpecError, TransformError
 from funhooks.specs.selector import path_label as where
 from funhooks.specs.selector import resolve
-from funhooks.specs.spec import Spec
+from funhooks.specs.spec import Spec, check_nth
 
 from . import forward, sharded, trace
 from .hooked import Hooked
@@ -203,11 +203,16 @@ class Plan:
         self._held: list[tuple[dict, tuple]] = []  # the parameters `param_grad` specs watch, by module
         self.slots: list[tuple[str, str]] = []  # `run.stored`'s order: spec, then module (or given) order
         self.notes: dict[tuple[str, str | None], str] = {}
+        self._nths: list[tuple[Spec, str, list[str]]] = []  # per-call `nth`s: spec, `fh.arg` name, its paths
         self.order: dict[str, tuple[int, int]] = {}
         names: dict[tuple[str, str], Spec] = {}
         manager = sharded.managers(modules)
         for spec in specs:
             found = self._select(spec, model, modules, caller)
+            if isinstance(spec.nth, (int, torch.Tensor)):
+                check_nth(spec, spec.nth, [p for p, _ in found], caller)
+            elif spec.nth is not None:  # an `fh.arg`: checked per call
+                self._nths.append((spec, spec.nth.name, [p for p, _ in found]))
             for nth, (path, module) in enumerate(found):  # nth: the module's index in the spec's selection
                 key = (path, spec.name)
                 if not spec.is_edit:
@@ -266,6 +271,11 @@ class Plan:
         self._copy_items: list | None = None
         self._traced: trace.Traced | None = None
 
+    def check_values(self, values: dict[str, Any], caller: str) -> None:
+        """Refuse a call's per-call `nth` (``fh.arg``) past the modules its spec selected."""
+        for spec, name, paths in self._nths:
+            check_nth(spec, values.get(name), paths, caller)
+
     def _select(self, spec: Spec, model: nn.Module, modules: list, caller: str) -> list[tuple[str, nn.Module]]:
         found = resolve(spec.where, model, caller=caller, spec=spec, modules=modules)
         _check_called(found, modules, spec, caller)
@@ -274,6 +284,12 @@ class Plan:
             position = {id(m): i for i, m in enumerate(given)}
             found = tuple(sorted(found, key=lambda pm: position.get(id(pm[1]), len(position))))
         if spec.hook == "param_grad":
+            if not any(True for p, m in found for _ in _parameters(m, p)):
+                raise SelectorError(
+                    f"{caller}: a `param_grad` spec watches the own parameters of the modules it selects, got none "
+                    f"in {[p for p, _ in found]} for {spec!r}. Select modules that hold parameters themselves: a "
+                    "container's belong to its children."
+                )
             return list(found)
         containers = [(p, m) for p, m in found if never_called(m)]
         if len(containers) == len(found):

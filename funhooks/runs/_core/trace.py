@@ -185,6 +185,8 @@ def _recorder(wrapper: nn.Module, compiled_fn: Any, users: list[Compiled]) -> Ca
     def recorder(inner: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
         out = record(inner._call_impl if in_place else inner, inner, traced, frames, args, kwargs)
+        for frame in frames:  # these frames last one compiled call: their op specs are checked now
+            frame.check()
         return out, tuple([f.buffer for f in frames])
 
     context = _torch.dynamo_context(wrapper, compiled_fn)
