@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
+import os
+import signal
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +142,35 @@ def test_a_save_that_fails_half_way_leaves_no_file_and_the_old_file_as_it_was(tm
         fh.Record({"m": {"output": (tensor,)}}).save(old)
     assert fh.Record.load(old).equal(fh.Record({"m": {"output": (torch.zeros(1),)}}))
     assert list(tmp_path.iterdir()) == [old]
+
+
+# -- a full disk (issue 26, item 12) ---------------------------------------------------------
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past `limit` bytes fail with a real `OSError` (EFBIG), as on a full disk."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the process is killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_save_onto_a_full_disk_raises_an_os_error_naming_the_file_and_keeps_the_old_one(tmp_path: Path) -> None:
+    """The write error of the disk comes back as an `OSError` naming the file, not torch's
+    `RuntimeError: [enforce fail at inline_container.cc]`; the old file is as it was."""
+    old = fh.Record({"m": {"output": (torch.zeros(1),)}})
+    path = tmp_path / "rec.pt"
+    old.save(path)
+    with file_size_limit(2**20), pytest.raises(OSError) as info:
+        fh.Record({"m": {"output": (torch.ones(2**20),)}}).save(path)
+    assert info.value.errno == errno.EFBIG and info.value.filename == str(path)
+    assert str(info.value) == (
+        f"[Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}; Record.save wrote nothing, and a file already at "
+        f"this path is unchanged: {str(path)!r}"
+    )
+    assert fh.Record.load(path).equal(old) and list(tmp_path.iterdir()) == [path]

@@ -189,10 +189,17 @@ def _write_atomically(blob: dict[str, Any], file: str) -> None:
         except OSError as error:  # name the file asked for, not the temporary one
             raise type(error)(error.errno, error.strerror, file) from None
     try:
-        with os.fdopen(descriptor, "wb") as f:  # a file object: the archive's folder is `archive`, not the temporary name
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(descriptor, "wb") as f:  # a file object: the archive's folder is `archive`, not the temporary name
+                torch.save(blob, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as error:
+            failed = _failed_write(error)
+            if failed is None:
+                raise
+            raise type(failed)(failed.errno, f"{failed.strerror}; Record.save wrote nothing, and a file already at "
+                               "this path is unchanged", file) from error
         _torch.weights_only_reads_complex()
         try:  # mmap: parses the pickle without reading the tensors' bytes
             torch.load(temporary, map_location="cpu", weights_only=True, mmap=True)
@@ -207,6 +214,13 @@ def _write_atomically(blob: dict[str, Any], file: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+
+
+def _failed_write(error: BaseException) -> OSError | None:
+    """The error of the disk behind a failed write (a full disk): `error`, or the one torch's
+    ``RuntimeError: [enforce fail at inline_container.cc]`` hides as its context; else None."""
+    found = error if isinstance(error, OSError) else error.__context__
+    return found if isinstance(found, OSError) else None
 
 
 def _truncated(file: str, detail: str) -> str:

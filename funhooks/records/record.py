@@ -241,6 +241,8 @@ class Record(Frozen):
             TypeError: when a stored value is not one of the above (the message says where
                 and how to convert it), or pickles to something ``torch.load(weights_only=True)``
                 refuses, such as an object set as an attribute of a stored tensor.
+            OSError: when the disk refuses the write (full, over a size limit): the disk's
+                error (``errno`` kept, e.g. ``ENOSPC``) with `path` as its ``filename``.
 
         Example:
             >>> import collections, tempfile, os, torch, funhooks as fh

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from funhooks.errors import SpecError
+from funhooks.records.record import Record
 
 from ._intervention import Arg, Intervention, is_number, show
 from .ops import Op, around_spec, as_op

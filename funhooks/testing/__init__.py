@@ -138,6 +138,7 @@ def check_invariant(
     *,
     specs: _spec.Spec | Iterable[_spec.Spec] = _spec.outputs("**"),
     settings: hypothesis.settings | None = None,
+    seed: int | None = _invariant.DRAW_SEED,
 ) -> None:
     """Check that `predicate` holds for what `model` stores on every drawn input.
 
@@ -158,6 +159,7 @@ def check_invariant(
         inputs_strategy: a Hypothesis strategy of inputs.
         specs: what to store; every module's output by default.
         settings: Hypothesis settings; default: the loaded profile without a deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_invariant: ...`` naming the module path, then
@@ -211,4 +213,4 @@ def check_invariant(
                 + f"\ninput: {drawn!r}"
             )
 
-    holds()
+    _invariant.seeded(holds, seed)()

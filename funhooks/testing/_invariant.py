@@ -32,6 +32,8 @@ shrinks every value; larger ones are drawn from a seed (shrinking a few hundred 
 element by element takes seconds)."""
 FLOAT_BOUND = 3.0
 """Element-wise drawn floats lie in ``[-FLOAT_BOUND, FLOAT_BOUND]`` (three standard deviations)."""
+DRAW_SEED = 0
+"""The seed a check draws its inputs from unless given another: a failure reproduces."""
 EVERY = ["", "**"]
 """A selector for the root and every module below it."""
 
@@ -69,18 +71,24 @@ def settings_for(settings: Any) -> Any:
 # -- inputs ---------------------------------------------------------------------------------
 
 
+def _is_mask(example: torch.Tensor) -> bool:
+    """Whether `example` is a mask: bools, or integers that are all 0 or 1."""
+    if example.dtype == torch.bool:
+        return True
+    if example.dtype.is_floating_point or example.dtype.is_complex:
+        return False
+    return example.numel() > 0 and 0 <= int(example.min()) and int(example.max()) <= 1
+
+
 def _like(example: torch.Tensor, normal: bool, caller: str) -> Any:
-    """Tensors of `example`'s shape, dtype and device."""
+    """Tensors of `example`'s shape, dtype and device; a mask as it is."""
     st = hypothesis().strategies
     shape, dtype, device = tuple(example.shape), example.dtype, example.device
     count = example.numel()
-    if dtype == torch.bool:
-        elements: Any = st.booleans()
-
-        def seeded(g: torch.Generator) -> torch.Tensor:
-            return torch.rand(shape, generator=g) < 0.5
-    elif dtype.is_floating_point:
-        elements = st.floats(-FLOAT_BOUND, FLOAT_BOUND)
+    if _is_mask(example):  # which masks are valid (a row of padding only, one key per row) is the model's rule
+        return st.just(example).map(torch.clone)
+    if dtype.is_floating_point:
+        elements: Any = st.floats(-FLOAT_BOUND, FLOAT_BOUND)
 
         def seeded(g: torch.Generator) -> torch.Tensor:
             return torch.randn(shape, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -109,7 +117,7 @@ def as_strategy(inputs: Any, caller: str, *, normal: bool = False) -> Any:
 
     Example floats are drawn in ``[-3, 3]`` element by element (standard normal from a seed
     with `normal`, or above :data:`DRAWN_ELEMENTS` elements); integers within the example's
-    range of values; bools either way.
+    range of values; a mask (bools, or integers all 0 or 1) stays the example's.
     """
     st = hypothesis().strategies
     if isinstance(inputs, st.SearchStrategy):
@@ -143,8 +151,14 @@ class _Found(Exception):
         self.drawn = drawn
 
 
-def search(strategy: Any, fails: Callable[[Any], bool], settings: Any) -> Any | None:
-    """Draw from `strategy` until ``fails(drawn)``; the shrunk failing draw, or None."""
+def seeded(test: Callable[[], None], seed: int | None) -> Callable[[], None]:
+    """A Hypothesis `test` that draws from `seed`: the same draws on every call (None:
+    Hypothesis' own randomness, new draws each call unless the settings derandomize)."""
+    return test if seed is None else hypothesis().seed(seed)(test)
+
+
+def search(strategy: Any, fails: Callable[[Any], bool], settings: Any, seed: int | None) -> Any | None:
+    """Draw from `strategy` (from `seed`) until ``fails(drawn)``; the shrunk failing draw, or None."""
     hyp = hypothesis()
 
     @settings_for(settings)
@@ -154,7 +168,7 @@ def search(strategy: Any, fails: Callable[[Any], bool], settings: Any) -> Any | 
             raise _Found(drawn)
 
     try:
-        holds()
+        seeded(holds, seed)()
     except _Found as found:
         return found.drawn
     return None

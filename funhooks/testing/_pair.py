@@ -93,7 +93,7 @@ def introducer(rec_a: Record, rec_b: Record, same: Same) -> str | None:
 
 
 def compare(caller: str, model: nn.Module, draws: Any, runs: Callable[[Any], tuple[Run, Run]],
-            same_for: Callable[[Any], Same], *, rule: str, fix: str, settings: Any,
+            same_for: Callable[[Any], Same], *, rule: str, fix: str, settings: Any, seed: int | None,
             breaks: Callable[[Any, Any, Any], bool] | None = None,
             describe: Callable[[Any], str] | None = None) -> None:
     """Search `draws` for one whose two runs break the invariant; blame a module on the shrunk one.
@@ -111,7 +111,7 @@ def compare(caller: str, model: nn.Module, draws: Any, runs: Callable[[Any], tup
             first, second = (seeded_call(model, reset, *run) for run in runs(draw))
             return breaks(draw, first, second)
 
-        draw = inv.search(draws, fails, settings)
+        draw = inv.search(draws, fails, settings, seed)
         if draw is None:
             return
         (_, rec_a), (_, rec_b) = (recorded(model, reset, *run) for run in runs(draw))

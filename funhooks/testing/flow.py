@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from funhooks import _torch
-from funhooks.errors import TransformError
+from funhooks.errors import SpecError, TransformError
 
 from . import _invariant as inv
 from . import _probe as probe
@@ -69,7 +69,7 @@ _FINITE_FIX = "Guard the operation (clamp what goes into `log` or `sqrt`, add an
 
 
 def check_finite(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                 settings: Any = None) -> None:
+                 settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that no activation and no gradient is NaN or infinite, on drawn inputs.
 
     Every module's inputs and outputs are checked in the forward pass, and the gradient
@@ -84,6 +84,7 @@ def check_finite(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torc
             example floats are drawn in ``[-3, 3]``, zeros and edges included.
         loss_fn: ``output -> scalar``; default: a fixed random projection of the outputs.
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_finite: ...`` naming the value (``nan`` or
@@ -111,7 +112,7 @@ def check_finite(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torc
             return (_forward_culprit(flow) is not None
                     or probe.kind([flow.loss, *grads, *flow.param_grads.values()]) is not None)
 
-        draw = inv.search(inv.as_strategy(inputs, caller), fails, settings)
+        draw = inv.search(inv.as_strategy(inputs, caller), fails, settings, seed)
         if draw is None:
             return
         flow = flow_of(draw)
@@ -128,12 +129,15 @@ def check_finite(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torc
     raise AssertionError(f"{caller}: every activation and gradient is finite, got {found}. {fix}.\ninput: {inv.show(draw)}")
 
 
+_NON_FINITE = "a non-finite gradient"
+
+
 def _status(grad: torch.Tensor | None) -> str | None:
     """What is wrong with a parameter's gradient, or None."""
     if grad is None:
         return "no gradient"
     if probe.kind([grad]) is not None:
-        return "a non-finite gradient"
+        return _NON_FINITE
     if not bool((grad != 0).any()):
         return "a zero gradient"
     return None
@@ -163,27 +167,31 @@ def _cut(flow: probe.Flow, path: str) -> tuple[str, str]:
 
 
 def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                          settings: Any = None) -> None:
-    """Check that one backward pass gives every trainable parameter a finite, non-zero gradient.
+                          settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+    """Check that backward passes give every trainable parameter a finite, non-zero gradient.
 
     It catches a branch cut by ``.detach()``, a forward left under ``torch.no_grad()``, a
-    layer that is built but never called, a parameter multiplied by zero. The message names
-    the parameters and the module that cut their path: the one that never calls their
-    module, calls it with gradients off, or drops, detaches or stops the gradient of its
-    output.
+    layer that is built but never called, a parameter multiplied by zero. A missing or zero
+    gradient is judged across all draws (a ReLU gate closed on one input, an expert not
+    routed to, fail nothing), a non-finite one on each draw. The message names the
+    parameters and the module that cut their path: the one that never calls their module,
+    calls it with gradients off, or drops, detaches or stops the gradient of its output.
 
     Args:
         model: the model, in the mode to check (``requires_grad`` parameters are checked).
         inputs: a Hypothesis strategy of inputs, or an example tensor (or tuple of tensors);
             example floats are drawn from a standard normal (zero inputs give zero weight
-            gradients to a first linear layer).
+            gradients to a first linear layer), a mask stays the example's.
         loss_fn: ``output -> scalar``; default: a fixed random projection of the outputs.
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_gradients_reach: ...`` naming what the first
             failing parameter got and the module that cut its path; then the reason, every
-            failing parameter and the shrunk input.
+            failing parameter and the input (the shrunk one for a non-finite gradient, the
+            first drawn one for a gradient that no draw gives).
+        SpecError: for a model without trainable parameters.
         TransformError: for a model sharded by FSDP2, whose shards autograd never sees.
 
     Example:
@@ -201,6 +209,15 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
         )
     loss_fn = probe.projection_loss if loss_fn is None else loss_fn
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        every = list(model.parameters())
+        raise SpecError(
+            f"{caller}: the model has trainable parameters (`requires_grad=True`) to check, got {type(model).__name__} "
+            f"with {len(every)} parameter tensor(s) ({sum(p.numel() for p in every)} values), none trainable. "
+            "Check a model with parameters, or make them trainable with `model.requires_grad_()`."
+        )
+    reached: set[str] = set()  # parameters with a finite, non-zero gradient on some draw
+    drawn: list[Any] = []
 
     with inv.preserved(model) as reset:
         def statuses(draw: Any) -> list[tuple[str, str]]:
@@ -214,16 +231,28 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
                     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             return [(n, s) for (n, _), g in zip(params, grads) if (s := _status(g)) is not None]
 
-        draw = inv.search(inv.as_strategy(inputs, caller, normal=True), lambda d: bool(statuses(d)), settings)
-        if draw is None:
+        def non_finite(draw: Any) -> bool:
+            drawn.append(draw)
+            failing = dict(statuses(draw))
+            reached.update(n for n, _ in params if n not in failing)
+            return _NON_FINITE in failing.values()
+
+        draw = inv.search(inv.as_strategy(inputs, caller, normal=True), non_finite, settings, seed)
+        if draw is not None:
+            failing = [(n, s) for n, s in statuses(draw) if s == _NON_FINITE]
+            shown = f"input: {inv.show(draw)}"
+        else:
+            draw = drawn[0]
+            failing = [(n, s) for n, s in statuses(draw) if n not in reached]
+            shown = f"the same on all {len(drawn)} drawn inputs; the first one:\ninput: {inv.show(draw)}"
+        if not failing:
             return
-        failing = statuses(draw)
         reset()
         torch.manual_seed(SEED)
         flow = probe.Flow(model, inv.as_args(draw), loss_fn)
     name, status = failing[0]
     group = [n for n, s in failing if probe.owner(n) == probe.owner(name) and s == status]
-    culprit = _backward_culprit(flow) if status == "a non-finite gradient" else None
+    culprit = _backward_culprit(flow) if status == _NON_FINITE else None
     if culprit is not None:
         path, reason = culprit[0], f"module {flow.name(culprit[0])} passes back {culprit[1]}; see `check_finite`"
     else:
@@ -233,5 +262,5 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
         f"{caller}: every trainable parameter gets a finite, non-zero gradient, got {status} for "
         f"{len(group)} parameter(s) of {flow.name(probe.owner(name))}, cut in module {flow.name(path)}. "
         f"Look there for `.detach()`, `torch.no_grad()` or an output that is never used.\n{reason}\n"
-        f"{listed}\ninput: {inv.show(draw)}"
+        f"{listed}\n{shown}"
     )

@@ -77,7 +77,8 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 
 
 def check_init_scale(model: nn.Module, inputs: Any, *, where: Where = is_layer,
-                     std_range: tuple[float, float] = STD_RANGE, settings: Any = None) -> None:
+                     std_range: tuple[float, float] = STD_RANGE, settings: Any = None,
+                     seed: int | None = inv.DRAW_SEED) -> None:
     """Check that every layer's activations have a standard deviation within `std_range`.
 
     The classic check of an initialisation: feed unit-variance data and look at each
@@ -92,6 +93,7 @@ def check_init_scale(model: nn.Module, inputs: Any, *, where: Where = is_layer,
         where: the layers to check (any selector); default: leaf modules with parameters.
         std_range: ``(low, high)``, inclusive.
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_init_scale: ...`` naming the number of layers
@@ -130,7 +132,7 @@ def check_init_scale(model: nn.Module, inputs: Any, *, where: Where = is_layer,
                         break
             return rows
 
-        draw = inv.search(inv.as_strategy(inputs, caller, normal=True), lambda d: bool(outside(d)), settings)
+        draw = inv.search(inv.as_strategy(inputs, caller, normal=True), lambda d: bool(outside(d)), settings, seed)
         if draw is None:
             return
         rows = outside(draw)
@@ -145,7 +147,7 @@ def check_init_scale(model: nn.Module, inputs: Any, *, where: Where = is_layer,
 
 
 def check_dead_units(model: nn.Module, inputs: Any, *, where: Where = is_leaf, near_zero: float = NEAR_ZERO,
-                     max_dead: float = MAX_DEAD, settings: Any = None) -> None:
+                     max_dead: float = MAX_DEAD, settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that no layer has more than `max_dead` of its units near zero on every drawn input.
 
     A unit is one element of a layer's output for one example (a feature, or a channel at
@@ -162,6 +164,7 @@ def check_dead_units(model: nn.Module, inputs: Any, *, where: Where = is_leaf, n
         near_zero: the magnitude at or below which a unit's activation counts as zero.
         max_dead: the share of dead units a layer may have (``0`` allows none).
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_dead_units: ...`` naming the number of layers
@@ -203,7 +206,7 @@ def check_dead_units(model: nn.Module, inputs: Any, *, where: Where = is_leaf, n
             drawn[0] += 1
             return False
 
-        inv.search(inv.as_strategy(inputs, caller, normal=True), collect, settings)
+        inv.search(inv.as_strategy(inputs, caller, normal=True), collect, settings, seed)
     rows, failing = [], []
     for (path, call), peak in peaks.items():
         dead, total = int((peak <= near_zero).sum()), peak.numel()

@@ -59,7 +59,7 @@ def _spliced(args: tuple, other: tuple, dim: int, size: int, index: slice) -> tu
 
 
 def check_batch_independence(model: nn.Module, inputs: Any, *, batch_dim: int = 0, rtol: float = pair.RTOL,
-                             atol: float = pair.ATOL, settings: Any = None) -> None:
+                             atol: float = pair.ATOL, settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that the output for one example does not depend on the other examples.
 
     For each drawn input it changes one example ``j`` (taken from a second draw) and checks
@@ -75,6 +75,7 @@ def check_batch_independence(model: nn.Module, inputs: Any, *, batch_dim: int = 
         batch_dim: the batch dimension of the inputs and outputs.
         rtol, atol: tolerances of the comparison.
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_batch_independence: ...`` naming the innermost
@@ -117,13 +118,13 @@ def check_batch_independence(model: nn.Module, inputs: Any, *, batch_dim: int = 
         rows = tuple(b.select(batch_dim, j) for a, b in zip(args, other) if _has_dim(a, batch_dim) and a.shape[batch_dim] == size)
         return f"input: {inv.show(draw[0])}\nexample {j} changed to: {inv.show(rows if len(rows) > 1 else rows[0])}"
 
-    pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings,
+    pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
                  rule="the output for one example depends only on that example",
                  fix="Look for a reshape or transpose across the batch dimension, or statistics over the batch")
 
 
 def check_causality(model: nn.Module, inputs: Any, *, dim: int = 1, rtol: float = pair.RTOL, atol: float = pair.ATOL,
-                    settings: Any = None) -> None:
+                    settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that the output at position ``t`` along `dim` depends only on inputs at ``<= t``.
 
     For each drawn input it changes every position after a drawn ``t`` (taking them from a
@@ -138,6 +139,7 @@ def check_causality(model: nn.Module, inputs: Any, *, dim: int = 1, rtol: float 
         dim: the sequence dimension of the inputs and outputs (``-1`` for ``(N, C, T)``).
         rtol, atol: tolerances of the comparison.
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_causality: ...`` naming the innermost module
@@ -179,6 +181,6 @@ def check_causality(model: nn.Module, inputs: Any, *, dim: int = 1, rtol: float 
         return (f"input: {inv.show(draw[0])}\ninput with positions {t + 1}.. changed: "
                 f"{inv.show(changed if len(changed) > 1 else changed[0])}\nthe output at positions 0..{t} changed")
 
-    pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings,
+    pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
                  rule=f"the output at position t along dim {dim} depends only on inputs at positions <= t",
                  fix="Mask the future: a causal attention mask, left-only padding")

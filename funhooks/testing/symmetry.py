@@ -30,7 +30,7 @@ __all__ = ["check_determinism", "check_equivariance", "check_train_eval_consiste
 
 def check_equivariance(model: nn.Module, inputs: Any, transform: Callable[[torch.Tensor], torch.Tensor], *,
                        output_transform: Callable[[Any], Any] | None = None, rtol: float = pair.RTOL,
-                       atol: float = pair.ATOL, settings: Any = None) -> None:
+                       atol: float = pair.ATOL, settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check ``model(transform(x)) == output_transform(model(x))`` on drawn inputs.
 
     With ``output_transform=lambda y: y`` it checks invariance (a set model's pooled
@@ -49,6 +49,7 @@ def check_equivariance(model: nn.Module, inputs: Any, transform: Callable[[torch
         output_transform: applied to the first run's output; default `transform`.
         rtol, atol: tolerances of the comparison.
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_equivariance: ...`` naming the innermost module
@@ -91,12 +92,12 @@ def check_equivariance(model: nn.Module, inputs: Any, transform: Callable[[torch
         return any(pair.close(o, b, rtol, atol) for o in options) if options else None
 
     pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, breaks=breaks,
-                 settings=settings, rule="model(transform(x)) equals output_transform(model(x))",
+                 settings=settings, seed=seed, rule="model(transform(x)) equals output_transform(model(x))",
                  fix="Look for positions the module treats differently (position embeddings, zero padding, flattening)")
 
 
 def check_determinism(model: nn.Module, inputs: Any, *, rtol: float = 0.0, atol: float = 0.0,
-                      settings: Any = None) -> None:
+                      settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that the model in eval mode gives the same output twice on the same input.
 
     The two runs start from different random seeds, so randomness left in eval mode shows:
@@ -108,6 +109,7 @@ def check_determinism(model: nn.Module, inputs: Any, *, rtol: float = 0.0, atol:
         inputs: a Hypothesis strategy of inputs, or an example tensor (or tuple of tensors).
         rtol, atol: tolerances of the comparison (exact by default).
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         AssertionError: first line ``check_determinism: ...`` naming the innermost module
@@ -130,7 +132,7 @@ def check_determinism(model: nn.Module, inputs: Any, *, rtol: float = 0.0, atol:
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return pair.close(a, b, rtol, atol)
 
-    pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings,
+    pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
                  rule="two runs in eval mode on the same input give the same output",
                  fix="Remove randomness from eval mode (dropout with `training=True`, `torch.rand`, sampling)")
 
@@ -146,7 +148,7 @@ def _mode_dependent(module: nn.Module) -> bool:
 
 
 def check_train_eval_consistency(model: nn.Module, inputs: Any, *, rtol: float = pair.RTOL, atol: float = pair.ATOL,
-                                 settings: Any = None) -> None:
+                                 settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that a model without dropout or batch norm gives the same output in train and
     eval mode.
 
@@ -159,6 +161,7 @@ def check_train_eval_consistency(model: nn.Module, inputs: Any, *, rtol: float =
         inputs: a Hypothesis strategy of inputs, or an example tensor (or tuple of tensors).
         rtol, atol: tolerances of the comparison.
         settings: Hypothesis settings; default: at most 25 examples, no deadline.
+        seed: the seed of the draws, so a failure reproduces; None: new draws each call.
 
     Raises:
         SpecError: when the model has dropout (``p > 0``), batch norm or instance norm with
@@ -189,6 +192,6 @@ def check_train_eval_consistency(model: nn.Module, inputs: Any, *, rtol: float =
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return pair.close(a, b, rtol, atol)
 
-    pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings,
+    pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
                  rule="a model without dropout or batch norm gives the same output in train and eval mode",
                  fix="Look for a `self.training` branch")
