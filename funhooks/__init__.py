@@ -14,9 +14,8 @@ Example:
     [(3, 8), (3, 2)]
 """
 
-from importlib import metadata as _metadata
-
 from . import distributed, testing
+from ._version import __version__
 from .distributed import merge_across_ranks
 from .errors import (
     ExtraError,
@@ -116,10 +115,6 @@ def __getattr__(name: str) -> object:
 
 _INTEGRATIONS = ("lightning", "hf")
 
-try:
-    __version__ = _metadata.version("funhooks")
-except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = [
     "ablate",

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, TypeVar
 
 from .errors import FrozenError
 
-__all__ = ["Frozen", "frozen"]
+__all__ = ["EVOLVE_HINT", "Frozen", "frozen"]
 
 T = TypeVar("T", bound=type)
 
@@ -51,8 +51,29 @@ class Frozen:
         return f"{type(self).__name__}: a frozen value cannot be {what}. {self._hint.format(key=key)}"
 
 
+EVOLVE_HINT = "Build a new one with `attrs.evolve(value, {key}=...)`."
+"""What an attrs value without a ``_hint`` of its own suggests."""
+
+
 def frozen(cls: T) -> T:
-    """Give an attrs frozen class Frozen's refusals (FrozenError, with the class's ``_hint``)."""
+    """Give an attrs frozen class Frozen's refusals (FrozenError, with the class's ``_hint``,
+    by default :data:`EVOLVE_HINT`). Every frozen attrs class of funhooks wears it, so every
+    funhooks value refuses change the same way.
+
+    Example:
+        >>> import attrs
+        >>> from funhooks._frozen import frozen
+        >>> @frozen
+        ... @attrs.frozen
+        ... class Point:
+        ...     x: int
+        >>> Point(1).x = 2
+        Traceback (most recent call last):
+        ...
+        funhooks.errors.FrozenError: Point: a frozen value cannot be assigned to, got `.x = ...`. Build a new one with `attrs.evolve(value, x=...)`.
+    """
     for name in ("__setattr__", "__delattr__", "_refusal"):
         setattr(cls, name, getattr(Frozen, name))
+    if "_hint" not in vars(cls) and not any("_hint" in vars(base) for base in cls.__mro__[1:-1]):
+        cls._hint = EVOLVE_HINT  # type: ignore[attr-defined]
     return cls

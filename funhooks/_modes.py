@@ -14,14 +14,16 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["in_mode"]
+from . import _torch
+
+__all__ = ["in_mode", "modes_kept"]
 
 
 def _modules(model: nn.Module) -> list[nn.Module]:
     """``model.modules()``, by a plain walk (no generators, no path strings: it runs per step)."""
     found, seen = [model], {id(model)}
     for module in found:  # grows while it is walked
-        for child in module._modules.values():
+        for child in _torch.children(module).values():
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
                 found.append(child)
@@ -53,6 +55,30 @@ def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        for module, flag in modes:
-            if module.training != flag:
-                module.training = flag
+        _restore(modes)
+
+
+@contextlib.contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """After the block every module's flag is what it was before, whatever the block set.
+
+    Example:
+        >>> from torch import nn
+        >>> from funhooks._modes import modes_kept
+        >>> model = nn.Sequential(nn.Dropout()).eval()
+        >>> with modes_kept(model):
+        ...     _ = model.train()
+        >>> model.training, model[0].training
+        (False, False)
+    """
+    modes = [(m, m.training) for m in _modules(model)]
+    try:
+        yield
+    finally:
+        _restore(modes)
+
+
+def _restore(modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, flag in modes:
+        if module.training != flag:
+            module.training = flag

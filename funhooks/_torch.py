@@ -27,7 +27,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 __all__ = [
+    "call_impl",
+    "children",
     "is_functorch_active",
+    "own_buffers",
+    "own_parameters",
     "pytree",
     "register_pytree",
     "tree_leaves",
@@ -37,6 +41,30 @@ __all__ = [
 
 tree_map = pytree.tree_map
 tree_leaves = pytree.tree_leaves
+
+
+# -- a module's own tables: read directly where a walk runs per step or per plan, and in traced
+# code, which must reach modules the way their own forward does (by `_modules` key)
+
+
+def children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """`module`'s own children by name, ``None`` entries included (``module._modules``)."""
+    return module._modules
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """`module`'s own parameters by name, ``None`` entries included (``module._parameters``)."""
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """`module`'s own buffers by name, ``None`` entries included (``module._buffers``)."""
+    return module._buffers
+
+
+def call_impl(module: nn.Module) -> Callable[..., Any]:
+    """PyTorch's own call of `module` (``Module._call_impl``), bypassing a compiled call."""
+    return module._call_impl
 
 _WRAPPER_ATTRS = {"OptimizedModule": "_orig_mod"}
 

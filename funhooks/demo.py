@@ -24,6 +24,8 @@ import attrs
 import torch
 from torch import nn
 
+from funhooks import _frozen
+
 from .errors import ExtraError
 from .reducers import plot
 from .reducers.activation_stats import ActivationStats, ActivationStatsResult
@@ -69,6 +71,7 @@ WHAT = {
 }
 
 
+@_frozen.frozen
 @attrs.frozen
 class DemoResult:
     """What :func:`run` produced: the PNG files, the losses, the statistics and the accuracy."""

@@ -36,10 +36,9 @@ import torch
 
 from funhooks.errors import ExtraError
 from funhooks.specs.spec import inputs, observe
-from funhooks.training._recorder import Recorder
 from funhooks.training.folds import Reducer
-
-from ._trainer import Results, Stepwise, misplaced
+from funhooks.training.recorder import Recorder
+from funhooks.training.stepwise import Results, Stepwise, misplaced
 
 try:
     import transformers

@@ -25,8 +25,7 @@ from typing import Any
 
 from funhooks.errors import ExtraError
 from funhooks.training.folds import Reducer
-
-from ._trainer import Results, Stepwise, misplaced
+from funhooks.training.stepwise import Results, Stepwise, misplaced
 
 try:
     import lightning.pytorch as pl

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import torch
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks.errors import RecordError
 
 from ._compare import DICTS as _DICTS
@@ -80,6 +80,7 @@ def read(file: str, map_location: Any = None) -> dict[str, dict[str, tuple[Any, 
 # -- the file format -------------------------------------------------------------------------
 
 
+@_frozen.frozen
 @attrs.frozen
 class _Where:
     """One call's value in a Record, for messages: ``rec['fc']['output']`` or ``rec.calls('fc', 'output')[1]``."""

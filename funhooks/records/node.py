@@ -18,7 +18,7 @@ import torch
 from funhooks._frozen import Frozen
 from funhooks.errors import RecordError, RecordKeyError
 
-__all__ = ["RecordNode", "explained", "summarise"]
+__all__ = ["RecordNode", "explained", "noted", "summarise"]
 
 def explained(message: str, fix: str, notes: tuple[tuple[str | None, str], ...], path: str,
                name: str | None = None) -> str:
@@ -122,3 +122,8 @@ class RecordNode(Frozen, Mapping):
     def __repr__(self) -> str:
         body = ", ".join(f"{k!r}: [{', '.join(summarise(v) for v in vs)}]" for k, vs in self._values.items())
         return f"RecordNode({self._path!r}, {{{body}}})"
+
+
+def noted(path: str, values: Mapping[str, tuple[Any, ...]], notes: tuple[tuple[str | None, str], ...]) -> RecordNode:
+    """A node whose failed lookups explain themselves with `notes` (see ``Record``)."""
+    return RecordNode._noted(path, values, notes)

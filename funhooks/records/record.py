@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks._frozen import Frozen
 from funhooks.errors import RecordKeyError
 
@@ -27,7 +27,7 @@ from . import _file as _recordfile
 from . import node as _node
 from .node import RecordNode
 
-__all__ = ["CallKey", "Record", "RecordNode"]
+__all__ = ["CallKey", "Record", "RecordNode", "trusted", "with_notes_of"]
 
 _NO_NOTES: Mapping[str, tuple[tuple[str | None, str], ...]] = {}  # never mutated (a plain dict: dynamo traces it)
 """A Record's notes on absences, by path: ``(name or None, sentence)`` pairs."""
@@ -114,7 +114,7 @@ class Record(Frozen):
 
     def _node(self, path: str, values: Mapping[str, tuple[Any, ...]]) -> RecordNode:
         notes = self._notes.get(path) if self._notes else None
-        return RecordNode(path, values) if notes is None else RecordNode._noted(path, values, notes)
+        return RecordNode(path, values) if notes is None else _node.noted(path, values, notes)
 
     def calls(self, path: str, name: str) -> tuple[Any, ...]:
         """Every call's value of `name` at `path`, in call order."""
@@ -292,6 +292,18 @@ class Record(Frozen):
         return (Record, (self._data,))
 
 
+def trusted(data: dict[str, dict[str, tuple[Any, ...]]],
+            notes: Mapping[tuple[str, str | None], str] | None = None) -> Record:
+    """A Record over `data`, neither copied nor checked (the run core's and the file reader's
+    way in: they hand over a dict they built); `notes` as :meth:`Record._trusted` says."""
+    return Record._trusted(data, notes)
+
+
+def with_notes_of(data: dict[str, dict[str, tuple[Any, ...]]], like: Record) -> Record:
+    """A Record over `data` (neither copied nor checked) keeping the notes on absences of `like`."""
+    return Record._with_notes(data, like._notes)
+
+
 def _indexed(notes: Mapping[tuple[str, str | None], str]) -> Mapping[str, tuple[tuple[str | None, str], ...]]:
     """`notes` by path, each path's notes in their order, the ones on the whole module first."""
     index: dict[str, list[tuple[str | None, str]]] = {}
@@ -352,6 +364,7 @@ def _unflatten(values: Any, context: Any) -> Record:
     return Record._trusted({p: {n: tuple(next(it) for _ in range(k)) for n, k in names} for p, names in context})
 
 
+@_frozen.frozen
 @attrs.frozen
 class CallKey:
     """The key-path entry of one call's value in a Record: ``.calls(path, name)[call]``.

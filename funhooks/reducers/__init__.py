@@ -12,10 +12,10 @@ May import: ``errors``, ``_torch``, ``_frozen``, ``distributed``, ``records``, `
 """
 
 from . import plot
-from ._shared import LeafModules, OwnParams
 from .activation_stats import ActivationStats, ActivationStatsResult
 from .dead_units import DeadUnits, DeadUnitsResult
 from .hook_callback import HookCallback
+from .layers import LeafModules, OwnParams
 from .loss_curve import LossCurve, LossCurveResult
 from .output_means import OutputMeans
 from .param_grads import GradientStats, GradientStatsResult

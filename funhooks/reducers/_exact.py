@@ -28,7 +28,7 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks.errors import ReducerError, StaleTensorError
 from funhooks.specs.selector import path_label as where
 
@@ -57,6 +57,7 @@ recorded step that reached it. Modules whose output nothing changes are then kep
 copy; the others are copied in the hook."""
 
 
+@_frozen.frozen
 @attrs.frozen
 class Snapshot:
     """The hook of ActivationStats: a small output kept for the step's batched reduction

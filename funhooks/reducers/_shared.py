@@ -18,55 +18,19 @@ import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import attrs
 import torch
-from torch import nn
 
 from funhooks.errors import ReducerError
 from funhooks.records.record import Record
 from funhooks.specs.selector import Selector, Where, select
 
-__all__ = ["LeafModules", "OwnParams", "Steps", "as_tensor", "entry_paths", "module_order", "roll", "settled", "unroll"]
+from .layers import LeafModules
 
+__all__ = [
+    "HEALTHY_RATIO", "Steps", "as_tensor", "entry_paths", "module_order", "roll", "settled", "unroll"]
 
-@attrs.frozen
-class LeafModules:
-    """The default module selector of the hook callbacks: leaf modules with parameters
-    (fastai's choice), or every leaf module with ``include_paramless=True``.
-
-    Example:
-        >>> from torch import nn
-        >>> import funhooks as fh
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 1)))
-        >>> [p for p, _ in fh.select(fh.reducers.LeafModules()).resolve(model)]
-        ['0', '2.0']
-    """
-
-    include_paramless: bool = False
-
-    def __call__(self, path: str, module: nn.Module) -> bool:
-        if next(module.children(), None) is not None:
-            return False
-        return self.include_paramless or next(module.parameters(), None) is not None
-
-
-
-@attrs.frozen
-class OwnParams:
-    """The default selector of the parameter reducers: modules that hold parameters of their
-    own (``recurse=False``), so that every parameter of the model belongs to exactly one
-    selected module, leaf or not (an ``nn.MultiheadAttention``'s ``in_proj_weight``).
-
-    Example:
-        >>> from torch import nn
-        >>> import funhooks as fh
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.MultiheadAttention(2, 1))
-        >>> [p for p, _ in fh.select(fh.reducers.OwnParams()).resolve(model)]
-        ['0', '2', '2.out_proj']
-    """
-
-    def __call__(self, path: str, module: nn.Module) -> bool:
-        return next(module.parameters(recurse=False), None) is not None
+HEALTHY_RATIO = 1e-3
+"""The rule of thumb for a healthy update-to-parameter ratio (Karpathy's), drawn on its plot."""
 
 
 def where(modules: Where | None, include_paramless: bool) -> Selector:

@@ -36,6 +36,7 @@ from typing import Any, cast
 import attrs
 import torch
 
+from funhooks import _frozen
 from funhooks.errors import ReducerError
 from funhooks.specs.selector import Selector
 from funhooks.specs.spec import Spec, observe
@@ -44,8 +45,9 @@ from funhooks.training.step import Step
 from . import _exact as ex
 from . import _shared as red
 from ._exact import REDUCE_IN_HOOK_NUMEL
-from ._shared import LeafModules, OwnParams, roll, unroll
+from ._shared import roll, unroll
 from .hook_callback import HookCallback
+from .layers import LeafModules, OwnParams
 
 __all__ = [
     "HIST_BINS",
@@ -106,6 +108,7 @@ def _check_hist_range(instance: Any, attribute: Any, bounds: Any) -> None:
 
 
 
+@_frozen.frozen
 @attrs.frozen
 class ActivationStats:
     """fastai's ``ActivationStats`` as a reducer: mean, std and near-zero share (and
@@ -228,6 +231,7 @@ class ActivationStats:
 _ABSENT = (math.nan, math.nan, math.nan)
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False)
 class ActivationStatsResult(red.Steps):
     """The result of :class:`ActivationStats`: per recorded step, per module path statistics.

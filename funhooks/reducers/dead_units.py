@@ -24,6 +24,7 @@ import attrs
 import torch
 from torch import nn
 
+from funhooks import _frozen
 from funhooks.errors import ReducerError
 from funhooks.specs.selector import Selector, select
 from funhooks.specs.spec import Spec, observe
@@ -147,6 +148,7 @@ def _entry(iteration: int, paths: tuple[str, ...], peaks: list[torch.Tensor], ne
     return _Entry(iteration, paths, masks, _fractions(masks))
 
 
+@_frozen.frozen
 @attrs.frozen
 class DeadUnits:
     """The fraction of dead units per layer at every recorded train step, and throughout.
@@ -242,6 +244,7 @@ class DeadUnits:
         return DeadUnitsResult(entries)
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False)
 class DeadUnitsResult(red.Steps):
     """The result of :class:`DeadUnits`: per recorded step, per layer path, the dead fraction.

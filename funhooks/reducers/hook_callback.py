@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from funhooks import _frozen
 from funhooks.errors import ReducerError
 from funhooks.specs.selector import Selector
 from funhooks.specs.spec import Spec, observe
@@ -44,6 +45,7 @@ def _check_name(instance: Any, attribute: Any, name: Any) -> None:
 
 
 
+@_frozen.frozen
 @attrs.frozen
 class HookCallback:
     """fastai's ``HookCallback`` as a reducer: ``hook(m, i, o)`` per module, per recorded step.

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
+from funhooks import _frozen
 from funhooks.errors import ReducerError
 from funhooks.specs.spec import Spec
 from funhooks.training.step import Step
@@ -42,6 +43,7 @@ class _Entry(NamedTuple):
     """How many ranks' losses `loss` sums (1 until states of one iteration merge)."""
 
 
+@_frozen.frozen
 @attrs.frozen
 class LossCurve:
     """The loss of every train step and its debiased exponential moving average.
@@ -125,6 +127,7 @@ def _ema(losses: list[float], beta: float) -> list[float]:
     return out
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False)
 class LossCurveResult:
     """The result of :class:`LossCurve`: ``iterations``, ``losses`` and their ``ema``.

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import torch
 
+from funhooks import _frozen
 from funhooks.errors import ReducerError
 from funhooks.records.record import Record
 from funhooks.specs.selector import Selector, path_label, select
@@ -25,6 +26,7 @@ __all__ = ["OutputMeans"]
 State = dict[str, tuple[torch.Tensor, int]]
 
 
+@_frozen.frozen
 @attrs.frozen
 class OutputMeans:
     """A reducer: each selected module's mean output over every example of the folded steps

@@ -26,12 +26,14 @@ from typing import Any, cast
 import attrs
 import torch
 
+from funhooks import _frozen
 from funhooks.specs.selector import Selector
 from funhooks.training.watch import Layers, OptimizerWatch
 
 from . import _layered as lay
 from . import _params
 from . import _shared as red
+from .layers import OwnParams
 
 __all__ = ["GradientStats", "GradientStatsResult"]
 
@@ -39,6 +41,7 @@ NAME = "gradient_stats"
 COLUMNS = ("norm", "mean", "std", "zeros")
 
 
+@_frozen.frozen
 @attrs.frozen
 class _GradientRows:
     """The watch's function: ``{path: (count, sum, sum of squares, zeros)}`` of each layer's
@@ -89,6 +92,7 @@ def finish(sums: torch.Tensor) -> torch.Tensor:
     return torch.stack((squares.sqrt(), mean, std, zeros / n), 1)
 
 
+@_frozen.frozen
 @attrs.frozen
 class GradientStats(lay.Reducer):
     """Per-layer gradient statistics at every recorded optimizer step: norm, mean, std, zeros.
@@ -129,7 +133,7 @@ class GradientStats(lay.Reducer):
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
         """One watch reading the selected layers' gradients just before each update."""
-        where = red.OwnParams() if self.modules is None else self.modules
+        where = OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _GradientRows(), name=NAME),)
 
     def result(self, state: tuple) -> GradientStatsResult:
@@ -142,6 +146,7 @@ class GradientStats(lay.Reducer):
         return GradientStatsResult(lay.table(state, "GradientStats", NAME, finish))
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False)
 class GradientStatsResult(lay.TableResult):
     """The result of :class:`GradientStats`: per recorded step, per layer path statistics.

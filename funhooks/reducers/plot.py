@@ -12,6 +12,8 @@ from typing import Any
 
 from funhooks.errors import ExtraError
 
+from ._shared import HEALTHY_RATIO
+
 __all__ = ["color_dim", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats", "plot_loss", "plot_update_ratio"]
 
 LAYER_STATS_TITLES = ("mean", "std", "% near zero")
@@ -191,7 +193,6 @@ def plot_update_ratio(result: Any, *, figsize: tuple[float, float] = (8, 4)) -> 
         >>> fh.plot.plot_update_ratio(res).axes[0].get_ylabel()
         'log10(|update| / |param|)'
     """
-    from .update_ratio import HEALTHY_RATIO
 
     fig = figure("plot_update_ratio", figsize)
     ax = fig.subplots()

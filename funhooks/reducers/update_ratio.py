@@ -26,20 +26,22 @@ from typing import Any
 import attrs
 import torch
 
+from funhooks import _frozen
 from funhooks.specs.selector import Selector
 from funhooks.training.watch import Layers, OptimizerWatch
 
 from . import _layered as lay
 from . import _params
 from . import _shared as red
+from ._shared import HEALTHY_RATIO
+from .layers import OwnParams
 
 __all__ = ["HEALTHY_RATIO", "UpdateRatio", "UpdateRatioResult"]
 
 NAME = "update_ratio"
-HEALTHY_RATIO = 1e-3
-"""The rule of thumb for a healthy update-to-parameter ratio (Karpathy's), drawn on the plot."""
 
 
+@_frozen.frozen
 @attrs.frozen
 class _Before:
     """The watch's first function: the parameters before the update, stacked by shape (a copy)."""
@@ -49,6 +51,7 @@ class _Before:
         return plan.groups.stacks(plan.flat)
 
 
+@_frozen.frozen
 @attrs.frozen
 class _After:
     """The watch's second function: ``{path: (‖update‖², ‖parameters before‖²)}`` from the copy
@@ -66,6 +69,7 @@ def finish(sums: torch.Tensor) -> torch.Tensor:
     return sums[:, :1].div(sums[:, 1:]).sqrt_()
 
 
+@_frozen.frozen
 @attrs.frozen
 class UpdateRatio(lay.Reducer):
     """Per-layer ``‖update‖ / ‖parameters‖`` at every recorded optimizer step.
@@ -103,7 +107,7 @@ class UpdateRatio(lay.Reducer):
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
         """One watch copying the selected parameters before each update, comparing after it."""
-        where = red.OwnParams() if self.modules is None else self.modules
+        where = OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _Before(), _After(), name=NAME),)
 
     def result(self, state: tuple) -> UpdateRatioResult:
@@ -116,6 +120,7 @@ class UpdateRatio(lay.Reducer):
         return UpdateRatioResult(lay.table(state, "UpdateRatio", NAME, finish))
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False)
 class UpdateRatioResult(lay.TableResult):
     """The result of :class:`UpdateRatio`: per recorded step, per layer path, the ratio.

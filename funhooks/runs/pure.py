@@ -33,7 +33,7 @@ from funhooks.records.record import Record
 from funhooks.specs.spec import Spec
 
 from ._core import Attached, Frame, Plan, scope, trace
-from .run import _as_specs, _check_model
+from .run import as_specs, check_model
 
 __all__ = ["capture", "functional"]
 
@@ -65,7 +65,7 @@ def _check_leaves(record: Record, caller: str) -> None:
                         )
 
 
-class _Recorder:
+class CaptureFunction:
     """Specs resolved on a model, able to record one call of any function of it.
 
     Each call attaches the plan for itself only (a frame of its own, in a scope of its own)
@@ -156,9 +156,9 @@ def _check_args(model: nn.Module, names: tuple[str, ...], specs: tuple[Spec, ...
             )
 
 
-def _prepare(model: Any, specs: Spec | Iterable[Spec], caller: str) -> _Recorder:
-    model = _check_model(model, caller)
-    return _Recorder(model, _as_specs(specs, caller), caller)
+def _prepare(model: Any, specs: Spec | Iterable[Spec], caller: str) -> CaptureFunction:
+    model = check_model(model, caller)
+    return CaptureFunction(model, as_specs(specs, caller), caller)
 
 
 def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tuple[Any, Record]]:
@@ -222,7 +222,7 @@ def _slots(model: nn.Module) -> tuple[frozenset[str], dict[str, str], dict[str, 
     tied: dict[str, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{name}." if name else ""
-        for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
+        for attr, tensor in [*_torch.own_parameters(module).items(), *_torch.own_buffers(module).items()]:
             if tensor is None:
                 continue
             full, slot = prefix + attr, (id(module), attr)

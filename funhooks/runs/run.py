@@ -31,10 +31,10 @@ from funhooks.specs.spec import Spec
 
 from ._core import Attached, Frame, Plan, scope
 
-__all__ = ["Run", "with_hooks"]
+__all__ = ["Run", "as_specs", "check_model", "make_run", "with_hooks"]
 
 
-def _as_specs(specs: Spec | Iterable[Spec], caller: str) -> tuple[Spec, ...]:
+def as_specs(specs: Spec | Iterable[Spec], caller: str) -> tuple[Spec, ...]:
     if isinstance(specs, Spec):
         return (specs,)
     try:
@@ -50,7 +50,7 @@ def _as_specs(specs: Spec | Iterable[Spec], caller: str) -> tuple[Spec, ...]:
     return tuple(dict.fromkeys(items))  # equal specs are installed once
 
 
-def _check_model(model: Any, caller: str) -> nn.Module:
+def check_model(model: Any, caller: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise SpecError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model to hook.")
     if isinstance(model, torch.jit.ScriptModule):
@@ -92,37 +92,28 @@ class Run(Frozen):
         (3, 1)
     """
 
-    __slots__ = ("_attached", "_caller", "_frame", "_model", "_plan", "_specs", "_state")
-    _attached: Attached | None
+    __slots__ = ("_caller", "_life", "_model", "_plan", "_specs")
     _caller: str
-    _frame: Frame | None
+    _life: _Life
     _model: nn.Module
     _plan: Plan
     _specs: tuple[Spec, ...]
-    _state: str
     _hint = "Start a new run."
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec]) -> None:
         self._setup(model, specs, "with_hooks")
 
-    @classmethod
-    def _make(cls, model: nn.Module, specs: Spec | Iterable[Spec], caller: str) -> Run:
-        """A run whose messages name `caller` (``train``, ``evaluate``, ``fit``)."""
-        run = object.__new__(cls)
-        run._setup(model, specs, caller)
-        return run
-
     def _setup(self, model: nn.Module, specs: Spec | Iterable[Spec], caller: str) -> None:
+        # the run's value, set once here as attrs sets a frozen instance's fields; what changes
+        # when the block is entered and left is its `_Life`, a mutable object of its own
         set_ = object.__setattr__
         set_(self, "_caller", caller)
-        set_(self, "_model", _check_model(model, caller))
-        set_(self, "_specs", _as_specs(specs, caller))
+        set_(self, "_model", check_model(model, caller))
+        set_(self, "_specs", as_specs(specs, caller))
         set_(self, "_plan", Plan.get(model, self._specs, caller))
         if self._plan.args:
             raise _per_call_error(self._specs, caller)
-        set_(self, "_frame", None)
-        set_(self, "_attached", None)
-        set_(self, "_state", "new")
+        set_(self, "_life", _Life())
 
     @property
     def specs(self) -> tuple[Spec, ...]:
@@ -130,25 +121,25 @@ class Run(Frozen):
         return self._specs
 
     def __enter__(self) -> Run:
-        if self._state != "new":
+        life = self._life
+        if life.state != "new":
             raise RuntimeError(f"{self._caller}: a run is entered once, got a second `with`. Call `with_hooks` again.")
-        set_ = object.__setattr__
-        set_(self, "_state", "open")
-        frame = Frame(self._plan, self._caller)
-        set_(self, "_frame", frame)
+        life.state = "open"
+        life.frame = frame = Frame(self._plan, self._caller)
         # inside a torch.func transform, batched tensors keep no version counters: store copies
-        set_(self, "_attached", Attached(self._plan, frame, copies=bool(frame.level)))
+        life.attached = Attached(self._plan, frame, copies=bool(frame.level))
         scope.enter(frame)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        frame, attached = self._frame, self._attached
+        life = self._life
+        frame, attached = life.frame, life.attached
         if frame is None or attached is None:  # never entered
             return
         scope.leave(frame)
         attached.detach()
         frame.close()
-        object.__setattr__(self, "_state", "closed")
+        life.state = "closed"
         if exc[0] is None and sys.exc_info()[0] is None:  # not while an error propagates (a step's abort)
             frame.check()
 
@@ -163,24 +154,22 @@ class Run(Frozen):
         Raises:
             StaleTensorError: when a stored tensor was changed in place after it was stored.
         """
-        if self._frame is None:
-            return Record()
-        return self._frame.record()
+        frame = self._life.frame
+        return Record() if frame is None else frame.record()
 
     def take(self) -> Record:
         """The Record of everything stored since the last ``take``, then start afresh.
 
         Use it to get one Record per batch from a single block around a loop.
         """
-        if self._frame is None:
-            return Record()
-        return self._frame.take()
+        frame = self._life.frame
+        return Record() if frame is None else frame.take()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Inside this block the run stores and edits nothing: its wrappers stay in place and
         only call the modules."""
-        frame = self._frame
+        frame = self._life.frame
         if frame is None or frame not in scope.active():
             yield
             return
@@ -203,7 +192,27 @@ class Run(Frozen):
         return out
 
     def __repr__(self) -> str:
-        return f"Run({type(self._model).__name__}, specs={list(self._specs)!r}, {self._state})"
+        return f"Run({type(self._model).__name__}, specs={list(self._specs)!r}, {self._life.state})"
+
+
+class _Life:
+    """What changes in a run as its block is entered and left: its state (``new``, ``open``,
+    ``closed``), its frame and what it attached. A plain mutable object, owned by one Run."""
+
+    __slots__ = ("attached", "frame", "state")
+
+    def __init__(self) -> None:
+        self.state = "new"
+        self.frame: Frame | None = None
+        self.attached: Attached | None = None
+
+
+def make_run(model: nn.Module, specs: Spec | Iterable[Spec], caller: str) -> Run:
+    """A run whose messages name `caller` (``train``, ``evaluate``, ``fit``): what the training
+    loops open per step."""
+    run = object.__new__(Run)
+    run._setup(model, specs, caller)
+    return run
 
 
 def with_hooks(model: nn.Module, specs: Spec | Iterable[Spec]) -> Run:

@@ -28,8 +28,8 @@ from funhooks.records.record import Record
 from funhooks.specs.selector import Where, resolve, select
 from funhooks.specs.spec import edit
 
-from .pure import _Recorder
-from .run import _check_model
+from .pure import CaptureFunction
+from .run import check_model
 
 __all__ = ["activation_grads"]
 
@@ -120,12 +120,12 @@ def activation_grads(
         >>> loss.shape, rec["0"]["grad"].shape
         (torch.Size([8]), torch.Size([8, 4]))
     """
-    model = _check_model(model, _CALLER)
+    model = check_model(model, _CALLER)
     inner = _torch.unwrap(model)
     selector = select(where)
     paths = {id(m): p for p, m in resolve(selector, inner, caller=_CALLER)}
     prober = _Prober(paths)
-    recorder = _Recorder(model, (edit(selector, prober, name="probe"),), _CALLER)
+    recorder = CaptureFunction(model, (edit(selector, prober, name="probe"),), _CALLER)
     order = list(dict.fromkeys(paths.values()))
 
     def discover(args: tuple, kwargs: dict) -> _Pass:

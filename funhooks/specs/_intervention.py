@@ -21,7 +21,7 @@ from typing import Any, cast
 import attrs
 import torch
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks.errors import InterventionError
 from funhooks.records.record import Record
 
@@ -33,6 +33,7 @@ __all__ = ["Arg", "Intervention"]
 Tensor = torch.Tensor
 
 
+@_frozen.frozen
 @attrs.frozen(repr=False)
 class Arg:
     """A per-call value: the keyword argument `name` of a capture function's call.
@@ -70,6 +71,7 @@ def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False, repr=False)
 class Intervention:
     """What an intervention spec does to each value it edits (the ``fn`` of its Spec).

@@ -25,15 +25,45 @@ from typing import Any
 
 import attrs
 
+from funhooks import _frozen
 from funhooks.errors import SpecError
-from funhooks.runs._core.op_mode import op_name
 
 from .selector import Where, select
 from .spec import Spec, check_flags, check_fn
 
-__all__ = ["Op", "OpAction", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_outputs"]
+__all__ = ["PROPERTY_READS", "Op", "OpAction", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
 
 
+_NAMES: dict[Any, str] = {}
+"""Each torch function seen so far -> its op name."""
+_REFLECTED = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod", "and", "or",
+                        "xor", "lshift", "rshift"})
+"""Operators whose ``__r<op>__`` / ``__i<op>__`` spellings name the same op."""
+_ALIASES = {"truediv": "div"}
+PROPERTY_READS: set[str] = set()
+"""Names of property reads (``t.shape``, ``t.dtype``): not listed as ops a module called."""
+
+
+def op_name(func: Any) -> str:
+    """The op a torch function is: its name, with operator spellings folded
+    (``__add__``/``__radd__`` -> ``add``, ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``)."""
+    found = _NAMES.get(func)
+    if found is not None:
+        return found
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a property read: name it by the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+        PROPERTY_READS.add(name)
+    elif name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        if core[:1] in ("r", "i") and core[1:] in _REFLECTED:
+            core = _ALIASES.get(core[1:], core[1:]) + ("_" if core[0] == "i" else "")
+        name = _ALIASES.get(core, core)
+    _NAMES[func] = name
+    return name
+
+
+@_frozen.frozen
 @attrs.frozen(repr=False)
 class Op:
     """Which calls of a torch op a spec takes: every call of `name` the module's own code
@@ -104,6 +134,7 @@ def as_op(label: str, fn: Any, *, call: int | None = None, deep: bool = False) -
     return Op(name, call, deep)
 
 
+@_frozen.frozen
 @attrs.frozen(repr=False)
 class OpAction:
     """The function of an op spec: its :class:`Op` and what it does with each call it takes

@@ -21,7 +21,7 @@ from typing import Any, Union
 import attrs
 from torch import nn
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks.errors import SelectorError
 
 __all__ = ["Selector", "select", "resolve"]
@@ -51,6 +51,7 @@ def _compile_pattern(pattern: str) -> re.Pattern[str]:
     return re.compile(r"^(?=\.[^.])" + "".join(pieces.get(p) or r"\." + re.escape(p) for p in parts) + "$")
 
 
+@_frozen.frozen
 @attrs.frozen(repr=False)
 class Selector:
     """A frozen, hashable description of which modules a spec applies to.

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks.errors import InterventionError, SpecError
 
 from .selector import Selector, Where, select
@@ -51,6 +51,7 @@ calls); ``output_grad``, tensor hooks on the outputs (``grads``, whose event is
 per-call backward hook; ``param_grad``, hooks on the parameters."""
 
 
+@_frozen.frozen
 @attrs.frozen(repr=False)
 class Spec:
     """A hook as a value: where, when, what, and whether the result is stored or replaces.

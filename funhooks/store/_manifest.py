@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 import torch
 
+from funhooks import _frozen
 from funhooks.errors import StoreError
 
 from ._shards import SHARD, TEMP_SUFFIX, Column, is_storable
@@ -69,6 +70,7 @@ def ranks_in(directory: pathlib.Path) -> list[int]:
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _MANIFEST_RE.fullmatch(p.name)))
 
 
+@_frozen.frozen
 @attrs.frozen
 class Manifest:
     """What a rank's manifest commits: the header (None before the first batch) and shard lines."""

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, NamedTuple
 import attrs
 import torch
 
+from funhooks import _frozen
 from funhooks.errors import StoreError
 
 SHARD = "shard.rank{rank}.{index:06d}.safetensors"
@@ -78,6 +79,7 @@ def _shape(dims: Iterable[int]) -> tuple[int, ...]:
     return tuple(dims)
 
 
+@_frozen.frozen
 @attrs.frozen
 class Column:
     """One column of a store: its name (``"<module path>/<record name>"``) and one row's dtype and shape."""

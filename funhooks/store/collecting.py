@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from funhooks._modes import in_mode
 from funhooks.errors import LoopError
 from funhooks.runs.pure import capture
 from funhooks.training import progress as _progress
@@ -100,13 +101,11 @@ def collect(writer: ActivationWriter, inputs: Iterable[Any], *, mask: str | Mask
     state = writer.init()
     fn = capture(writer.model, writer.specs)
     model = writer.model
-    modes = [(m, m.training) for m in model.modules()]
     total = len(inputs) - state.next_batch if isinstance(inputs, Sized) else None
     batches = _progress.wrap((b for b in _remaining(inputs, state.next_batch)), total=total, desc="collect",
                              progress=progress)
     try:
-        model.eval()
-        with torch.no_grad():
+        with in_mode(model, False), torch.no_grad():
             for index, batch in batches:
                 keep = _mask_of(mask, batch, index)
                 _, record = _call(fn, batch)
@@ -115,8 +114,5 @@ def collect(writer: ActivationWriter, inputs: Iterable[Any], *, mask: str | Mask
         close = getattr(batches, "close", None)
         if close is not None:
             close()
-        for m, training in modes:
-            if m.training != training:
-                m.training = training
     return writer.result(state)
 

@@ -41,7 +41,8 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
+from funhooks._version import __version__
 from funhooks.errors import ReducerError, StoreError
 from funhooks.records.record import Record
 from funhooks.specs.selector import resolve
@@ -106,6 +107,7 @@ def _check_mask(writer: Any, attribute: Any, mask: Any) -> None:
         )
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False)
 class WriterState:
     """Where an :class:`ActivationWriter` stands: the next batch index it expects, the
@@ -158,6 +160,7 @@ def _as_path(directory: str | os.PathLike[str]) -> pathlib.Path:
     return pathlib.Path(os.fspath(directory))
 
 
+@_frozen.frozen
 @attrs.frozen
 class ActivationWriter:
     """A reducer that streams the activations its specs store into a directory of shards.
@@ -323,8 +326,6 @@ class ActivationWriter:
 
     def _header(self, versions: str, rank: int, columns: Sequence[_shards.Column], masked: bool) -> dict[str, Any]:
         model = _torch.unwrap(self.model)
-        import funhooks
-
         return {
             "format": _manifest.FORMAT, "version": _manifest.FORMAT_VERSION, "rank": rank,
             "columns": [c.to_json() for c in columns],
@@ -334,7 +335,7 @@ class ActivationWriter:
             "flatten": self.flatten, "masked": masked,
             "dtype": None if self.dtype is None else _shards.dtype_name(self.dtype),
             "rows_per_shard": self.rows_per_shard if not columns else self._capacity(columns),
-            "versions": {"funhooks": funhooks.__version__, "torch": torch.__version__, "safetensors": versions,
+            "versions": {"funhooks": __version__, "torch": torch.__version__, "safetensors": versions,
                          "python": platform.python_version()},
         }
 

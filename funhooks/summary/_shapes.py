@@ -15,7 +15,7 @@ from torch import nn
 from funhooks import _torch
 from funhooks._modes import in_mode
 from funhooks.records.record import Record
-from funhooks.runs._core import scope
+from funhooks.runs.introspect import isolated
 from funhooks.runs.run import with_hooks
 from funhooks.specs.spec import observe
 
@@ -25,7 +25,7 @@ __all__ = ["is_leaf", "last_shape", "last_track", "record_shapes"]
 
 
 def is_leaf(path: str, module: nn.Module) -> bool:
-    return not any(c is not None for c in module._modules.values())
+    return not any(c is not None for c in _torch.children(module).values())
 
 
 def _same(args: tuple[Any, ...], output: Any) -> bool:
@@ -63,7 +63,7 @@ def _on_meta(model: nn.Module) -> Iterator[None]:
     attributes = [(m, dict(vars(m))) for m in model.modules()]
     try:
         for module in model.modules():
-            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            tables: tuple[dict[str, Any], ...] = (_torch.own_parameters(module), _torch.own_buffers(module))
             for table in tables:
                 for name, t in list(table.items()):
                     if t is None:
@@ -95,7 +95,7 @@ def record_shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[
     lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
     # a sharded model (FSDP2) swaps its own parameters in and out around each call: it runs for real
     meta = not lazy and not _torch.is_sharded(model)
-    with in_mode(model, False), torch.no_grad(), scope.isolated(), _torch.sharding_kept(model):  # funhooks' own pass
+    with in_mode(model, False), torch.no_grad(), isolated(), _torch.sharding_kept(model):  # funhooks' own pass
         if meta:
             try:
                 with _on_meta(model), with_hooks(model, specs) as run:

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks._frozen import Frozen
 
 __all__ = ["NO_WEIGHT", "LayerRow", "ModuleSummary", "Shape", "shape_tree"]
@@ -143,6 +143,7 @@ def _format_shape(shape: Any) -> str:
     return ""
 
 
+@_frozen.frozen
 @attrs.frozen
 class ModuleSummary:
     """The result of :func:`module_summary`: ``str()`` is fastai's table with totals,

@@ -33,7 +33,7 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks._modes import in_mode
-from funhooks.runs._core import scope
+from funhooks.runs.introspect import isolated
 
 from ._shapes import is_leaf, last_shape, last_track, record_shapes
 from .table import NO_WEIGHT, LayerRow, ModuleSummary, Shape, shape_tree
@@ -185,7 +185,7 @@ def dummy_eval(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> Any:
         (torch.Size([1, 3]), True, True)
     """
     x = dummy_batch(m, size)
-    with in_mode(m, False), torch.no_grad(), scope.isolated(), _torch.sharding_kept(m):  # funhooks' own pass
+    with in_mode(m, False), torch.no_grad(), isolated(), _torch.sharding_kept(m):  # funhooks' own pass
         return m(x)
 
 

@@ -48,7 +48,7 @@ from .independence import check_batch_independence, check_causality
 from .leftovers import assert_no_hooks
 from .strategies import models_and_inputs, specs, tensors
 from .symmetry import check_determinism, check_equivariance, check_train_eval_consistency
-from .transparency import _backward, _tensor_leaves, assert_transparent
+from .transparency import assert_transparent, backward_all, tensor_leaves
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
@@ -86,7 +86,7 @@ def _failures(predicate: Callable[..., Any], rec: Any) -> list[tuple[str, str]]:
         for name in node:
             calls = node.calls(name)
             for i, value in enumerate(calls):
-                leaves = _tensor_leaves(value)
+                leaves = tensor_leaves(value)
                 for j, t in enumerate(leaves):
                     if not bool(predicate(path, name, t)):
                         part = f" (tensor {j + 1} of {len(leaves)})" if len(leaves) > 1 else ""
@@ -175,7 +175,7 @@ def check_invariant(
         >>> fh.testing.check_invariant(model, shrinks, fh.testing.tensors((3, 2)))
     """
     hyp = _invariant.hypothesis()
-    spec_tuple = _run._as_specs(specs, "check_invariant")
+    spec_tuple = _run.as_specs(specs, "check_invariant")
     if not callable(predicate):
         raise SpecError(
             "check_invariant: `predicate` is a callable `(path, name, tensor) -> bool` or `(record) -> bool`, "
@@ -193,7 +193,7 @@ def check_invariant(
         with torch.set_grad_enabled(needs_backward), _run.with_hooks(model, spec_tuple) as run:
             out = model(*args)
             if needs_backward:
-                _backward(out)
+                backward_all(out)
         if on_record:
             where = _record_failure(predicate, run.record)  # type: ignore[arg-type]
             if where is not None:

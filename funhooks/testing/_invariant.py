@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from funhooks import _torch
+from funhooks._modes import modes_kept
 from funhooks.errors import SpecError
 
 EXAMPLES = 25
@@ -182,7 +183,6 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], None]]:
     """Yield ``reset()``, which puts the buffers back as they were; on exit also the
     train/eval modes and the random state (of the CPU and of the devices in use)."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    modes = [(m, m.training) for m in model.modules()]
     devices = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
     if torch.cuda.is_available() and torch.cuda.is_initialized() and not devices:
         devices = [torch.cuda.current_device()]
@@ -193,12 +193,10 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], None]]:
                 buffer.copy_(saved)
 
     try:
-        with torch.random.fork_rng(devices=devices):
+        with modes_kept(model), torch.random.fork_rng(devices=devices):
             yield reset
     finally:
         reset()
-        for module, training in modes:
-            module.training = training
 
 
 # -- modules and tensors ----------------------------------------------------------------------

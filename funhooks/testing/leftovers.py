@@ -15,7 +15,7 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import SpecError
-from funhooks.runs._core import forward as _forward
+from funhooks.runs.introspect import is_run_forward
 from funhooks.specs.selector import path_label
 
 if TYPE_CHECKING:  # pragma: no cover - types only
@@ -109,14 +109,14 @@ def assert_no_hooks(model: nn.Module, *, funhooks_only: bool = False) -> None:
         where = f"module {path_label(path)}"
         for attr in ("forward", "_call_impl"):
             wrapped = module.__dict__.get(attr)
-            if isinstance(wrapped, _forward.Forward):
+            if is_run_forward(wrapped):
                 raise AssertionError(
                     f"assert_no_hooks: {where} still has its `{attr}` wrapped by funhooks, got {wrapped!r} with "
                     f"{len(wrapped.users)} active run(s). Exit every `with_hooks` block and close every "
                     "`train`/`evaluate` generator."
                 )
         reducer = module.__dict__.get("__reduce_ex__")
-        if isinstance(getattr(reducer, "__self__", None), _forward.Forward):
+        if is_run_forward(getattr(reducer, "__self__", None)):
             raise AssertionError(
                 f"assert_no_hooks: {where} still has a `__reduce_ex__` set by a funhooks run, got {reducer!r}. "
                 "Exit every `with_hooks` block."

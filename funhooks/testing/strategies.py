@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from funhooks import _torch
-from funhooks.runs._core.plan import never_called
+from funhooks.runs.introspect import never_called
 from funhooks.specs import spec as _spec
 
 from . import _invariant, _models
-from .transparency import _tensor_leaves
+from .transparency import tensor_leaves
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from hypothesis import strategies as st
@@ -121,7 +121,7 @@ def models_and_inputs(*, max_depth: int = 2, device: str | torch.device = "cpu")
 
 def _output_mean(module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
     """The mean of every float tensor in `output`, stacked (a forward observer)."""
-    return torch.stack([t.float().mean() for t in _tensor_leaves(output)] or [torch.zeros(())])
+    return torch.stack([t.float().mean() for t in tensor_leaves(output)] or [torch.zeros(())])
 
 
 def _arg_count(module: nn.Module, args: tuple) -> torch.Tensor:

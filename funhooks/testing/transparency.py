@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover - types only
 # -- transparency ----------------------------------------------------------------------------
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     return [t for t in _torch.tree_leaves(value) if isinstance(t, torch.Tensor)]
@@ -69,8 +69,8 @@ def _one_pass(model: nn.Module, args: tuple, kwargs: dict, state: dict[str, torc
     args, kwargs, leaves = _leaf_inputs(args, kwargs)
     with contextlib.nullcontext() if run is None else run:
         out = model(*args, **kwargs)
-        _backward(out)
-    outputs = [t.detach() for t in _tensor_leaves(out)]
+        backward_all(out)
+    outputs = [t.detach() for t in tensor_leaves(out)]
     return {
         "output": outputs,
         "input gradient": [x.grad if x.grad is not None else torch.zeros(0) for x in leaves],
@@ -79,8 +79,8 @@ def _one_pass(model: nn.Module, args: tuple, kwargs: dict, state: dict[str, torc
     }
 
 
-def _backward(out: Any) -> None:
-    needs = [t for t in _tensor_leaves(out) if t.requires_grad]
+def backward_all(out: Any) -> None:
+    needs = [t for t in tensor_leaves(out) if t.requires_grad]
     if needs:
         torch.stack([t.float().sum() for t in needs]).sum().backward()
 
@@ -111,7 +111,7 @@ def assert_transparent(model: nn.Module, specs: _spec.Spec | Iterable[_spec.Spec
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
         >>> fh.testing.assert_transparent(model, [fh.outputs("**", clone=True), fh.grads("0")], torch.randn(2, 3))
     """
-    spec_tuple = _run._as_specs(specs, "assert_transparent")
+    spec_tuple = _run.as_specs(specs, "assert_transparent")
     for s in spec_tuple:
         if s.is_edit:
             raise SpecError(

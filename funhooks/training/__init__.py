@@ -2,9 +2,11 @@
 steps), the reducer protocol with ``fold``/``fold_all``/``fit``/``running``, ``folding`` (reducers
 folded over a loop you write), optimizer watches and the progress bar.
 
-Modules: ``step``, ``loops``, ``folds``, ``own_loop``, ``watch``, ``progress``, and private
-``_recorder`` (one step's recording, shared by every producer of steps), ``_one_step`` (what
-one step does, the loops' argument checks), ``_batches`` (batches as pytrees).
+Modules: ``step``, ``loops``, ``folds``, ``own_loop``, ``watch``, ``progress``, ``recorder``
+(one step's recording, shared by every producer of steps), ``stepwise`` (reducers advanced by
+the steps a trainer brackets: what the trainer integrations build on), and private
+``_one_step`` (what one step does, the loops' argument checks), ``_batches`` (batches as
+pytrees).
 May import: ``errors``, ``_torch``, ``_frozen``, ``_modes``, ``records``, ``specs``, ``runs``.
 """
 

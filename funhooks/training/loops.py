@@ -37,7 +37,7 @@ from funhooks.specs.spec import Spec
 from . import _batches as _batch
 from . import _one_step as work
 from . import progress as _progress
-from ._recorder import Recorder
+from .recorder import Recorder
 from .step import EMPTY_RECORD, Step
 from .watch import OptimizerWatch, as_watches
 

@@ -29,8 +29,8 @@ from torch import nn
 from funhooks.errors import LoopError
 
 from . import _one_step as _work
-from ._recorder import Recorder
 from .folds import Reducer, as_items, records_of, watches_of
+from .recorder import Recorder
 from .step import EMPTY_RECORD, Step
 
 __all__ = ["Folding", "folding"]

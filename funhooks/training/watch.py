@@ -33,13 +33,14 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _torch
+from funhooks import _frozen, _torch
 from funhooks.errors import HookError, LoopError, SelectorError, SpecError
 from funhooks.specs.selector import Selector, resolve, select
 
 __all__ = ["Layers", "OptimizerWatch", "Watching", "optimizers"]
 
 
+@_frozen.frozen
 @attrs.frozen(eq=False)
 class Layers:
     """The layers an optimizer watch reads at one optimizer step.
@@ -68,6 +69,7 @@ def _check_name(instance: Any, attribute: Any, name: Any) -> None:
         raise SpecError(f"OptimizerWatch: `name` is a non-empty str, got {name!r}. Name what the watch stores.")
 
 
+@_frozen.frozen
 @attrs.frozen
 class OptimizerWatch:
     """What to read around each optimizer step, as a frozen value.
@@ -315,11 +317,11 @@ def _shape(model: nn.Module) -> tuple[list[Any], list[Any]]:
     while stack:
         module = stack.pop()
         out.append(weakref.ref(module))
-        for name, child in module._modules.items():
+        for name, child in _torch.children(module).items():
             out.append(name)
             if child is not None:
                 stack.append(child)
-        for name, param in module._parameters.items():
+        for name, param in _torch.own_parameters(module).items():
             held.append(param)
             out += (name, id(param)) if param is None else (name, id(param), param.requires_grad, param.shape,
                                                             param.dtype, param.device)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from funhooks import _torch
 from funhooks.errors import StaleTensorError
-from funhooks.records.record import Record
+from funhooks.records.record import Record, trusted
 from funhooks.specs.selector import path_label as where
 
 from .entries import GradSlot
@@ -168,5 +168,5 @@ def _build(frame: Frame) -> Record:
         if any(order[a] > order[b] for a, b in zip(paths, paths[1:])):
             data = {p: data[p] for p in sorted(data, key=order.__getitem__)}
     if waiting or frame.late or plan.notes:
-        return Record._trusted(data, _notes(frame, data, waiting))
-    return Record._trusted(data)
+        return trusted(data, _notes(frame, data, waiting))
+    return trusted(data)

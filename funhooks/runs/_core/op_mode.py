@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from funhooks import _torch
 from funhooks.errors import SelectorError, TransformError
+from funhooks.specs.ops import PROPERTY_READS, op_name
 from funhooks.specs.selector import path_label as where
 from funhooks.specs.spec import Spec
 
@@ -43,38 +44,12 @@ from .values import preparer, snapshot, unchecked
 if TYPE_CHECKING:
     from .frame import Frame
 
-__all__ = ["OpEntry", "call", "op_entry", "op_name", "unmatched"]
+__all__ = ["OpEntry", "call", "op_entry", "unmatched"]
 
 Key = tuple[str, str]
-_NAMES: dict[Any, str] = {}
-"""Each torch function seen so far -> its op name."""
-_REFLECTED = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod", "and", "or",
-                        "xor", "lshift", "rshift"})
-"""Operators whose ``__r<op>__`` / ``__i<op>__`` spellings name the same op."""
-_ALIASES = {"truediv": "div"}
 _SHOWN_OPS = 24
 """How many of the ops a module called a "matched nothing" error lists."""
-_PROPERTIES: set[str] = set()
-"""Names of property reads (``t.shape``, ``t.dtype``): not listed as ops a module called."""
 
-
-def op_name(func: Any) -> str:
-    """The op a torch function is: its name, with operator spellings folded
-    (``__add__``/``__radd__`` -> ``add``, ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``)."""
-    found = _NAMES.get(func)
-    if found is not None:
-        return found
-    name = getattr(func, "__name__", None) or type(func).__name__
-    if name == "__get__":  # a property read: name it by the property
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
-        _PROPERTIES.add(name)
-    elif name.startswith("__") and name.endswith("__"):
-        core = name[2:-2]
-        if core[:1] in ("r", "i") and core[1:] in _REFLECTED:
-            core = _ALIASES.get(core[1:], core[1:]) + ("_" if core[0] == "i" else "")
-        name = _ALIASES.get(core, core)
-    _NAMES[func] = name
-    return name
 
 
 class OpEntry:
@@ -152,7 +127,7 @@ class _Mode(TorchFunctionMode):
         self.seen: set[str] = set()  # the ops called, for the error when a spec matched none
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = _NAMES.get(func) or op_name(func)
+        name = op_name(func)
         self.seen.add(name)
         found = None
         for frame, hooked in self.users:
@@ -220,7 +195,7 @@ def unmatched(frame: Frame) -> SelectorError | None:
 
 def _unmatched(caller: str, entry: OpEntry, module: nn.Module, path: str, n: int, outside: int,
                called: list[str]) -> SelectorError:
-    called = [name for name in called if name not in _PROPERTIES]
+    called = [name for name in called if name not in PROPERTY_READS]
     shown = called[:_SHOWN_OPS] + (["..."] if len(called) > _SHOWN_OPS else [])
     if entry.call is not None and n:
         got = f"{n} call{'s' if n != 1 else ''} of `{entry.name}` where the spec takes call {entry.call}"

@@ -84,7 +84,8 @@ def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any
             route = (*route, attr)
             if owner is None and _torch.is_compile_wrapper(module):
                 owner, start = module, len(route)
-            full.append((module._modules, tuple(module._modules.items())))
+            table = _torch.children(module)
+            full.append((table, tuple(table.items())))
             module = getattr(module, attr)
         if id(module) in seen:
             continue
@@ -92,7 +93,7 @@ def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any
         if owner is None and _torch.compiled_in_place(module) is not None:  # `module.compile()`
             owner, start = module, len(route)
         found.append((path, module, owner, (route, start)))
-        children = module._modules
+        children = _torch.children(module)
         if children:
             full.append((children, tuple(children.items())))
             stack.extend(reversed([(f"{path}.{n}" if path else n, c, owner, ((*route, n), start))
@@ -119,7 +120,7 @@ def _reaches(start: Any, target: Any) -> bool:
         if len(seen) > _REACH_LIMIT:
             return True
         if isinstance(obj, nn.Module):
-            stack.extend(obj._modules.values())
+            stack.extend(_torch.children(obj).values())
         elif isinstance(obj, types.FunctionType):
             stack.extend(c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None)
             stack.extend((obj.__defaults__ or ()) + tuple((obj.__kwdefaults__ or {}).values()))
@@ -145,7 +146,7 @@ def as_copy(spec: Spec) -> Spec:
     return attrs.evolve(spec, clone=True) if not spec.is_edit and spec.role != "call" else spec
 
 
-def _parameters(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tensor, nn.Module, str]]:
+def _own_params(module: nn.Module, path: str) -> Iterable[tuple[str, torch.Tensor, nn.Module, str]]:
     """A module's own parameters, and the originals behind its parametrized tensors
     (``parametrize``, ``weight_norm``), each under its own path: ``(path, parameter, the
     module holding it, its name there)``."""
@@ -227,7 +228,7 @@ class Plan:
                         self.slots.append(key)  # type: ignore[arg-type]
                 self.order.setdefault(path, (rank[id(module)], 0))
                 if spec.hook == "param_grad":
-                    self._parameters(spec, module, path, rank[id(module)], manager)
+                    self._param_entries(spec, module, path, rank[id(module)], manager)
                     continue
                 if owner[id(module)] is not None and spec.hook in _PER_CALL_BACKWARD:
                     raise TransformError(
@@ -284,7 +285,7 @@ class Plan:
             position = {id(m): i for i, m in enumerate(given)}
             found = tuple(sorted(found, key=lambda pm: position.get(id(pm[1]), len(position))))
         if spec.hook == "param_grad":
-            if not any(True for p, m in found for _ in _parameters(m, p)):
+            if not any(True for p, m in found for _ in _own_params(m, p)):
                 raise SelectorError(
                     f"{caller}: a `param_grad` spec watches the own parameters of the modules it selects, got none "
                     f"in {[p for p, _ in found]} for {spec!r}. Select modules that hold parameters themselves: a "
@@ -305,11 +306,11 @@ class Plan:
             )
         return [(p, m) for p, m in found if not never_called(m)]
 
-    def _parameters(self, spec: Spec, module: nn.Module, path: str, rank: int,
+    def _param_entries(self, spec: Spec, module: nn.Module, path: str, rank: int,
                     manager: Callable[[str], tuple[str, nn.Module] | None]) -> None:
         holders: dict[int, dict] = {}
-        for i, (ppath, param, holder, name) in enumerate(_parameters(module, path)):
-            holders[id(holder)] = holder._parameters
+        for i, (ppath, param, holder, name) in enumerate(_own_params(module, path)):
+            holders[id(holder)] = _torch.own_parameters(holder)
             self.order.setdefault(ppath, (rank, i + 1))
             key = (ppath, spec.name)
             found = manager(path)

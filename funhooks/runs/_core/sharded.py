@@ -150,7 +150,7 @@ class Watch:
             state = frame.watches[id(self)] = _State()
         for param in self.params.values():
             owner = param.owner()
-            tensor = None if owner is None else owner._parameters.get(param.name)
+            tensor = None if owner is None else _torch.own_parameters(owner).get(param.name)
             if tensor is None or tensor is param.sharded() or not tensor.requires_grad:
                 continue
             if state.hooked.get(id(param)) is not tensor:

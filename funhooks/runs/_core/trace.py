@@ -95,7 +95,7 @@ def _at(root: nn.Module, route: str) -> nn.Module:
     module = root
     if route:
         for key in route.split("."):
-            module = module._modules[key]  # type: ignore[assignment]
+            module = _torch.children(module)[key]  # type: ignore[assignment]
     return module
 
 
@@ -184,7 +184,7 @@ def _recorder(wrapper: nn.Module, compiled_fn: Any, users: list[Compiled]) -> Ca
 
     def recorder(inner: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
-        out = record(inner._call_impl if in_place else inner, inner, traced, frames, args, kwargs)
+        out = record(_torch.call_impl(inner) if in_place else inner, inner, traced, frames, args, kwargs)
         for frame in frames:  # these frames last one compiled call: their op specs are checked now
             frame.check()
         return out, tuple([f.buffer for f in frames])

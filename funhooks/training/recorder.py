@@ -22,8 +22,8 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import SelectorError, SpecError
-from funhooks.records.record import Record
-from funhooks.runs.run import Run
+from funhooks.records.record import Record, with_notes_of
+from funhooks.runs.run import Run, make_run
 from funhooks.specs.spec import Spec
 
 from .step import EMPTY_RECORD
@@ -47,7 +47,7 @@ class Recorder:
             manual_before: see :class:`~funhooks.training.watch.Watching`.
         """
         self.model, self.caller = model, caller
-        self.specs = Run._make(model, specs, caller).specs or None
+        self.specs = make_run(model, specs, caller).specs or None
         watches = as_watches(watches, caller)
         self.watching = None
         if watches:
@@ -92,13 +92,13 @@ class Recorder:
         refused it on the model as it was)."""
         specs = self.specs or ()
         try:
-            return Run._make(self.model, specs, self.caller)
+            return make_run(self.model, specs, self.caller)
         except SelectorError:
             modules = list(_torch.named_modules(self.model))
             kept = tuple(s for s in specs if any(s.where.matches(p, m) for p, m in modules))
             if len(kept) == len(specs):
                 raise
-            return Run._make(self.model, kept, self.caller)
+            return make_run(self.model, kept, self.caller)
 
     def open(self) -> None:
         """Start recording in the calling context (a ``with_hooks`` block, the watches' hooks)."""
@@ -175,5 +175,5 @@ class Recorder:
         keys = [watching.key(p) for p in merged]
         if any(a > b for a, b in zip(keys, keys[1:])):
             merged = {p: merged[p] for _, p in sorted(zip(keys, merged))}
-        return Record._with_notes(merged, record._notes)
+        return with_notes_of(merged, record)
 

@@ -3,12 +3,12 @@ training framework brackets with its own callbacks.
 
 A framework says when an optimizer step begins (its first micro-batch, with the trainer's
 epoch and global step: a resumed run numbers its steps on from the checkpoint's) and when it
-has ended (after the optimizer's update); :class:`Stepwise` opens a :class:`~funhooks.training._recorder.Recorder`
+has ended (after the optimizer's update); :class:`Stepwise` opens a :class:`~funhooks.training.recorder.Recorder`
 at the first (when some reducer reads the step), closes it at the second, builds the Step with
 the micro-batches' mean loss and advances every reducer's state. Between steps nothing is
 attached. A step that raises is aborted: everything detached, nothing read.
 
-Cost: per step, what :class:`~funhooks.training._recorder.Recorder` costs (nothing on steps no reducer
+Cost: per step, what :class:`~funhooks.training.recorder.Recorder` costs (nothing on steps no reducer
 records), one Step and each reducer's ``step``.
 """
 
@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from funhooks.errors import LoopError
-from funhooks.training import _one_step as _work
-from funhooks.training._recorder import Recorder
-from funhooks.training.folds import Reducer, as_items, records_of, watches_of
-from funhooks.training.step import EMPTY_RECORD, Step
+
+from . import _one_step as _work
+from .folds import Reducer, as_items, records_of, watches_of
+from .recorder import Recorder
+from .step import EMPTY_RECORD, Step
 
 __all__ = ["Results", "Stepwise", "misplaced"]
 
