@@ -26,10 +26,10 @@ TORCH_INTERNALS = {"_modules", "_parameters", "_buffers", "_call_impl", "_compil
                    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"}
 
 
-def _units() -> dict[str, set[str]]:
+def _units(root: Path = ROOT) -> dict[str, set[str]]:
     """The map's rows: unit (``records``, ``errors``, ...) -> the units it may import."""
     units = {}
-    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+    for line in (root / "docs" / "architecture.md").read_text().splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
         if len(cells) == 3 and re.fullmatch(r"`[\w/.]+`", cells[0]):
             name = cells[0].strip("`").removesuffix("/").removesuffix(".py")
@@ -37,10 +37,10 @@ def _units() -> dict[str, set[str]]:
     return units
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for path in sorted((root / "funhooks").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
@@ -85,26 +85,28 @@ def test_every_unit_is_a_row_of_the_map_and_every_row_exists() -> None:
     assert sorted(rows - units) == [], "docs/architecture.md's table names units that do not exist"
 
 
-def test_imports_follow_the_map() -> None:
-    """A module imports its own unit and the units its row allows, nothing else: the rows
-    read bottom-up, so no import runs back up a layer, inside functions included."""
-    units, modules = _units(), _modules()
+def _import_violations(root: Path = ROOT) -> list[str]:
+    units, modules = _units(root), _modules(root)
     wrong = []
     for name, path in modules.items():
         unit = _unit(name)
         if unit in ("", "__main__"):
             continue  # the package's face re-exports everything
         for line, dep, _ in _imports(name, path, set(modules)):
-            if _unit(dep) not in {unit, "", *units[unit]}:
-                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {dep} ({unit} may import {sorted(units[unit])})")
+            if _unit(dep) not in {unit, "", *units.get(unit, ())}:
+                wrong.append(f"{path.relative_to(root)}:{line} imports {dep} ({unit} may import {sorted(units.get(unit, ()))})")
+    return wrong
+
+
+def test_imports_follow_the_map() -> None:
+    """A module imports its own unit and the units its row allows, nothing else: the rows
+    read bottom-up, so no import runs back up a layer, inside functions included."""
+    wrong = _import_violations()
     assert not wrong, "an import the map does not allow:\n" + "\n".join(wrong)
 
 
-def test_private_modules_and_names_stay_in_their_package() -> None:
-    """A `_x` module is imported only inside the package that holds it, a `_name` is taken only
-    from its own module, and no attribute `_name` is read off something imported from another
-    module (`Record._trusted`, `run._as_specs`)."""
-    modules = _modules()
+def _private_violations(root: Path = ROOT) -> list[str]:
+    modules = _modules(root)
     wrong = []
     for name, path in modules.items():
         package = _package(name, path)
@@ -113,8 +115,8 @@ def test_private_modules_and_names_stay_in_their_package() -> None:
             parts = dep.split(".")
             owners = [".".join(parts[:i]) for i, part in enumerate(parts) if _is_private(part)]
             if any(package != owner and not package.startswith(owner + ".") for owner in owners):
-                wrong.append(f"{path.relative_to(ROOT)}:{line} imports private module {dep}")
-            wrong += [f"{path.relative_to(ROOT)}:{line} imports private name {n} from {dep}" for n in names
+                wrong.append(f"{path.relative_to(root)}:{line} imports private module {dep}")
+            wrong += [f"{path.relative_to(root)}:{line} imports private name {n} from {dep}" for n in names
                       if _is_private(n)]
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -125,21 +127,33 @@ def test_private_modules_and_names_stay_in_their_package() -> None:
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
                     and _is_private(node.attr)):
-                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {node.value.id}.{node.attr}")
+                wrong.append(f"{path.relative_to(root)}:{node.lineno} reads {node.value.id}.{node.attr}")
+    return wrong
+
+
+def test_private_modules_and_names_stay_in_their_package() -> None:
+    """A `_x` module is imported only inside the package that holds it, a `_name` is taken only
+    from its own module, and no attribute `_name` is read off something imported from another
+    module (`Record._trusted`, `run._as_specs`)."""
+    wrong = _private_violations()
     assert not wrong, "private code used outside its home:\n" + "\n".join(wrong)
 
 
-def test_no_import_cycle() -> None:
-    """The import graph, counting imports inside functions and type-only ones, has no cycle;
-    only the run core's type-only imports (``if TYPE_CHECKING``) are left out, as the map says."""
-    modules = _modules()
+def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = _modules(root)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = {dep for _, dep, _ in _imports(name, path, set(modules))}
         if name.startswith(CORE):
             deps -= _type_only(name, path, set(modules))
         graph[name] = {d for d in deps if not name.startswith(d + ".")} - {"funhooks"}
-    tuple(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    return graph
+
+
+def test_no_import_cycle() -> None:
+    """The import graph, counting imports inside functions and type-only ones, has no cycle;
+    only the run core's type-only imports (``if TYPE_CHECKING``) are left out, as the map says."""
+    tuple(graphlib.TopologicalSorter(_import_graph()).static_order())  # raises CycleError on a cycle
 
 
 def _type_only(name: str, path: Path, known: set[str]) -> set[str]:
@@ -220,31 +234,99 @@ def test_the_private_api_check_sees_the_usual_spellings() -> None:
     ])
 
 
-@pytest.mark.parametrize("rule", ["cycle", "private", "up"])
+BROKEN = {
+    "up": {"funhooks/low/__init__.py": "", "funhooks/low/a.py": "def f():\n    from funhooks.high import b\n",
+           "funhooks/high/__init__.py": "", "funhooks/high/b.py": ""},
+    "private module": {"funhooks/low/__init__.py": "", "funhooks/low/_x.py": "",
+                       "funhooks/high/__init__.py": "", "funhooks/high/b.py": "from funhooks.low import _x\n"},
+    "private name": {"funhooks/low/__init__.py": "", "funhooks/low/a.py": "def _f(): ...\n",
+                     "funhooks/high/__init__.py": "", "funhooks/high/b.py": "from funhooks.low.a import _f\n"},
+    "private attribute": {"funhooks/low/__init__.py": "", "funhooks/low/a.py": "class A:\n    _f = 1\n",
+                          "funhooks/high/__init__.py": "", "funhooks/high/b.py": "from funhooks.low.a import A\nA._f\n"},
+    "cycle": {"funhooks/low/__init__.py": "", "funhooks/low/a.py": "from . import c\n",
+              "funhooks/low/c.py": "if TYPE_CHECKING:\n    from . import a\n"},
+}
+MAP = "| unit | holds | may import |\n|---|---|---|\n| `low/` | x | |\n| `high/` | y | `low/` |\n"
+
+
+@pytest.mark.parametrize("rule", sorted(BROKEN))
 def test_the_layout_checks_catch_what_they_guard(rule: str, tmp_path: Path) -> None:
-    """Each rule fails on a small package that breaks it (so no check here passes vacuously)."""
-    pkg = {"cycle": {"a.py": "from . import b\n", "b.py": "def f():\n    from . import a\n"},
-           "private": {"a.py": "from .sub import _x\n", "sub/__init__.py": "", "sub/_x.py": ""},
-           "up": {"a.py": "def f():\n    from .sub import c\n", "sub/__init__.py": "", "sub/c.py": ""}}[rule]
-    for rel, text in pkg.items():
-        (tmp_path / "funhooks" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "funhooks" / rel).write_text(text)
-    mods = {}
-    for path in sorted((tmp_path / "funhooks").rglob("*.py")):
-        parts = list(path.relative_to(tmp_path).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        mods[".".join(parts)] = path
-    edges = {(n, dep) for n, p in mods.items() for _, dep, _ in _imports(n, p, set(mods))}
-    if rule == "cycle":
-        assert {("funhooks.a", "funhooks.b"), ("funhooks.b", "funhooks.a")} <= edges
-    elif rule == "private":
-        assert ("funhooks.a", "funhooks.sub._x") in edges and _is_private("_x")
-    else:
-        assert ("funhooks.a", "funhooks.sub.c") in edges and _unit("funhooks.sub.c") == "sub"
+    """Each rule fails on a small package that breaks it, and only that rule: no check here
+    passes vacuously."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text(MAP)
+    for rel, text in BROKEN[rule].items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert _units(tmp_path) == {"low": set(), "high": {"low"}}
+    found = {
+        "up": bool(_import_violations(tmp_path)),
+        "private": bool(_private_violations(tmp_path)),
+        "cycle": not _acyclic(_import_graph(tmp_path)),
+    }
+    assert found == {"up": rule == "up", "private": rule.startswith("private"), "cycle": rule == "cycle"}
+
+
+def _acyclic(graph: dict[str, set[str]]) -> bool:
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError:
+        return False
+    return True
 
 
 def test_no_file_is_longer_than_a_read() -> None:
     files = [p for d in ("funhooks", "tests", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"find the second idea in these files (at most {MAX_LINES} lines each): {long}"
+
+
+DOC_PATH = re.compile(r"`(funhooks/[\w/]*?(?:\.py|/))`")
+DOC_NAME = re.compile(r"\b((?:fh|funhooks)(?:\.\w+)+)")
+
+
+def _docs() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_docs_name_only_paths_and_names_that_exist() -> None:
+    """Every `funhooks/...` file or folder the docs name exists, and every dotted
+    ``fh.x.y`` / ``funhooks.x.y`` name they use resolves (so no page points at a module that
+    moved)."""
+    import importlib
+
+    import funhooks
+
+    missing = []
+    for page in _docs():
+        text = page.read_text()
+        missing += [f"{page.name}: {p}" for p in DOC_PATH.findall(text) if not (ROOT / p).exists()]
+        for name in set(DOC_NAME.findall(text)):
+            parts = name.split(".")[1:]
+            obj: object = funhooks
+            for i, part in enumerate(parts):
+                if hasattr(obj, part):
+                    obj = getattr(obj, part)
+                    continue
+                try:  # a submodule not imported by its package
+                    obj = importlib.import_module(".".join(["funhooks", *parts[: i + 1]]))
+                except ImportError:
+                    if i == 0 or not isinstance(obj, type(funhooks)):
+                        break  # a method or attribute of a value (`fh.Record.load`): checked by its doctest
+                    missing.append(f"{page.name}: {name}")
+                    break
+    assert not missing, "the docs name what does not exist:\n" + "\n".join(sorted(missing))
+
+
+def test_docs_outside_the_map_name_no_private_module() -> None:
+    """Pages for users point at public modules only; the map (architecture.md) alone
+    describes the private ones."""
+    private = []
+    for page in _docs():
+        if page.name == "architecture.md":
+            continue
+        text = page.read_text()
+        names = DOC_PATH.findall(text) + DOC_NAME.findall(text)
+        private += [f"{page.name}: {n}" for n in names
+                    if any(_is_private(p) for p in re.split(r"[./]", n.removesuffix(".py")) if p)]
+    assert not private, "point these at public names, or describe them in architecture.md:\n" + "\n".join(private)
