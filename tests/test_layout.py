@@ -330,3 +330,20 @@ def test_docs_outside_the_map_name_no_private_module() -> None:
         private += [f"{page.name}: {n}" for n in names
                     if any(_is_private(p) for p in re.split(r"[./]", n.removesuffix(".py")) if p)]
     assert not private, "point these at public names, or describe them in architecture.md:\n" + "\n".join(private)
+
+
+def test_every_public_name_is_defined_in_a_public_module() -> None:
+    """What `fh.*`, `fh.testing.*` and each package's face export is defined in a module
+    without an underscore (the underscore never hides public API)."""
+    import importlib
+
+    faces = ["funhooks", *(f"funhooks.{p.name}" for p in sorted(PACKAGE.iterdir()) if (p / "__init__.py").exists())]
+    hidden = []
+    for face in faces:
+        module = importlib.import_module(face)
+        for name in getattr(module, "__all__", ()):
+            value = getattr(module, name)
+            home = getattr(value, "__module__", None) or getattr(value, "__name__", "")
+            if isinstance(home, str) and any(_is_private(p) for p in home.split(".")):
+                hidden.append(f"{face}.{name} lives in {home}")
+    assert not hidden, "move these into public modules:\n" + "\n".join(hidden)

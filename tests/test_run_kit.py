@@ -319,12 +319,12 @@ def test_runs_entered_and_exited_in_any_order_each_see_their_calls(
             runs[i].__enter__()
             model(x)
             for j, run in enumerate(runs):
-                open_calls[j] += run._state == "open"
+                open_calls[j] += repr(run).endswith(", open)")
         for i in exit_order:
             runs[i].__exit__(None, None, None)
             model(x)
             for j, run in enumerate(runs):
-                open_calls[j] += run._state == "open"
+                open_calls[j] += repr(run).endswith(", open)")
     for run, calls in zip(runs, open_calls):
         for path in run.record:
             assert len(run.record.calls(path, "output")) == calls * counts[path]

@@ -5,7 +5,7 @@ Modules: ``selector`` (every spelling of "where" normalised into a frozen ``Sele
 ``spec`` (``Spec`` and ``outputs``/``inputs``/``grads``/``observe``/``edit``), ``fastai``
 (``Hook``, ``Hooks``, ``hook_output``, ``hook_outputs``), ``ops`` (specs on the torch ops a
 module's forward calls, and how ops are named), ``interventions`` (``patch``, ``steer``,
-``scale``, ``ablate``, ``arg``), ``_intervention`` (what an intervention does to each value).
+``scale``, ``ablate``, ``arg``), ``editing`` (what an intervention does to each value).
 Specs are plain values: nothing here touches a model. May import: ``errors``, ``_torch``,
 ``_frozen``, ``records``.
 """

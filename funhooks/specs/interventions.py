@@ -41,7 +41,7 @@ import torch
 from funhooks.errors import SpecError
 from funhooks.records.record import Record
 
-from ._intervention import Arg, Intervention, is_number, show
+from .editing import Arg, Intervention, is_number, show
 from .ops import Op, around_spec, as_op
 from .selector import Where, select
 from .spec import Spec
