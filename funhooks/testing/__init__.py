@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -78,7 +78,7 @@ __all__ = [
 _MAX_REPORTED = 5
 
 
-def _failures(predicate: Callable[..., Any], rec: Any) -> list[tuple[str, str]]:
+def _failures(predicate: Callable[..., object], rec: Record) -> list[tuple[str, str]]:
     """Every ``(path, where)`` for which `predicate` fails, innermost modules first: a
     container fails because a submodule did, so the submodule is the one to report."""
     found = []
@@ -100,7 +100,7 @@ def _failures(predicate: Callable[..., Any], rec: Any) -> list[tuple[str, str]]:
     return sorted(found, key=lambda f: is_outer(f[0]))
 
 
-def _takes_record(predicate: Callable[..., Any]) -> bool:
+def _takes_record(predicate: Callable[..., object]) -> bool:
     """Whether `predicate` takes one argument (a Record) rather than ``(path, name, tensor)``."""
     try:
         params = inspect.signature(predicate).parameters.values()
@@ -112,7 +112,7 @@ def _takes_record(predicate: Callable[..., Any]) -> bool:
     return len([p for p in positional if p.default is p.empty]) == 1
 
 
-def _record_failure(predicate: Callable[[Record], Any], rec: Record) -> str | None:
+def _record_failure(predicate: Callable[[Record], object], rec: Record) -> str | None:
     """Where a Record predicate fails: the innermost module, first in module order, whose
     record alone makes it false; the whole Record when none does; None when it holds."""
     if bool(predicate(rec)):
@@ -133,8 +133,8 @@ def _record_failure(predicate: Callable[[Record], Any], rec: Record) -> str | No
 
 def check_invariant(
     model: nn.Module,
-    predicate: Callable[[str, str, torch.Tensor], Any] | Callable[[Record], Any],
-    inputs_strategy: st.SearchStrategy[Any],
+    predicate: Callable[[str, str, torch.Tensor], object] | Callable[[Record], object],
+    inputs_strategy: st.SearchStrategy[object],
     *,
     specs: _spec.Spec | Iterable[_spec.Spec] = _spec.outputs("**"),
     settings: hypothesis.settings | None = None,
@@ -188,7 +188,7 @@ def check_invariant(
 
     @settings
     @hyp.given(inputs_strategy)
-    def holds(drawn: Any) -> None:
+    def holds(drawn: object) -> None:
         args = drawn if isinstance(drawn, tuple) else (drawn,)
         with torch.set_grad_enabled(needs_backward), _run.with_hooks(model, spec_tuple) as run:
             out = model(*args)

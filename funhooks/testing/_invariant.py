@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
@@ -24,6 +25,12 @@ from torch import nn
 from funhooks import _torch
 from funhooks._modes import modes_kept
 from funhooks.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    from typing import TypeAlias
+
+    import hypothesis as hyp
+    from hypothesis.strategies import SearchStrategy
 
 EXAMPLES = 25
 """Examples a check draws unless its `settings` say otherwise: a few seconds on a small model."""
@@ -38,8 +45,14 @@ DRAW_SEED = 0
 EVERY = ["", "**"]
 """A selector for the root and every module below it."""
 
+Inputs: TypeAlias = "SearchStrategy[object] | torch.Tensor | tuple[torch.Tensor, ...]"
+"""What a check draws its inputs from: a Hypothesis strategy of inputs (a drawn tuple is spread
+as positional arguments), or an example tensor (or tuple of tensors) whose like it draws."""
 
-def hypothesis() -> Any:
+_Drawn = TypeVar("_Drawn")
+
+
+def hypothesis() -> ModuleType:
     try:
         import hypothesis
     except ImportError:
@@ -50,7 +63,7 @@ def hypothesis() -> Any:
     return hypothesis
 
 
-def settings_for(settings: Any) -> Any:
+def settings_for(settings: hyp.settings | None) -> hyp.settings:
     """The Hypothesis settings of a check: the user's, or the loaded profile with at most
     :data:`EXAMPLES` examples, no deadline and no example database (each check's draws are
     its own). Either way without the explain phase and with one bug reported: the check
@@ -81,7 +94,7 @@ def _is_mask(example: torch.Tensor) -> bool:
     return example.numel() > 0 and 0 <= int(example.min()) and int(example.max()) <= 1
 
 
-def _like(example: torch.Tensor, normal: bool, caller: str) -> Any:
+def _like(example: torch.Tensor, normal: bool, caller: str) -> SearchStrategy[torch.Tensor]:
     """Tensors of `example`'s shape, dtype and device; a mask as it is."""
     st = hypothesis().strategies
     shape, dtype, device = tuple(example.shape), example.dtype, example.device
@@ -89,7 +102,7 @@ def _like(example: torch.Tensor, normal: bool, caller: str) -> Any:
     if _is_mask(example):  # which masks are valid (a row of padding only, one key per row) is the model's rule
         return st.just(example).map(torch.clone)
     if dtype.is_floating_point:
-        elements: Any = st.floats(-FLOAT_BOUND, FLOAT_BOUND)
+        elements: SearchStrategy[float] = st.floats(-FLOAT_BOUND, FLOAT_BOUND)
 
         def seeded(g: torch.Generator) -> torch.Tensor:
             return torch.randn(shape, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -113,7 +126,7 @@ def _like(example: torch.Tensor, normal: bool, caller: str) -> Any:
     )
 
 
-def as_strategy(inputs: Any, caller: str, *, normal: bool = False) -> Any:
+def as_strategy(inputs: Inputs, caller: str, *, normal: bool = False) -> SearchStrategy[object]:
     """`inputs` if it is a strategy; else inputs like the example tensor (or tuple of them).
 
     Example floats are drawn in ``[-3, 3]`` element by element (standard normal from a seed
@@ -133,11 +146,11 @@ def as_strategy(inputs: Any, caller: str, *, normal: bool = False) -> Any:
     )
 
 
-def as_args(drawn: Any) -> tuple:
+def as_args(drawn: object) -> tuple:
     return drawn if isinstance(drawn, tuple) else (drawn,)
 
 
-def show(drawn: Any) -> str:
+def show(drawn: object) -> str:
     return repr(drawn)
 
 
@@ -147,7 +160,7 @@ def show(drawn: Any) -> str:
 class _Found(Exception):
     """Raised inside the Hypothesis test: carries the failing draw out of it."""
 
-    def __init__(self, drawn: Any) -> None:
+    def __init__(self, drawn: object) -> None:
         super().__init__("the invariant fails on this input")
         self.drawn = drawn
 
@@ -158,20 +171,21 @@ def seeded(test: Callable[[], None], seed: int | None) -> Callable[[], None]:
     return test if seed is None else hypothesis().seed(seed)(test)
 
 
-def search(strategy: Any, fails: Callable[[Any], bool], settings: Any, seed: int | None) -> Any | None:
+def search(strategy: SearchStrategy[_Drawn], fails: Callable[[_Drawn], bool], settings: hyp.settings | None,
+           seed: int | None) -> _Drawn | None:
     """Draw from `strategy` (from `seed`) until ``fails(drawn)``; the shrunk failing draw, or None."""
     hyp = hypothesis()
 
     @settings_for(settings)
     @hyp.given(strategy)
-    def holds(drawn: Any) -> None:
+    def holds(drawn: _Drawn) -> None:
         if fails(drawn):
             raise _Found(drawn)
 
     try:
         seeded(holds, seed)()
     except _Found as found:
-        return found.drawn
+        return cast(_Drawn, found.drawn)  # what `holds` was given: a draw of `strategy`
     return None
 
 
@@ -202,7 +216,7 @@ def preserved(model: nn.Module) -> Iterator[Callable[[], None]]:
 # -- modules and tensors ----------------------------------------------------------------------
 
 
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: object) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     return [t for t in _torch.tree_leaves(value) if isinstance(t, torch.Tensor)]

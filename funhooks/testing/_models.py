@@ -8,10 +8,14 @@ chain them so that in-place activations appear only where autograd allows them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    from hypothesis.strategies import DrawFn
 
 
 class _Residual(nn.Module):
@@ -85,6 +89,15 @@ class _Chain(nn.Module):
         return x
 
 
+class Shape(NamedTuple):
+    """What a block takes or gives, the batch left out: a vector of `channels` features
+    (``"vec"``), or an image of `channels` channels, `side` by `side` (``"img"``)."""
+
+    kind: Literal["vec", "img"]
+    channels: int
+    side: int = 0
+
+
 MAX_FEATURES = 6
 MAX_CHANNELS = 3
 MAX_SIDE = 5
@@ -102,7 +115,7 @@ _ACTIVATIONS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
 """name -> (factory, whether an in-place op may follow: the output is not saved for backward)."""
 
 
-def _activation(draw: Callable[..., Any], st: Any, *, inplace_ok: bool) -> tuple[nn.Module, bool]:
+def _activation(draw: DrawFn, st: ModuleType, *, inplace_ok: bool) -> tuple[nn.Module, bool]:
     """An activation, in place only where autograd allows it, and its own freshness."""
     kinds = list(_ACTIVATIONS) + (["relu_", "leaky_relu_"] if inplace_ok else [])
     kind = draw(st.sampled_from(kinds))
@@ -114,46 +127,46 @@ def _activation(draw: Callable[..., Any], st: Any, *, inplace_ok: bool) -> tuple
     return factory(), fresh
 
 
-def _block(draw: Callable[..., Any], st: Any, shape: tuple, depth: int, fresh: bool,
-           keep_shape: bool) -> tuple[nn.Module, tuple, bool]:
-    """One drawn block for inputs of `shape` (``("vec", F)`` or ``("img", C, H)``).
+def _block(draw: DrawFn, st: ModuleType, shape: Shape, depth: int, fresh: bool,
+           keep_shape: bool) -> tuple[nn.Module, Shape, bool]:
+    """One drawn block for inputs of `shape` (``Shape("vec", F)`` or ``Shape("img", C, H)``).
 
     `fresh` says whether an in-place op may modify the block's input (it is no leaf and
     no op before saved it); `keep_shape` asks for a block whose output has the input's
     shape. Returns the block, its output shape and its own freshness.
     """
     kinds = ["layer", "norm", "activation", "activation"]
-    if shape[0] == "img" and not keep_shape:
+    if shape.kind == "img" and not keep_shape:
         kinds.append("flatten")
     if depth > 0:
         kinds += ["sequential", "chain", "residual", "fork", "scaled", "shared"]
     kind = draw(st.sampled_from(kinds))
     if kind == "layer":
-        if shape[0] == "vec":
-            out = shape[1] if keep_shape else draw(st.integers(1, MAX_FEATURES))
-            return nn.Linear(shape[1], out), ("vec", out), True
-        out = shape[1] if keep_shape else draw(st.integers(1, MAX_CHANNELS))
-        return nn.Conv2d(shape[1], out, 3, padding=1), ("img", out, shape[2]), True
+        if shape.kind == "vec":
+            out = shape.channels if keep_shape else draw(st.integers(1, MAX_FEATURES))
+            return nn.Linear(shape.channels, out), Shape("vec", out), True
+        out = shape.channels if keep_shape else draw(st.integers(1, MAX_CHANNELS))
+        return nn.Conv2d(shape.channels, out, 3, padding=1), Shape("img", out, shape.side), True
     if kind == "norm":
-        if shape[0] == "vec":
-            norm = draw(st.sampled_from([nn.BatchNorm1d, nn.LayerNorm]))(shape[1])
+        if shape.kind == "vec":
+            norm = draw(st.sampled_from([nn.BatchNorm1d, nn.LayerNorm]))(shape.channels)
         else:
-            norm = draw(st.sampled_from([nn.BatchNorm2d, lambda c: nn.GroupNorm(1, c)]))(shape[1])
+            norm = draw(st.sampled_from([nn.BatchNorm2d, lambda c: nn.GroupNorm(1, c)]))(shape.channels)
         return norm, shape, True
     if kind == "activation":
         module, after = _activation(draw, st, inplace_ok=fresh)
         return module, shape, after
     if kind == "flatten":
-        return nn.Flatten(), ("vec", shape[1] * shape[2] * shape[2]), fresh
+        return nn.Flatten(), Shape("vec", shape.channels * shape.side * shape.side), fresh
     if kind in ("sequential", "chain"):
         layers, shape, fresh = blocks(draw, st, shape, depth - 1, fresh, keep_shape)
         return (nn.Sequential(*layers) if kind == "sequential" else _Chain(layers)), shape, fresh
     if kind == "shared":
         # One instance called twice: shape preserving, so it can run on its own output.
-        if shape[0] == "vec":
-            layer: nn.Module = nn.Linear(shape[1], shape[1])
+        if shape.kind == "vec":
+            layer: nn.Module = nn.Linear(shape.channels, shape.channels)
         else:
-            layer = nn.Conv2d(shape[1], shape[1], 3, padding=1)
+            layer = nn.Conv2d(shape.channels, shape.channels, 3, padding=1)
         return nn.Sequential(layer, nn.Tanh(), layer), shape, True
     # The body's input is shared with the skip path, so nothing may change it in place.
     body_layers, body_shape, _ = blocks(draw, st, shape, depth - 1, False, keep_shape or kind != "scaled")
@@ -163,8 +176,8 @@ def _block(draw: Callable[..., Any], st: Any, shape: tuple, depth: int, fresh: b
     return (_Residual(body) if kind == "residual" else _ForkJoin(body)), shape, True
 
 
-def blocks(draw: Callable[..., Any], st: Any, shape: tuple, depth: int, fresh: bool,
-            keep_shape: bool = False) -> tuple[list[nn.Module], tuple, bool]:
+def blocks(draw: DrawFn, st: ModuleType, shape: Shape, depth: int, fresh: bool,
+           keep_shape: bool = False) -> tuple[list[nn.Module], Shape, bool]:
     layers = []
     for _ in range(draw(st.integers(1, _MAX_BLOCKS))):
         block, shape, fresh = _block(draw, st, shape, depth, fresh, keep_shape)

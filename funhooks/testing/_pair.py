@@ -14,7 +14,7 @@ recorded passes that keep a copy of every module's inputs and outputs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -25,19 +25,34 @@ from funhooks.specs.spec import inputs, outputs
 
 from . import _invariant as inv
 
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import hypothesis
+    from hypothesis.strategies import SearchStrategy
+
 RTOL, ATOL = 1e-4, 1e-5
 """Default tolerances: float32 rounding when work is reordered, nothing more."""
 SEED = 0
 """The seed both runs of a pair start from (determinism uses it and the next one)."""
 
-Run = tuple[tuple, int, "bool | None"]
-"""One run of a pair: ``(args, seed, mode)``; mode True/False is train/eval, None as it is."""
+
+class Run(NamedTuple):
+    """One run of a pair: the model's positional arguments, the random seed it starts from, and
+    its mode (True/False: train/eval, None: as it is)."""
+
+    args: tuple
+    seed: int
+    mode: bool | None
+
+
 Same = Callable[[torch.Tensor, torch.Tensor], "bool | None"]
 """``same(a, b)``: True when `b` keeps the invariant with respect to `a`, False when it
 breaks it, None when the two tensors cannot be compared (the tensor is skipped)."""
 
+_Draw = TypeVar("_Draw")
 
-def seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int, mode: bool | None = None) -> Any:
+
+def seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
+                mode: bool | None = None) -> object:
     """``model(*args)`` from the saved buffers and random seed `seed`, without gradients;
     in train (`mode` True) or eval (False) mode, or as it is (None)."""
     reset()
@@ -49,7 +64,7 @@ def seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: 
 
 
 def recorded(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
-             mode: bool | None = None) -> tuple[Any, Record]:
+             mode: bool | None = None) -> tuple[object, Record]:
     """:func:`seeded_call` with every module's inputs and outputs recorded (copies)."""
     with with_hooks(model, [outputs(inv.EVERY, clone=True), inputs(inv.EVERY, clone=True)]) as run:
         out = seeded_call(model, reset, args, seed, mode)
@@ -66,7 +81,7 @@ def close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     return torch.equal(a, b)
 
 
-def broken(a: Any, b: Any, same: Same) -> bool:
+def broken(a: object, b: object, same: Same) -> bool:
     """Whether any comparable tensor of `b` breaks the invariant (or the structures differ)."""
     left, right = inv.tensor_leaves(a), inv.tensor_leaves(b)
     if len(left) != len(right):
@@ -92,10 +107,10 @@ def introducer(rec_a: Record, rec_b: Record, same: Same) -> str | None:
     return inv.innermost(found)
 
 
-def compare(caller: str, model: nn.Module, draws: Any, runs: Callable[[Any], tuple[Run, Run]],
-            same_for: Callable[[Any], Same], *, rule: str, fix: str, settings: Any, seed: int | None,
-            breaks: Callable[[Any, Any, Any], bool] | None = None,
-            describe: Callable[[Any], str] | None = None) -> None:
+def compare(caller: str, model: nn.Module, draws: SearchStrategy[_Draw], runs: Callable[[_Draw], tuple[Run, Run]],
+            same_for: Callable[[_Draw], Same], *, rule: str, fix: str, settings: hypothesis.settings | None,
+            seed: int | None, breaks: Callable[[_Draw, object, object], bool] | None = None,
+            describe: Callable[[_Draw], str] | None = None) -> None:
     """Search `draws` for one whose two runs break the invariant; blame a module on the shrunk one.
 
     ``runs(draw)`` gives the two runs; ``same_for(draw)`` compares each module's tensors
@@ -103,11 +118,11 @@ def compare(caller: str, model: nn.Module, draws: Any, runs: Callable[[Any], tup
     model's outputs too. The error's first line is ``<caller>: <rule>, got module <blamed>
     first breaking it. <fix>.``, followed by ``describe(draw)`` (default: the input)."""
     if breaks is None:
-        def breaks(draw: Any, first: Any, second: Any) -> bool:
+        def breaks(draw: _Draw, first: object, second: object) -> bool:
             return broken(first, second, same_for(draw))
 
     with inv.preserved(model) as reset:
-        def fails(draw: Any) -> bool:
+        def fails(draw: _Draw) -> bool:
             first, second = (seeded_call(model, reset, *run) for run in runs(draw))
             return breaks(draw, first, second)
 

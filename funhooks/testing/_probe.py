@@ -18,7 +18,7 @@ the zero add, and the graph of the pass is kept until the gradients are taken.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -29,10 +29,18 @@ from funhooks.specs.spec import edit, observe
 
 from . import _invariant as inv
 
+if TYPE_CHECKING:  # pragma: no cover - types only
+    from typing import TypeAlias
+
 _LOSS_SEED = 0
 
+LossFn: TypeAlias = Callable[[Any], torch.Tensor]
+"""``loss_fn(output) -> scalar``: the user's loss of whatever the model returns."""
 
-def projection_loss(output: Any) -> torch.Tensor:
+_Tree = TypeVar("_Tree")
+
+
+def projection_loss(output: object) -> torch.Tensor:
     """The default loss: a fixed random projection of every float output to a scalar.
 
     A plain sum would give no gradient through a softmax or a final LayerNorm, whose
@@ -62,7 +70,7 @@ def _input_kind(module: nn.Module, args: tuple) -> str | None:
     return kind(inv.tensor_leaves(args))
 
 
-def _output_kind(module: nn.Module, args: tuple, output: Any) -> str | None:
+def _output_kind(module: nn.Module, args: tuple, output: object) -> str | None:
     return kind(inv.tensor_leaves(output))
 
 
@@ -77,10 +85,10 @@ class _Probes:
         self.order: list[tuple[str, int]] = []  # (path, call) in call order
 
     @staticmethod
-    def _probed(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    def _probed(tree: _Tree) -> tuple[_Tree, list[torch.Tensor]]:
         probes: list[torch.Tensor] = []
 
-        def add(t: Any) -> Any:
+        def add(t: object) -> object:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 probes.append(torch.zeros_like(t, requires_grad=True))
                 return t + probes[-1]
@@ -96,7 +104,7 @@ class _Probes:
         calls.append(probes)
         return new
 
-    def after(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def after(self, module: nn.Module, args: tuple, output: _Tree) -> _Tree:
         new, probes = self._probed(output)
         self.outputs.setdefault(self.paths[id(module)], []).append(probes)
         return new
@@ -109,7 +117,7 @@ class Flow:
     """One probed forward and backward pass: the Record of the observers, and the gradient
     of every probe and trainable parameter (None where no gradient arrived)."""
 
-    def __init__(self, model: nn.Module, args: tuple, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, args: tuple, loss_fn: LossFn) -> None:
         self.model = model
         probes = _Probes(model)
         specs = [

@@ -16,8 +16,8 @@ tens to hundreds of inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from funhooks.errors import SpecError, TransformError
 
 from . import _invariant as inv
 from . import _probe as probe
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import hypothesis
 
 __all__ = ["check_finite", "check_gradients_reach"]
 
@@ -68,8 +71,8 @@ def _backward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
 _FINITE_FIX = "Guard the operation (clamp what goes into `log` or `sqrt`, add an epsilon to a division)"
 
 
-def check_finite(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                 settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_finite(model: nn.Module, inputs: inv.Inputs, *, loss_fn: probe.LossFn | None = None,
+                 settings: hypothesis.settings | None = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that no activation and no gradient is NaN or infinite, on drawn inputs.
 
     Every module's inputs and outputs are checked in the forward pass, and the gradient
@@ -100,12 +103,12 @@ def check_finite(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torc
     loss_fn = probe.projection_loss if loss_fn is None else loss_fn
 
     with inv.preserved(model) as reset:
-        def flow_of(draw: Any) -> probe.Flow:
+        def flow_of(draw: object) -> probe.Flow:
             reset()
             torch.manual_seed(SEED)
             return probe.Flow(model, inv.as_args(draw), loss_fn)
 
-        def fails(draw: Any) -> bool:
+        def fails(draw: object) -> bool:
             flow = flow_of(draw)
             grads = [g for by_path in (flow.out_grads, flow.in_grads) for calls in by_path.values()
                      for call in calls for g in call]
@@ -166,8 +169,8 @@ def _cut(flow: probe.Flow, path: str) -> tuple[str, str]:
     return reached, f"module {flow.name(reached)} drops or detaches the output of {name}"
 
 
-def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                          settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_gradients_reach(model: nn.Module, inputs: inv.Inputs, *, loss_fn: probe.LossFn | None = None,
+                          settings: hypothesis.settings | None = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that backward passes give every trainable parameter a finite, non-zero gradient.
 
     It catches a branch cut by ``.detach()``, a forward left under ``torch.no_grad()``, a
@@ -217,10 +220,10 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
             "Check a model with parameters, or make them trainable with `model.requires_grad_()`."
         )
     reached: set[str] = set()  # parameters with a finite, non-zero gradient on some draw
-    drawn: list[Any] = []
+    drawn: list[object] = []
 
     with inv.preserved(model) as reset:
-        def statuses(draw: Any) -> list[tuple[str, str]]:
+        def statuses(draw: object) -> list[tuple[str, str]]:
             """``(name, what is wrong)`` of every failing parameter, from a bare pass."""
             reset()
             torch.manual_seed(SEED)
@@ -231,7 +234,7 @@ def check_gradients_reach(model: nn.Module, inputs: Any, *, loss_fn: Callable[[A
                     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
             return [(n, s) for (n, _), g in zip(params, grads) if (s := _status(g)) is not None]
 
-        def non_finite(draw: Any) -> bool:
+        def non_finite(draw: object) -> bool:
             drawn.append(draw)
             failing = dict(statuses(draw))
             reached.update(n for n, _ in params if n not in failing)

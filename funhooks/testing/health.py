@@ -15,7 +15,7 @@ Cost: one forward pass per drawn input, without gradients, plus one float per la
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from funhooks.specs.selector import Where
 from funhooks.specs.spec import observe
 
 from . import _invariant as inv
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import hypothesis
 
 __all__ = ["check_dead_units", "check_init_scale"]
 
@@ -50,11 +53,11 @@ def is_leaf(path: str, module: nn.Module) -> bool:
     return not any(True for _ in module.children())
 
 
-def _first_float(output: Any) -> torch.Tensor | None:
+def _first_float(output: object) -> torch.Tensor | None:
     return next((t for t in inv.tensor_leaves(output) if t.is_floating_point()), None)
 
 
-def _moments(module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
+def _moments(module: nn.Module, args: tuple, output: object) -> torch.Tensor:
     """Mean and standard deviation of the output (of its first float tensor)."""
     t = _first_float(output)
     if t is None or t.numel() < 2:
@@ -63,7 +66,7 @@ def _moments(module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
     return torch.stack((t.mean(), t.std()))
 
 
-def _unit_peaks(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
+def _unit_peaks(module: nn.Module, args: tuple, output: object) -> torch.Tensor | None:
     """The largest magnitude of each unit (element of one example) over the batch."""
     t = _first_float(output)
     if t is None or t.dim() < 1:
@@ -76,8 +79,8 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
-def check_init_scale(model: nn.Module, inputs: Any, *, where: Where = is_layer,
-                     std_range: tuple[float, float] = STD_RANGE, settings: Any = None,
+def check_init_scale(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_layer,
+                     std_range: tuple[float, float] = STD_RANGE, settings: hypothesis.settings | None = None,
                      seed: int | None = inv.DRAW_SEED) -> None:
     """Check that every layer's activations have a standard deviation within `std_range`.
 
@@ -119,7 +122,7 @@ def check_init_scale(model: nn.Module, inputs: Any, *, where: Where = is_layer,
     spec = observe(where, _moments, name="moments")
 
     with inv.preserved(model) as reset:
-        def outside(draw: Any) -> list[tuple[str, float, float]]:
+        def outside(draw: object) -> list[tuple[str, float, float]]:
             reset()
             torch.manual_seed(_SEED)
             with torch.no_grad(), with_hooks(model, spec) as run:
@@ -146,8 +149,9 @@ def check_init_scale(model: nn.Module, inputs: Any, *, where: Where = is_layer,
     )
 
 
-def check_dead_units(model: nn.Module, inputs: Any, *, where: Where = is_leaf, near_zero: float = NEAR_ZERO,
-                     max_dead: float = MAX_DEAD, settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_dead_units(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_leaf, near_zero: float = NEAR_ZERO,
+                     max_dead: float = MAX_DEAD, settings: hypothesis.settings | None = None,
+                     seed: int | None = inv.DRAW_SEED) -> None:
     """Check that no layer has more than `max_dead` of its units near zero on every drawn input.
 
     A unit is one element of a layer's output for one example (a feature, or a channel at
@@ -186,7 +190,7 @@ def check_dead_units(model: nn.Module, inputs: Any, *, where: Where = is_leaf, n
     drawn = [0]
 
     with inv.preserved(model) as reset:
-        def collect(draw: Any) -> bool:
+        def collect(draw: object) -> bool:
             reset()
             torch.manual_seed(_SEED)
             with torch.no_grad(), with_hooks(model, spec) as run:

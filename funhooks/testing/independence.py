@@ -17,7 +17,7 @@ module's inputs and outputs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -27,10 +27,23 @@ from funhooks.errors import SpecError
 from . import _invariant as inv
 from . import _pair as pair
 
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import hypothesis
+    from hypothesis.strategies import SearchStrategy
+
 __all__ = ["check_batch_independence", "check_causality"]
 
 _INDEX = 2**16
 """Which example or position to change is drawn below this and reduced modulo the size."""
+
+
+class _Draw(NamedTuple):
+    """One draw of an independence check: an input, a second one to take the changed part
+    from, and which example or position to change (below :data:`_INDEX`, before the modulo)."""
+
+    first: object
+    second: object
+    at: int
 
 
 def _batch_size(args: tuple, dim: int, caller: str, what: str, least: int) -> int:
@@ -43,7 +56,7 @@ def _batch_size(args: tuple, dim: int, caller: str, what: str, least: int) -> in
     return sizes[0]
 
 
-def _has_dim(t: Any, dim: int) -> bool:
+def _has_dim(t: object, dim: int) -> bool:
     return isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim()
 
 
@@ -58,8 +71,9 @@ def _spliced(args: tuple, other: tuple, dim: int, size: int, index: slice) -> tu
     return tuple(out)
 
 
-def check_batch_independence(model: nn.Module, inputs: Any, *, batch_dim: int = 0, rtol: float = pair.RTOL,
-                             atol: float = pair.ATOL, settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_batch_independence(model: nn.Module, inputs: inv.Inputs, *, batch_dim: int = 0, rtol: float = pair.RTOL,
+                             atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
+                             seed: int | None = inv.DRAW_SEED) -> None:
     """Check that the output for one example does not depend on the other examples.
 
     For each drawn input it changes one example ``j`` (taken from a second draw) and checks
@@ -91,18 +105,19 @@ def check_batch_independence(model: nn.Module, inputs: Any, *, batch_dim: int = 
     caller = "check_batch_independence"
     st = inv.hypothesis().strategies
     drawn = inv.as_strategy(inputs, caller)
-    pairs = st.tuples(drawn, drawn, st.integers(0, _INDEX))
+    pairs: SearchStrategy[_Draw] = st.tuples(drawn, drawn, st.integers(0, _INDEX)).map(_Draw._make)
 
-    def layout(draw: Any) -> tuple[tuple, tuple, int, int]:
-        args, other = inv.as_args(draw[0]), inv.as_args(draw[1])
+    def layout(draw: _Draw) -> tuple[tuple, tuple, int, int]:
+        args, other = inv.as_args(draw.first), inv.as_args(draw.second)
         size = _batch_size(args, batch_dim, caller, "examples", 2)
-        return args, other, size, draw[2] % size
+        return args, other, size, draw.at % size
 
-    def runs(draw: Any) -> tuple[pair.Run, pair.Run]:
+    def runs(draw: _Draw) -> tuple[pair.Run, pair.Run]:
         args, other, size, j = layout(draw)
-        return (args, pair.SEED, None), (_spliced(args, other, batch_dim, size, slice(j, j + 1)), pair.SEED, None)
+        changed = _spliced(args, other, batch_dim, size, slice(j, j + 1))
+        return pair.Run(args, pair.SEED, None), pair.Run(changed, pair.SEED, None)
 
-    def same_for(draw: Any) -> pair.Same:
+    def same_for(draw: _Draw) -> pair.Same:
         _, _, size, j = layout(draw)
         keep = [i for i in range(size) if i != j]
 
@@ -113,18 +128,19 @@ def check_batch_independence(model: nn.Module, inputs: Any, *, batch_dim: int = 
             return pair.close(a.index_select(batch_dim, rows), b.index_select(batch_dim, rows.to(b.device)), rtol, atol)
         return same
 
-    def describe(draw: Any) -> str:
+    def describe(draw: _Draw) -> str:
         args, other, size, j = layout(draw)
         rows = tuple(b.select(batch_dim, j) for a, b in zip(args, other) if _has_dim(a, batch_dim) and a.shape[batch_dim] == size)
-        return f"input: {inv.show(draw[0])}\nexample {j} changed to: {inv.show(rows if len(rows) > 1 else rows[0])}"
+        return f"input: {inv.show(draw.first)}\nexample {j} changed to: {inv.show(rows if len(rows) > 1 else rows[0])}"
 
     pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
                  rule="the output for one example depends only on that example",
                  fix="Look for a reshape or transpose across the batch dimension, or statistics over the batch")
 
 
-def check_causality(model: nn.Module, inputs: Any, *, dim: int = 1, rtol: float = pair.RTOL, atol: float = pair.ATOL,
-                    settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_causality(model: nn.Module, inputs: inv.Inputs, *, dim: int = 1, rtol: float = pair.RTOL,
+                    atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
+                    seed: int | None = inv.DRAW_SEED) -> None:
     """Check that the output at position ``t`` along `dim` depends only on inputs at ``<= t``.
 
     For each drawn input it changes every position after a drawn ``t`` (taking them from a
@@ -155,18 +171,19 @@ def check_causality(model: nn.Module, inputs: Any, *, dim: int = 1, rtol: float 
     caller = "check_causality"
     st = inv.hypothesis().strategies
     drawn = inv.as_strategy(inputs, caller)
-    pairs = st.tuples(drawn, drawn, st.integers(0, _INDEX))
+    pairs: SearchStrategy[_Draw] = st.tuples(drawn, drawn, st.integers(0, _INDEX)).map(_Draw._make)
 
-    def layout(draw: Any) -> tuple[tuple, tuple, int, int]:
-        args, other = inv.as_args(draw[0]), inv.as_args(draw[1])
+    def layout(draw: _Draw) -> tuple[tuple, tuple, int, int]:
+        args, other = inv.as_args(draw.first), inv.as_args(draw.second)
         length = _batch_size(args, dim, caller, "positions", 2)
-        return args, other, length, draw[2] % (length - 1)
+        return args, other, length, draw.at % (length - 1)
 
-    def runs(draw: Any) -> tuple[pair.Run, pair.Run]:
+    def runs(draw: _Draw) -> tuple[pair.Run, pair.Run]:
         args, other, length, t = layout(draw)
-        return (args, pair.SEED, None), (_spliced(args, other, dim, length, slice(t + 1, None)), pair.SEED, None)
+        changed = _spliced(args, other, dim, length, slice(t + 1, None))
+        return pair.Run(args, pair.SEED, None), pair.Run(changed, pair.SEED, None)
 
-    def same_for(draw: Any) -> pair.Same:
+    def same_for(draw: _Draw) -> pair.Same:
         _, _, length, t = layout(draw)
 
         def same(a: torch.Tensor, b: torch.Tensor) -> bool | None:
@@ -175,10 +192,10 @@ def check_causality(model: nn.Module, inputs: Any, *, dim: int = 1, rtol: float 
             return pair.close(a.narrow(dim, 0, t + 1), b.narrow(dim, 0, t + 1), rtol, atol)
         return same
 
-    def describe(draw: Any) -> str:
+    def describe(draw: _Draw) -> str:
         args, other, length, t = layout(draw)
         changed = _spliced(args, other, dim, length, slice(t + 1, None))
-        return (f"input: {inv.show(draw[0])}\ninput with positions {t + 1}.. changed: "
+        return (f"input: {inv.show(draw.first)}\ninput with positions {t + 1}.. changed: "
                 f"{inv.show(changed if len(changed) > 1 else changed[0])}\nthe output at positions 0..{t} changed")
 
     pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,

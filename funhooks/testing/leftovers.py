@@ -9,7 +9,7 @@ Cost: one walk over the modules and their parameters and buffers."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from torch import nn
 
@@ -17,10 +17,6 @@ from funhooks import _torch
 from funhooks.errors import SpecError
 from funhooks.runs.introspect import is_run_forward
 from funhooks.specs.selector import path_label
-
-if TYPE_CHECKING:  # pragma: no cover - types only
-    pass
-
 
 # -- hooks left behind -----------------------------------------------------------------------
 
@@ -32,8 +28,11 @@ _HOOK_DICTS = (
 )
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
+_Hook = Callable[..., object]
+"""A hook as torch keeps it: a function, a bound method, a ``functools.partial``..."""
 
-def _function(hook: Any) -> Any:
+
+def _function(hook: _Hook) -> _Hook:
     """The plain function behind a hook (bound methods and partials looked through)."""
     while True:
         inner = getattr(hook, "__func__", None) or getattr(hook, "func", None)
@@ -42,7 +41,7 @@ def _function(hook: Any) -> Any:
         hook = inner
 
 
-def _owner(hook: Any) -> str:
+def _owner(hook: _Hook) -> str:
     fn = _function(hook)
     return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
@@ -50,13 +49,13 @@ def _owner(hook: Any) -> str:
 _PACKAGE = os.path.dirname(os.path.abspath(_torch.__file__))  # the funhooks package folder
 
 
-def _is_funhooks(hook: Any) -> bool:
+def _is_funhooks(hook: _Hook) -> bool:
     """Whether the hook's code lives in this package (not: whose module name it claims)."""
     code = getattr(_function(hook), "__code__", None)
     return code is not None and os.path.abspath(code.co_filename).startswith(_PACKAGE + os.sep)
 
 
-def _left(where: str, what: str, hooks: list[Any], funhooks_only: bool) -> None:
+def _left(where: str, what: str, hooks: list[_Hook], funhooks_only: bool) -> None:
     """Raise for the hooks in `what`: funhooks' own always, others' unless `funhooks_only`."""
     ours = [h for h in hooks if _is_funhooks(h)]
     if ours:

@@ -7,8 +7,8 @@ Cost: strategies draw tiny models (a few hundred parameters)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from .transparency import tensor_leaves
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from hypothesis import strategies as st
+    from hypothesis.strategies import DrawFn
 
 
 # -- strategies ----------------------------------------------------------------------------
@@ -96,15 +97,15 @@ def models_and_inputs(*, max_depth: int = 2, device: str | torch.device = "cpu")
     st = hyp.strategies
 
     @st.composite
-    def draw_pair(draw: Callable[..., Any]) -> tuple[nn.Module, torch.Tensor]:
+    def draw_pair(draw: DrawFn) -> tuple[nn.Module, torch.Tensor]:
         batch = draw(st.integers(2, 4))
         if draw(st.booleans()):
-            shape: tuple = ("vec", draw(st.integers(1, _models.MAX_FEATURES)))
-            size: tuple = (batch, shape[1])
+            shape = _models.Shape("vec", draw(st.integers(1, _models.MAX_FEATURES)))
+            size: tuple[int, ...] = (batch, shape.channels)
         else:
             side = draw(st.integers(2, _models.MAX_SIDE))
-            shape = ("img", draw(st.integers(1, _models.MAX_CHANNELS)), side)
-            size = (batch, shape[1], side, side)
+            shape = _models.Shape("img", draw(st.integers(1, _models.MAX_CHANNELS)), side)
+            size = (batch, shape.channels, side, side)
         layers, _, _ = _models.blocks(draw, st, shape, max_depth, False)
         seed = draw(st.integers(0, 2**31 - 1))
         with torch.random.fork_rng(devices=[]):
@@ -119,7 +120,7 @@ def models_and_inputs(*, max_depth: int = 2, device: str | torch.device = "cpu")
 # -- specs for a model -------------------------------------------------------------------
 
 
-def _output_mean(module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
+def _output_mean(module: nn.Module, args: tuple, output: object) -> torch.Tensor:
     """The mean of every float tensor in `output`, stacked (a forward observer)."""
     return torch.stack([t.float().mean() for t in tensor_leaves(output)] or [torch.zeros(())])
 
@@ -182,7 +183,7 @@ def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) ->
     flag = st.booleans()
 
     @st.composite
-    def draw_specs(draw: Callable[..., Any]) -> tuple[_spec.Spec, ...]:
+    def draw_specs(draw: DrawFn) -> tuple[_spec.Spec, ...]:
         kinds = ["outputs", "inputs", "grads", "observe_forward", "observe_pre"]
         if param_modules:
             kinds.append("observe_param")

@@ -15,7 +15,7 @@ recorded passes that keep a copy of every module's inputs and outputs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,12 +25,16 @@ from funhooks.errors import SpecError
 from . import _invariant as inv
 from . import _pair as pair
 
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import hypothesis
+
 __all__ = ["check_determinism", "check_equivariance", "check_train_eval_consistency"]
 
 
-def check_equivariance(model: nn.Module, inputs: Any, transform: Callable[[torch.Tensor], torch.Tensor], *,
+def check_equivariance(model: nn.Module, inputs: inv.Inputs, transform: Callable[[torch.Tensor], torch.Tensor], *,
                        output_transform: Callable[[Any], Any] | None = None, rtol: float = pair.RTOL,
-                       atol: float = pair.ATOL, settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+                       atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
+                       seed: int | None = inv.DRAW_SEED) -> None:
     """Check ``model(transform(x)) == output_transform(model(x))`` on drawn inputs.
 
     With ``output_transform=lambda y: y`` it checks invariance (a set model's pooled
@@ -70,7 +74,7 @@ def check_equivariance(model: nn.Module, inputs: Any, transform: Callable[[torch
                 f"{caller}: `{name}` is a function `tensor -> tensor`, got {fn!r}. "
                 "Pass one such as `lambda x: x.flip(1)`."
             )
-    after = transform if output_transform is None else output_transform
+    after: Callable[[Any], Any] = transform if output_transform is None else output_transform
 
     def apply(fn: Callable, t: torch.Tensor) -> torch.Tensor | None:
         try:
@@ -79,12 +83,12 @@ def check_equivariance(model: nn.Module, inputs: Any, transform: Callable[[torch
             return None
         return out if isinstance(out, torch.Tensor) and out.shape == t.shape else None
 
-    def runs(draw: Any) -> tuple[pair.Run, pair.Run]:
+    def runs(draw: object) -> tuple[pair.Run, pair.Run]:
         args = inv.as_args(draw)
         moved = tuple(transform(a) if isinstance(a, torch.Tensor) else a for a in args)
-        return (args, pair.SEED, None), (moved, pair.SEED, None)
+        return pair.Run(args, pair.SEED, None), pair.Run(moved, pair.SEED, None)
 
-    def breaks(draw: Any, first: Any, second: Any) -> bool:
+    def breaks(draw: object, first: object, second: object) -> bool:
         return pair.broken(after(first), second, lambda a, b: pair.close(a, b, rtol, atol))
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool | None:
@@ -96,8 +100,8 @@ def check_equivariance(model: nn.Module, inputs: Any, transform: Callable[[torch
                  fix="Look for positions the module treats differently (position embeddings, zero padding, flattening)")
 
 
-def check_determinism(model: nn.Module, inputs: Any, *, rtol: float = 0.0, atol: float = 0.0,
-                      settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_determinism(model: nn.Module, inputs: inv.Inputs, *, rtol: float = 0.0, atol: float = 0.0,
+                      settings: hypothesis.settings | None = None, seed: int | None = inv.DRAW_SEED) -> None:
     """Check that the model in eval mode gives the same output twice on the same input.
 
     The two runs start from different random seeds, so randomness left in eval mode shows:
@@ -125,9 +129,9 @@ def check_determinism(model: nn.Module, inputs: Any, *, rtol: float = 0.0, atol:
     """
     caller = "check_determinism"
 
-    def runs(draw: Any) -> tuple[pair.Run, pair.Run]:
+    def runs(draw: object) -> tuple[pair.Run, pair.Run]:
         args = inv.as_args(draw)
-        return (args, pair.SEED, False), (args, pair.SEED + 1, False)
+        return pair.Run(args, pair.SEED, False), pair.Run(args, pair.SEED + 1, False)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return pair.close(a, b, rtol, atol)
@@ -147,8 +151,9 @@ def _mode_dependent(module: nn.Module) -> bool:
     return isinstance(module, nn.RReLU) or bool(getattr(module, "track_running_stats", False))
 
 
-def check_train_eval_consistency(model: nn.Module, inputs: Any, *, rtol: float = pair.RTOL, atol: float = pair.ATOL,
-                                 settings: Any = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_train_eval_consistency(model: nn.Module, inputs: inv.Inputs, *, rtol: float = pair.RTOL,
+                                 atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
+                                 seed: int | None = inv.DRAW_SEED) -> None:
     """Check that a model without dropout or batch norm gives the same output in train and
     eval mode.
 
@@ -185,9 +190,9 @@ def check_train_eval_consistency(model: nn.Module, inputs: Any, *, rtol: float =
             "build the model without them."
         )
 
-    def runs(draw: Any) -> tuple[pair.Run, pair.Run]:
+    def runs(draw: object) -> tuple[pair.Run, pair.Run]:
         args = inv.as_args(draw)
-        return (args, pair.SEED, True), (args, pair.SEED, False)
+        return pair.Run(args, pair.SEED, True), pair.Run(args, pair.SEED, False)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return pair.close(a, b, rtol, atol)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,14 +18,10 @@ from funhooks.specs import spec as _spec
 
 from .leftovers import assert_no_hooks
 
-if TYPE_CHECKING:  # pragma: no cover - types only
-    pass
-
-
 # -- transparency ----------------------------------------------------------------------------
 
 
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: object) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     return [t for t in _torch.tree_leaves(value) if isinstance(t, torch.Tensor)]
@@ -45,7 +40,7 @@ def _leaf_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Ten
     """Fresh copies of the float tensors in ``(args, kwargs)``, made leaves that need grad."""
     leaves: list[torch.Tensor] = []
 
-    def fresh(x: Any) -> Any:
+    def fresh(x: object) -> object:
         if isinstance(x, torch.Tensor):
             x = x.detach().clone()
             if x.is_floating_point():
@@ -58,7 +53,7 @@ def _leaf_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Ten
 
 
 def _one_pass(model: nn.Module, args: tuple, kwargs: dict, state: dict[str, torch.Tensor],
-              run: Any) -> dict[str, list[torch.Tensor]]:
+              run: _run.Run | None) -> dict[str, list[torch.Tensor]]:
     """Forward and backward from `state`; what a user of the model can see afterwards."""
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
@@ -79,13 +74,14 @@ def _one_pass(model: nn.Module, args: tuple, kwargs: dict, state: dict[str, torc
     }
 
 
-def backward_all(out: Any) -> None:
+def backward_all(out: object) -> None:
     needs = [t for t in tensor_leaves(out) if t.requires_grad]
     if needs:
         torch.stack([t.float().sum() for t in needs]).sum().backward()
 
 
-def assert_transparent(model: nn.Module, specs: _spec.Spec | Iterable[_spec.Spec], *args: Any, **kwargs: Any) -> None:
+def assert_transparent(model: nn.Module, specs: _spec.Spec | Iterable[_spec.Spec], *args: object,
+                       **kwargs: object) -> None:
     """Assert that running observer `specs` changes nothing the model computes.
 
     Runs ``model(*args, **kwargs)`` and a backward pass (of the sum of its float outputs)
