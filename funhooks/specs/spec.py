@@ -96,7 +96,7 @@ class Spec:
         return self.fn.args if self.role in ("intervene", "op") else ()
 
     @property
-    def nth(self) -> Any:  # an `Nth` (specs/_intervention.py, which imports this module)
+    def nth(self) -> Any:  # an `Nth` (specs/editing.py, which imports this module)
         """The index, among the modules it selects, of the one an intervention spec edits
         (an int, a tensor or an ``fh.arg``); None for every module, and for other specs."""
         return self.fn.nth if self.role in ("intervene", "op") else None
