@@ -9,7 +9,7 @@ A class says how to get a changed value in ``_hint`` (``{key}`` is the attribute
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from .errors import FrozenError
 
@@ -35,19 +35,19 @@ class Frozen:
     __slots__ = ()
     _hint: ClassVar[str] = "Build a new one."
 
-    def __setattr__(self, key: str, value: Any) -> None:
+    def __setattr__(self, key: str, value: object) -> None:
         raise FrozenError(self._refusal(f"assigned to, got `.{key} = ...`", key))
 
     def __delattr__(self, key: str) -> None:
         raise FrozenError(self._refusal(f"changed, got `del .{key}`", key))
 
-    def __setitem__(self, key: Any, value: Any) -> None:
+    def __setitem__(self, key: object, value: object) -> None:
         raise FrozenError(self._refusal(f"assigned to, got `[{key!r}] = ...`", key))
 
-    def __delitem__(self, key: Any) -> None:
+    def __delitem__(self, key: object) -> None:
         raise FrozenError(self._refusal(f"changed, got `del [{key!r}]`", key))
 
-    def _refusal(self, what: str, key: Any) -> str:
+    def _refusal(self, what: str, key: object) -> str:
         return f"{type(self).__name__}: a frozen value cannot be {what}. {self._hint.format(key=key)}"
 
 

@@ -20,11 +20,14 @@ import dataclasses
 import inspect
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "call_impl",
@@ -138,7 +141,7 @@ def is_compiling() -> bool:
 
 RELEASE: Any = torch.__version__
 """The torch release: a ``TorchVersion``, which compares with tuples such as ``(2, 13)`` (typed
-Any: torch's annotations say str)."""
+Any: torch's annotations of ``TorchVersion`` compare it with str alone)."""
 
 TRACES_RECORDING = RELEASE >= (2, 11) and not (2, 12) <= RELEASE < (2, 13)
 """Whether dynamo traces a recording (modules' forwards wrapped in their ``__dict__``) into
@@ -195,7 +198,7 @@ def after_backward(fn: Callable[[], None]) -> None:
     queue(lambda: queue(fn))
 
 
-def backward_hook(module: nn.Module, hooks: list, pre_hooks: list) -> Any:
+def backward_hook(module: nn.Module, hooks: list, pre_hooks: list) -> torch.utils.hooks.BackwardHook:
     """PyTorch's per-call full backward hook machinery (``setup_input_hook`` /
     ``setup_output_hook``), what ``Module._call_impl`` builds for registered backward hooks."""
     return torch.utils.hooks.BackwardHook(module, hooks, pre_hooks)
@@ -206,7 +209,7 @@ COMPILED_CALL = "_compiled_call_impl"
 ``Module.__call__`` calls instead of the plain one."""
 
 
-def compiled_in_place(module: nn.Module) -> Any:
+def compiled_in_place(module: nn.Module) -> Callable[..., object] | None:
     """The compiled call ``module.compile()`` gave `module`, or None."""
     return module.__dict__.get(COMPILED_CALL)
 
@@ -223,7 +226,7 @@ def compiled_model(owner: nn.Module) -> nn.Module:
     return owner._orig_mod if is_compile_wrapper(owner) else owner  # type: ignore[return-value]
 
 
-def dynamo_context(owner: nn.Module, compiled: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+def dynamo_context(owner: nn.Module, compiled: object) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
     """The compile settings of a compiled module, as a function decorator: a ``torch.compile``
     wrapper's own; for a module compiled in place, those its compiled call (`compiled`) was made
     with, or None where they cannot be found."""
@@ -250,11 +253,22 @@ def is_compile_wrapper(module: nn.Module) -> bool:
 # -- trees with dataclasses: pytree's nodes, plus dataclass instances by their fields ---------
 
 
-def _is_dataclass_value(x: Any) -> bool:
+def _is_dataclass_value(x: object) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
-def flatten(value: Any) -> tuple[list[Any], Any]:
+_T = TypeVar("_T")
+
+_Part: TypeAlias = "tuple[object, list[str], int, Structure] | None"
+"""How :func:`flatten` took one leaf of pytree's apart: None for a leaf it kept; for a dataclass
+instance, the instance without its field values, the field names, how many leaves the fields
+gave and their structure."""
+Structure: TypeAlias = "tuple[pytree.TreeSpec, list[_Part] | None]"
+"""What :func:`unflatten` needs: pytree's spec, and how each of its leaves was taken apart
+(None when no leaf is a dataclass instance). A plain tuple: it is made for every stored value."""
+
+
+def flatten(value: object) -> tuple[list[Any], Structure]:
     """``pytree.tree_flatten`` that also looks inside dataclass instances (which pytree treats
     as opaque leaves unless registered), so their tensors are detached, checked and given
     gradients like any other output's. Returns the leaves and what :func:`unflatten` needs."""
@@ -262,7 +276,7 @@ def flatten(value: Any) -> tuple[list[Any], Any]:
     if not any(_is_dataclass_value(leaf) for leaf in leaves):
         return leaves, (spec, None)
     out: list[Any] = []
-    parts: list[Any] = []
+    parts: list[_Part] = []
     for leaf in leaves:
         if not _is_dataclass_value(leaf):
             parts.append(None)
@@ -278,13 +292,13 @@ def flatten(value: Any) -> tuple[list[Any], Any]:
     return out, (spec, parts)
 
 
-def unflatten(leaves: list[Any], structure: Any) -> Any:
+def unflatten(leaves: list[Any], structure: Structure) -> Any:
     """The inverse of :func:`flatten`: dataclass instances come back as copies."""
     spec, parts = structure
     if parts is None:
         return pytree.tree_unflatten(leaves, spec)
     it = iter(leaves)
-    top: list[Any] = []
+    top: list[object] = []
     for part in parts:
         if part is None:
             top.append(next(it))
@@ -298,13 +312,13 @@ def unflatten(leaves: list[Any], structure: Any) -> Any:
     return pytree.tree_unflatten(top, spec)
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], object], value: _T) -> _T:
     """`value` with `fn` applied to every tensor in it (dataclass fields included)."""
     leaves, structure = flatten(value)
     return unflatten([fn(t) if isinstance(t, torch.Tensor) else t for t in leaves], structure)
 
 
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: object) -> list[torch.Tensor]:
     """Every tensor in `value` (dataclass fields included), in flattening order."""
     if isinstance(value, torch.Tensor):
         return [value]
@@ -329,13 +343,13 @@ def _loaded(homes: tuple[str, ...], name: str) -> type | None:
     return None
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> bool:
     """True for a ``torch.distributed`` ``DTensor`` (a sharded or replicated tensor)."""
     cls = _loaded(_DTENSOR_HOMES, "DTensor")
     return cls is not None and isinstance(t, cls)
 
 
-def shard_group(t: torch.Tensor) -> Any:
+def shard_group(t: torch.Tensor) -> ProcessGroup | None:
     """For a ``DTensor`` sharded along a one-dimensional mesh (FSDP2's parameters and their
     gradients), the process group whose ranks' local shards together make the whole tensor;
     None for any other tensor (a plain one, or a ``DTensor`` replicated or on a larger mesh)."""
@@ -363,7 +377,7 @@ def own_class(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if not issubclass(c, fsdp))
 
 
-def is_fsdp_hook(hook: Any) -> bool:
+def is_fsdp_hook(hook: object) -> bool:
     """True for a hook FSDP itself registered (its function lives in ``torch.distributed.fsdp``)."""
     fn = getattr(hook, "__func__", hook)
     return (getattr(fn, "__module__", None) or "").startswith(_FSDP_HOMES)

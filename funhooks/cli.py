@@ -15,7 +15,11 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:  # torch is imported when a command needs it: `funhooks --help` stays fast
+    import torch
+    from torch import nn
 
 __all__ = ["main"]
 
@@ -61,7 +65,7 @@ def _target(text: str) -> str:
 # -- summary ----------------------------------------------------------------------------------------
 
 
-def _import(target: str) -> Any:
+def _import(target: str) -> object:
     """The object named by ``MODULE:ATTR`` (MODULE may be a ``.py`` file; ATTR may be dotted)."""
     module_name, _, attr = target.partition(":")
     try:
@@ -87,7 +91,7 @@ def _import(target: str) -> Any:
         raise CommandError(f"importing {module_name!r} raised {_first_line(err)}. Fix that module") from None
     except Exception as err:  # noqa: BLE001 - any import-time failure of user code becomes one line
         raise CommandError(f"importing {module_name!r} raised {_first_line(err)}. Fix that module") from None
-    obj: Any = module
+    obj: object = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
             where = ".".join([module_name, *attr.split(".")[:i]])
@@ -99,7 +103,7 @@ def _import(target: str) -> Any:
     return obj
 
 
-def _build_model(target: str) -> Any:
+def _build_model(target: str) -> nn.Module:
     from torch import nn
 
     factory = _import(target)
@@ -118,7 +122,7 @@ def _build_model(target: str) -> Any:
     return model
 
 
-def _input(model: Any, size: Sequence[int], dtype_name: str | None) -> Any:
+def _input(model: nn.Module, size: Sequence[int], dtype_name: str | None) -> torch.Tensor:
     import torch
 
     if dtype_name is None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -35,6 +35,10 @@ from .reducers.param_grads import GradientStats, GradientStatsResult
 from .reducers.update_ratio import UpdateRatio, UpdateRatioResult
 from .summary.utilities import ModuleSummary, module_summary
 from .training.folds import Reducer, fit
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["DemoResult", "digits", "digits_cnn", "run"]
 
@@ -135,12 +139,19 @@ def digits_cnn() -> nn.Sequential:
 # -- plots -----------------------------------------------------------------------------------------
 
 
-def _label(stats: Any, i: int, model: nn.Module) -> str:
+class _ByLayer(Protocol):
+    """A result with one entry per layer path."""
+
+    @property
+    def paths(self) -> Sequence[str]: ...
+
+
+def _label(stats: _ByLayer, i: int, model: nn.Module) -> str:
     path = stats.paths[i]
     return f"{path} ({type(model.get_submodule(path)).__name__})"
 
 
-def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: int) -> Any:
+def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: int) -> Figure:
     """One row per layer, columns mean / std / % near zero over the steps."""
     n = len(stats.paths)
     fig = plot.figure("demo", (12, 2.2 * n + 0.6), extra="demo")
@@ -161,7 +172,7 @@ def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: 
     return fig
 
 
-def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Any:
+def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Figure:
     """fastai's colorful dimension of every layer, one panel each."""
     n = len(stats.paths)
     fig = plot.figure("demo", (10, 2.0 * n + 0.6), extra="demo")
@@ -174,7 +185,7 @@ def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Any:
     return fig
 
 
-def _epochs(ax: Any, steps: int, epoch_len: int) -> None:
+def _epochs(ax: Axes, steps: int, epoch_len: int) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers

@@ -26,7 +26,8 @@ Cost: ``gather=True`` runs one collective per stored tensor, inside the forward 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
@@ -34,10 +35,15 @@ import torch
 from . import _torch
 from . import errors as _errors
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["is_distributed", "merge_across_ranks"]
 
+_S = TypeVar("_S")
 
-def is_distributed(group: Any = None) -> bool:
+
+def is_distributed(group: ProcessGroup | None = None) -> bool:
     """True when `group` (default: the world) is initialised with more than one process.
 
     Args:
@@ -55,7 +61,7 @@ def is_distributed(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _map_tensors(fn: Any, value: Any) -> Any:
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     """Apply `fn` to every tensor in `value`: pytrees (tuples, lists, dicts) and attrs
     instances, however nested."""
     if isinstance(value, torch.Tensor):
@@ -72,7 +78,7 @@ def _map_tensors(fn: Any, value: Any) -> Any:
     return value
 
 
-def _device_of(value: Any) -> torch.device | None:
+def _device_of(value: object) -> torch.device | None:
     found: list[torch.device] = []
 
     def note(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +89,7 @@ def _device_of(value: Any) -> torch.device | None:
     return found[0] if found else None
 
 
-def merge_across_ranks(reducer: Any, state: Any, *, group: Any = None) -> Any:
+def merge_across_ranks(reducer: object, state: _S, *, group: ProcessGroup | None = None) -> _S:
     """Merge `state` of `reducer` from every rank: each rank gets the merge of all of them.
 
     The states are gathered in rank order and combined with ``reducer.merge`` left to
@@ -123,7 +129,7 @@ def merge_across_ranks(reducer: Any, state: Any, *, group: Any = None) -> Any:
         return state
     dist = torch.distributed
     device = _device_of(state)
-    states: list[Any] = [None] * dist.get_world_size(group)
+    states: list[Any] = [None] * dist.get_world_size(group)  # filled with every rank's state
     dist.all_gather_object(states, _map_tensors(lambda t: t.detach().cpu(), state), group=group)
     merged = functools.reduce(merge, states)
     return merged if device is None else _map_tensors(lambda t: t.to(device), merged)

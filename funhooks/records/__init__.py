@@ -7,7 +7,7 @@ Modules: ``record`` (the Record: lookups, ``map``, pytree registration, save/loa
 May import: ``errors``, ``_torch``, ``_frozen``. Nothing here knows about specs or runs.
 """
 
-from .node import RecordNode
+from .node import Calls, RecordData, RecordNode, StoredValue
 from .record import Record
 
-__all__ = ["Record", "RecordNode"]
+__all__ = ["Calls", "Record", "RecordData", "RecordNode", "StoredValue"]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import cmath
 import collections
-from typing import Any
 
 import torch
 
 from funhooks import _torch
+
+from .node import StoredValue
 
 __all__ = ["PLAIN", "DICTS", "TENSORS", "is_namedtuple", "same"]
 
@@ -32,7 +33,7 @@ def is_namedtuple(cls: type) -> bool:
 
 
 
-def same(x: Any, y: Any, rtol: float, atol: float) -> bool:
+def same(x: StoredValue, y: StoredValue, rtol: float, atol: float) -> bool:
     """`x` and `y` are equal values in the sense of :meth:`Record.equal`."""
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _same_tensor(x, y, rtol, atol)
@@ -58,7 +59,7 @@ def _same_tuple_type(a: type, b: type) -> bool:
                       and getattr(a, "_fields") == getattr(b, "_fields"))
 
 
-def _same_plain(x: Any, y: Any) -> bool:
+def _same_plain(x: StoredValue, y: StoredValue) -> bool:
     if x is y:
         return True
     if isinstance(x, (float, complex)) and cmath.isnan(x) and cmath.isnan(y):

@@ -22,8 +22,8 @@ import secrets
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Hashable, Mapping
+from typing import TypeAlias
 
 import attrs
 import torch
@@ -35,6 +35,7 @@ from ._compare import DICTS as _DICTS
 from ._compare import PLAIN as _PLAIN
 from ._compare import TENSORS as _TENSORS
 from ._compare import is_namedtuple as _is_namedtuple
+from .node import RecordData, StoredValue
 
 __all__ = ["read", "write"]
 
@@ -45,17 +46,23 @@ to rebuild (as ``(path, name, call, position, kind, type name, fields)``)."""
 _NAMEDTUPLE, _RETURN_TYPE = "namedtuple", "torch.return_types"
 _ZIP_MAGIC = b"PK\x03\x04"
 
+_Position: TypeAlias = "tuple[Hashable, ...]"
+"""Where a value sits inside one call's value: the indexes and dict keys leading to it."""
+_TypeEntry: TypeAlias = "tuple[str, str, int, _Position, str, str, tuple[str, ...]]"
+"""An entry of ``types``: ``(path, name, call, position, kind, type name, fields)``, a plain
+tuple so that ``torch.load(weights_only=True)`` reads it."""
 
-def write(data: dict[str, dict[str, tuple[Any, ...]]], file: str) -> None:
+
+def write(data: RecordData, file: str) -> None:
     """Write a Record's `data` to `file` (see ``Record.save``)."""
-    types_: list[tuple[Any, ...]] = []
+    types_: list[_TypeEntry] = []
     plain = {p: {n: [_plain(v, _Where(p, n, i, len(vs)), (), types_, file) for i, v in enumerate(vs)]
                  for n, vs in names.items()}
              for p, names in data.items()}
     _write_atomically({"format": _FORMAT, "version": _FORMAT_VERSION, "data": plain, "types": types_}, file)
 
 
-def read(file: str, map_location: Any = None) -> dict[str, dict[str, tuple[Any, ...]]]:
+def read(file: str, map_location: torch.serialization.MAP_LOCATION = None) -> RecordData:
     """The data of the Record in `file` (see ``Record.load``), checked."""
     _check_archive(file)
     _torch.weights_only_reads_complex()
@@ -90,13 +97,13 @@ class _Where:
     call: int
     calls: int
 
-    def at(self, position: tuple[Any, ...]) -> str:
+    def at(self, position: _Position) -> str:
         head = (f"rec[{self.path!r}][{self.name!r}]" if self.calls == 1
                 else f"rec.calls({self.path!r}, {self.name!r})[{self.call}]")
         return head + "".join(f"[{k!r}]" for k in position)
 
 
-def _plain(value: Any, where: _Where, position: tuple[Any, ...], types_: list[tuple[Any, ...]], file: str) -> Any:
+def _plain(value: StoredValue, where: _Where, position: _Position, types_: list[_TypeEntry], file: str) -> StoredValue:
     """`value` as plain data ``torch.load(weights_only=True)`` reads, its namedtuples noted in `types_`."""
     kind = type(value)
     if kind in _PLAIN or _is_saveable_tensor(value):
@@ -123,13 +130,13 @@ def _plain(value: Any, where: _Where, position: tuple[Any, ...], types_: list[tu
     )
 
 
-def _is_saveable_tensor(value: Any) -> bool:
+def _is_saveable_tensor(value: object) -> bool:
     return type(value) in _TENSORS or (isinstance(value, torch.Tensor) and value.is_nested)
 
 
-def _is_plain_key(key: Any) -> bool:
+def _is_plain_key(key: object) -> bool:
     kind = type(key)
-    return (kind in _PLAIN and kind is not torch.Size) or (kind is tuple and all(map(_is_plain_key, key)))
+    return (kind in _PLAIN and kind is not torch.Size) or (type(key) is tuple and all(map(_is_plain_key, key)))
 
 
 def _tuple_type(kind: type) -> tuple[str, str, tuple[str, ...]] | None:
@@ -148,7 +155,7 @@ def _tuple_type(kind: type) -> tuple[str, str, tuple[str, ...]] | None:
     return None
 
 
-def _conversion(value: Any) -> str:
+def _conversion(value: object) -> str:
     if _torch.is_dtensor(value):  # a shard (FSDP2): its data is in its local tensor
         return "Store `value.full_tensor()` (the whole, a collective) or `value.to_local()` (this rank's part) instead."
     if isinstance(value, torch.Tensor):
@@ -176,7 +183,7 @@ def _return_type(name: str) -> type | None:
     return kind if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "n_sequence_fields") else None
 
 
-def _write_atomically(blob: dict[str, Any], file: str) -> None:
+def _write_atomically(blob: dict[str, object], file: str) -> None:
     """``torch.save`` to a temporary file beside `file`, check that it reads back, then rename it."""
     target = os.path.realpath(file)
     directory, base = os.path.split(target)
@@ -261,7 +268,7 @@ class _Malformed(Exception):
     """Internal: what is wrong with a loaded blob, turned into a RecordError naming the file."""
 
 
-def _decoded(blob: Any, file: str) -> dict[str, dict[str, tuple[Any, ...]]]:
+def _decoded(blob: object, file: str) -> RecordData:
     """The Record data in a loaded `blob`, once its whole structure is checked."""
     if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
         raise RecordError(
@@ -283,7 +290,7 @@ def _decoded(blob: Any, file: str) -> dict[str, dict[str, tuple[Any, ...]]]:
         ) from None
 
 
-def _checked_blob(blob: dict[str, Any], version: Any) -> dict[str, dict[str, tuple[Any, ...]]]:
+def _checked_blob(blob: dict[str, object], version: object) -> RecordData:
     if type(version) is not int or version < 1:
         raise _Malformed(f"version {version!r}")
     keys = ["format", "version", "data"] + (["types"] if version >= 2 else [])
@@ -308,7 +315,7 @@ def _checked_blob(blob: dict[str, Any], version: Any) -> dict[str, dict[str, tup
     return {p: {n: tuple(calls) for n, calls in names.items()} for p, names in rebuilt.items()}
 
 
-def _check_plain(value: Any, where: _Where, position: tuple[Any, ...]) -> None:
+def _check_plain(value: StoredValue, where: _Where, position: _Position) -> None:
     kind = type(value)
     if kind in _PLAIN or _is_saveable_tensor(value):
         return
@@ -322,11 +329,11 @@ def _check_plain(value: Any, where: _Where, position: tuple[Any, ...]) -> None:
         raise _Malformed(f"a {kind.__name__} at `{where.at(position)}`")
 
 
-def _rebuild_types(data: dict[str, dict[str, list[Any]]], entries: Any) -> dict[str, dict[str, list[Any]]]:
+def _rebuild_types(data: dict[str, dict[str, list[StoredValue]]], entries: object) -> dict[str, dict[str, list[StoredValue]]]:
     """`data` with the namedtuples and return types its `types` entries name rebuilt, in place."""
     if type(entries) is not list:
         raise _Malformed(f"{type(entries).__name__} for `types`")
-    wanted: dict[tuple[str, str, int], dict[tuple[Any, ...], type]] = {}
+    wanted: dict[tuple[str, str, int], dict[_Position, type]] = {}
     for entry in entries:
         kind = _entry_type(entry, data)
         if kind is None:
@@ -344,7 +351,7 @@ def _rebuild_types(data: dict[str, dict[str, list[Any]]], entries: Any) -> dict[
     return data
 
 
-def _entry_type(entry: Any, data: dict[str, dict[str, list[Any]]]) -> type | None:
+def _entry_type(entry: object, data: dict[str, dict[str, list[StoredValue]]]) -> type | None:
     """The class a well-formed `types` entry names, or None."""
     if type(entry) is not tuple or len(entry) != 7:
         return None
@@ -364,7 +371,7 @@ def _entry_type(entry: Any, data: dict[str, dict[str, list[Any]]]) -> type | Non
     return None
 
 
-def _rebuilt(value: Any, position: tuple[Any, ...], positions: dict[tuple[Any, ...], type], where: _Where) -> Any:
+def _rebuilt(value: StoredValue, position: _Position, positions: dict[_Position, type], where: _Where) -> StoredValue:
     kind = type(value)
     if kind is tuple or kind is list:
         value = kind(_rebuilt(v, (*position, i), positions, where) for i, v in enumerate(value))
@@ -379,6 +386,6 @@ def _rebuilt(value: Any, position: tuple[Any, ...], positions: dict[tuple[Any, .
     return cls(value) if hasattr(cls, "n_sequence_fields") else getattr(cls, "_make")(value)
 
 
-def _clipped(value: Any, limit: int = 200) -> str:
+def _clipped(value: object, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

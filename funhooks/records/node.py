@@ -11,17 +11,26 @@ Cost: a node is a view over the Record's own dict: nothing is copied.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
 from funhooks._frozen import Frozen
 from funhooks.errors import RecordError, RecordKeyError
 
-__all__ = ["RecordNode", "explained", "noted", "summarise"]
+__all__ = ["Calls", "Notes", "RecordData", "RecordNode", "StoredValue", "explained", "noted", "summarise"]
 
-def explained(message: str, fix: str, notes: tuple[tuple[str | None, str], ...], path: str,
-               name: str | None = None) -> str:
+StoredValue: TypeAlias = Any
+"""One call's stored value: a tensor, a tuple, list or dict of them, or, in an eager run,
+whatever a user's hook function returned. It is user data: no narrower type holds."""
+Calls: TypeAlias = tuple[StoredValue, ...]
+"""Every call's value of one record name at one module, in call order."""
+RecordData: TypeAlias = dict[str, dict[str, Calls]]
+"""A Record's data: ``{path: {name: calls}}``."""
+Notes: TypeAlias = tuple[tuple[str | None, str], ...]
+"""Notes on the absences at one path: ``(name, or None for the whole module; sentence)`` pairs."""
+
+def explained(message: str, fix: str, notes: Notes, path: str, name: str | None = None) -> str:
     """`message` followed by the notes on `path` (and `name`), or by the generic `fix` if none applies."""
     lines = [f"Note on `rec[{path!r}]" + ("" if n is None else f"[{n!r}]") + f"`: {_sentence(note)}"
              for n, note in notes if name is None or n is None or n == name]
@@ -32,7 +41,7 @@ def _sentence(note: str) -> str:
     return note if note.endswith((".", "!", "?")) else note + "."
 
 
-def summarise(value: Any) -> str:
+def summarise(value: StoredValue) -> str:
     if isinstance(value, torch.Tensor):
         return f"Tensor{tuple(value.shape)}"
     if isinstance(value, tuple):
@@ -71,23 +80,22 @@ class RecordNode(Frozen, Mapping):
     """
 
     __slots__ = ("_notes", "_path", "_values")
-    _notes: tuple[tuple[str | None, str], ...]
+    _notes: Notes
     _path: str
-    _values: Mapping[str, tuple[Any, ...]]
+    _values: Mapping[str, Calls]
 
-    def __init__(self, path: str, values: Mapping[str, tuple[Any, ...]]) -> None:
+    def __init__(self, path: str, values: Mapping[str, Calls]) -> None:
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_notes", ())
 
     @classmethod
-    def _noted(cls, path: str, values: Mapping[str, tuple[Any, ...]],
-               notes: tuple[tuple[str | None, str], ...]) -> RecordNode:
+    def _noted(cls, path: str, values: Mapping[str, Calls], notes: Notes) -> RecordNode:
         node = cls(path, values)
         object.__setattr__(node, "_notes", notes)
         return node
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> StoredValue:
         calls = self.calls(name)
         if len(calls) != 1:
             raise RecordError(
@@ -96,7 +104,7 @@ class RecordNode(Frozen, Mapping):
             )
         return calls[0]
 
-    def calls(self, name: str) -> tuple[Any, ...]:
+    def calls(self, name: str) -> Calls:
         """Every call's value for `name`, in call order.
 
         Raises:
@@ -124,6 +132,6 @@ class RecordNode(Frozen, Mapping):
         return f"RecordNode({self._path!r}, {{{body}}})"
 
 
-def noted(path: str, values: Mapping[str, tuple[Any, ...]], notes: tuple[tuple[str | None, str], ...]) -> RecordNode:
+def noted(path: str, values: Mapping[str, Calls], notes: Notes) -> RecordNode:
     """A node whose failed lookups explain themselves with `notes` (see ``Record``)."""
     return RecordNode._noted(path, values, notes)

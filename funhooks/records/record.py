@@ -12,8 +12,8 @@ and dropping it are the ways to release device memory.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, KeysView, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
+from typing import TypeAlias, TypeVar, overload
 
 import attrs
 import torch
@@ -25,11 +25,13 @@ from funhooks.errors import RecordKeyError
 from . import _compare
 from . import _file as _recordfile
 from . import node as _node
-from .node import RecordNode
+from .node import Calls, Notes, RecordData, RecordNode, StoredValue
 
 __all__ = ["CallKey", "Record", "RecordNode", "trusted", "with_notes_of"]
 
-_NO_NOTES: Mapping[str, tuple[tuple[str | None, str], ...]] = {}  # never mutated (a plain dict: dynamo traces it)
+_D = TypeVar("_D")
+
+_NO_NOTES: Mapping[str, Notes] = {}  # never mutated (a plain dict: dynamo traces it)
 """A Record's notes on absences, by path: ``(name or None, sentence)`` pairs."""
 
 
@@ -58,10 +60,10 @@ class Record(Frozen):
     """
 
     __slots__ = ("_data", "_notes")
-    _data: dict[str, dict[str, tuple[Any, ...]]]
-    _notes: Mapping[str, tuple[tuple[str | None, str], ...]]
+    _data: RecordData
+    _notes: Mapping[str, Notes]
 
-    def __init__(self, data: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None) -> None:
+    def __init__(self, data: Mapping[str, Mapping[str, Calls | list[StoredValue]]] | None = None) -> None:
         """Build a Record from ``{path: {name: (value_of_call_0, value_of_call_1, ...)}}``.
 
         The dicts are copied; the values are not.
@@ -75,7 +77,7 @@ class Record(Frozen):
         object.__setattr__(self, "_notes", _NO_NOTES)
 
     @classmethod
-    def _trusted(cls, data: dict[str, dict[str, tuple[Any, ...]]],
+    def _trusted(cls, data: RecordData,
                  notes: Mapping[tuple[str, str | None], str] | None = None) -> Record:
         """Wrap `data` without copying or checking it: the caller hands over ownership.
 
@@ -94,8 +96,8 @@ class Record(Frozen):
         return cls._with_notes(data, _indexed(notes) if notes else _NO_NOTES)
 
     @classmethod
-    def _with_notes(cls, data: dict[str, dict[str, tuple[Any, ...]]],
-                    notes: Mapping[str, tuple[tuple[str | None, str], ...]]) -> Record:
+    def _with_notes(cls, data: RecordData,
+                    notes: Mapping[str, Notes]) -> Record:
         rec = object.__new__(cls)
         object.__setattr__(rec, "_data", data)
         object.__setattr__(rec, "_notes", notes)
@@ -112,15 +114,15 @@ class Record(Frozen):
             )) from None
         return self._node(path, values)
 
-    def _node(self, path: str, values: Mapping[str, tuple[Any, ...]]) -> RecordNode:
+    def _node(self, path: str, values: Mapping[str, Calls]) -> RecordNode:
         notes = self._notes.get(path) if self._notes else None
         return RecordNode(path, values) if notes is None else _node.noted(path, values, notes)
 
-    def calls(self, path: str, name: str) -> tuple[Any, ...]:
+    def calls(self, path: str, name: str) -> Calls:
         """Every call's value of `name` at `path`, in call order."""
         return self[path].calls(name)
 
-    def calls_by_path(self, name: str) -> dict[str, tuple[Any, ...]]:
+    def calls_by_path(self, name: str) -> dict[str, Calls]:
         """``{path: every call's value of name}`` for every module that stored `name`, in module
         order (no node objects are built: what a reducer reads on every step).
 
@@ -135,7 +137,7 @@ class Record(Frozen):
         """
         return {p: names[name] for p, names in self._data.items() if names.get(name)}
 
-    def stored(self, name: str = "output") -> list[Any]:
+    def stored(self, name: str = "output") -> list[StoredValue]:
         """The single value of `name` for every module that stored it, in module order."""
         return [self[p][name] for p, names in self._data.items() if name in names]
 
@@ -148,7 +150,12 @@ class Record(Frozen):
     def __len__(self) -> int:
         return len(self._data)
 
-    def get(self, path: str, default: Any = None) -> RecordNode | Any:
+    @overload
+    def get(self, path: str) -> RecordNode | None: ...
+    @overload
+    def get(self, path: str, default: _D) -> RecordNode | _D: ...
+
+    def get(self, path: str, default: object = None) -> object:
         """The node at `path`, or `default` when no module at `path` stored anything."""
         values = self._data.get(path)
         return default if values is None else self._node(path, values)
@@ -166,7 +173,7 @@ class Record(Frozen):
         return ((p, self._node(p, v)) for p, v in self._data.items())
 
     # -- transformation -----------------------------------------------------------------
-    def map(self, fn: Callable[[torch.Tensor], Any]) -> Record:
+    def map(self, fn: Callable[[torch.Tensor], StoredValue]) -> Record:
         """A new Record with `fn` applied to every stored tensor.
 
         Example:
@@ -175,7 +182,7 @@ class Record(Frozen):
             >>> rec.map(lambda t: t * 3)["fc"]["output"]
             tensor([3., 3.])
         """
-        def leaf(x: Any) -> Any:
+        def leaf(x: StoredValue) -> StoredValue:
             return fn(x) if isinstance(x, torch.Tensor) else x
 
         return Record._with_notes({p: {n: tuple(_torch.tree_map(leaf, v) for v in vs) for n, vs in names.items()}
@@ -257,7 +264,7 @@ class Record(Frozen):
         _recordfile.write(self._data, os.fsdecode(path))
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, map_location: Any = None) -> Record:
+    def load(cls, path: str | os.PathLike, *, map_location: torch.serialization.MAP_LOCATION = None) -> Record:
         """Read a record written by :meth:`save`, with ``torch.load(weights_only=True)``.
 
         The file is checked before it is trusted: it must be a complete archive whose every
@@ -288,23 +295,23 @@ class Record(Frozen):
                  for p, names in self._data.items()]
         return "Record({\n" + ",\n".join(lines) + "\n})" if lines else "Record({})"
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[Record], tuple[RecordData]]:
         return (Record, (self._data,))
 
 
-def trusted(data: dict[str, dict[str, tuple[Any, ...]]],
+def trusted(data: RecordData,
             notes: Mapping[tuple[str, str | None], str] | None = None) -> Record:
     """A Record over `data`, neither copied nor checked (the run core's and the file reader's
     way in: they hand over a dict they built); `notes` as :meth:`Record._trusted` says."""
     return Record._trusted(data, notes)
 
 
-def with_notes_of(data: dict[str, dict[str, tuple[Any, ...]]], like: Record) -> Record:
+def with_notes_of(data: RecordData, like: Record) -> Record:
     """A Record over `data` (neither copied nor checked) keeping the notes on absences of `like`."""
     return Record._with_notes(data, like._notes)
 
 
-def _indexed(notes: Mapping[tuple[str, str | None], str]) -> Mapping[str, tuple[tuple[str | None, str], ...]]:
+def _indexed(notes: Mapping[tuple[str, str | None], str]) -> Mapping[str, Notes]:
     """`notes` by path, each path's notes in their order, the ones on the whole module first."""
     index: dict[str, list[tuple[str | None, str]]] = {}
     for key, note in notes.items():
@@ -318,7 +325,7 @@ def _indexed(notes: Mapping[tuple[str, str | None], str]) -> Mapping[str, tuple[
     return {p: tuple(sorted(ns, key=lambda n: n[0] is not None)) for p, ns in index.items()}
 
 
-def _checked(data: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def _checked(data: object) -> Iterator[tuple[str, Mapping[str, Calls | list[StoredValue]]]]:
     """The ``(path, names)`` pairs of `data`, once each is known to be ``{str: {str: tuple | list}}``."""
     if not isinstance(data, Mapping):
         raise TypeError(
@@ -350,16 +357,20 @@ def _checked(data: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
         yield path, names
 
 
-def _structure(rec: Record) -> tuple[Any, ...]:
+_Structure: TypeAlias = "tuple[tuple[str, tuple[tuple[str, int], ...]], ...]"
+"""A Record's pytree context: its paths, each with its names and their numbers of calls."""
+
+
+def _structure(rec: Record) -> _Structure:
     return tuple((p, tuple((n, len(vs)) for n, vs in names.items())) for p, names in rec._data.items())
 
 
-def _flatten(rec: Record) -> tuple[list[Any], Any]:
+def _flatten(rec: Record) -> tuple[list[StoredValue], _Structure]:
     values = [v for names in rec._data.values() for vs in names.values() for v in vs]
     return values, _structure(rec)
 
 
-def _unflatten(values: Any, context: Any) -> Record:
+def _unflatten(values: Iterable[StoredValue], context: _Structure) -> Record:
     it = iter(values)
     return Record._trusted({p: {n: tuple(next(it) for _ in range(k)) for n, k in names} for p, names in context})
 
@@ -387,11 +398,11 @@ class CallKey:
     def __str__(self) -> str:
         return f".calls({self.path!r}, {self.name!r})[{self.call}]"
 
-    def get(self, rec: Record) -> Any:
+    def get(self, rec: Record) -> StoredValue:
         return rec.calls(self.path, self.name)[self.call]
 
 
-def _flatten_with_keys(rec: Record) -> tuple[list[tuple[CallKey, Any]], Any]:
+def _flatten_with_keys(rec: Record) -> tuple[list[tuple[CallKey, StoredValue]], _Structure]:
     keyed = [(CallKey(p, n, i), v) for p, names in rec._data.items() for n, vs in names.items() for i, v in enumerate(vs)]
     return keyed, _structure(rec)
 

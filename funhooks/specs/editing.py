@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Literal, TypeAlias, TypeGuard, cast
 
 import attrs
 import torch
 
 from funhooks import _frozen, _torch
 from funhooks.errors import InterventionError
+from funhooks.records.node import Calls, StoredValue
 from funhooks.records.record import Record
 
 from .selector import path_label
 from .spec import Spec
 
-__all__ = ["Arg", "Intervention"]
+__all__ = ["Arg", "Index", "Intervention", "Nth", "Operand", "Source"]
 
 Tensor = torch.Tensor
 
@@ -50,7 +51,19 @@ class Arg:
         return f"fh.arg({self.name!r})"
 
 
-def show(value: Any) -> str:
+Index: TypeAlias = "int | Sequence[int] | Tensor | Arg | None"
+"""The positions an intervention edits along its `dim` (None: all of them)."""
+Nth: TypeAlias = "int | Tensor | Arg | None"
+"""Which of the modules a selector matched an intervention edits (None: every one)."""
+Source: TypeAlias = "Tensor | float | Record | Arg"
+"""What a patch puts in, or an ablation's mean: a value, or a Record holding one per module."""
+Operand: TypeAlias = "Tensor | float | Arg"
+"""What a steer adds (its vector and scale) or a scale multiplies by."""
+PerCall: TypeAlias = "Mapping[str, object]"
+"""The per-call values of one call of a capture function, by ``fh.arg`` name."""
+
+
+def show(value: object) -> str:
     if isinstance(value, Tensor):
         return f"<Tensor of shape {tuple(value.shape)}>"
     if isinstance(value, Record):
@@ -58,12 +71,12 @@ def show(value: Any) -> str:
     return repr(value)
 
 
-def is_number(x: Any) -> bool:
+def is_number(x: object) -> TypeGuard[float]:
     """Whether `x` is a Python int or float (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _is_one(x: Any) -> bool:
+def _is_one(x: object) -> bool:
     return isinstance(x, (int, float)) and x == 1
 
 
@@ -82,13 +95,13 @@ class Intervention:
     """
 
     kind: str
-    value: Any = None
-    index: Any = None
+    value: Source | None = None
+    index: Index = None
     dim: int = 1
-    nth: Any = None
+    nth: Nth = None
     element: int | str = 0
     name: str = "output"
-    coef: Any = 1.0
+    coef: Operand = 1.0
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -106,8 +119,8 @@ class Intervention:
 
     # -- applying ------------------------------------------------------------------------
 
-    def apply(self, output: Any, spec: Spec, path: str, rank: int, count: int, values: Mapping[str, Any],
-              caller: str) -> Any:
+    def apply(self, output: StoredValue, spec: Spec, path: str, rank: int, count: int, values: PerCall,
+              caller: str) -> StoredValue:
         """The edited `output` of the `count`-th call (in the run) of the module at `path`,
         the `rank`-th its spec selected; None to leave it as it was."""
         at = _At(self, spec, path, caller)
@@ -128,7 +141,7 @@ class Intervention:
             new = new.clone()
         return new if isinstance(output, Tensor) else _replace(output, self.element, new)
 
-    def _get(self, x: Any, values: Mapping[str, Any], at: _At, role: str = "index") -> Any:
+    def _get(self, x: object, values: PerCall, at: _At, role: str = "index") -> object:
         """`x`, or the call's value for it when it is an ``fh.arg``; a value for a `role` other
         than ``index`` (checked by :meth:`_mask`) must be of the kind the constructor takes."""
         if not isinstance(x, Arg):
@@ -151,7 +164,7 @@ class Intervention:
             raise at.error(f"`{role}` is {what}, got {show(value)}", "Pass one of those per call")
         return value
 
-    def _gate(self, rank: int, values: Mapping[str, Any], at: _At) -> Any:
+    def _gate(self, rank: int, values: PerCall, at: _At) -> Tensor | Literal[False] | None:
         nth = self._get(self.nth, values, at, "nth")
         if nth is None:
             return None
@@ -162,7 +175,7 @@ class Intervention:
             return nth == rank
         return None if nth == rank else False
 
-    def _new(self, target: Tensor, values: Mapping[str, Any], count: int, at: _At) -> tuple[Tensor, bool]:
+    def _new(self, target: Tensor, values: PerCall, count: int, at: _At) -> tuple[Tensor, bool]:
         """The replacement of `target` (before `index`/`nth`), and whether it is a new tensor."""
         kind = self.kind
         if kind == "ablate" and self.value is None:
@@ -176,7 +189,7 @@ class Intervention:
         value = value.to(device=target.device, dtype=target.dtype if kind != "scale" else None)
         _check_fits(value, target, at)
         if kind == "steer":
-            coef = self._get(self.coef, values, at, "scale")
+            coef = cast("Tensor | float", self._get(self.coef, values, at, "scale"))  # `_get` checked it
             if isinstance(coef, Tensor):
                 _check_real(coef, target, at)
             return (target + coef * value).to(target.dtype), True
@@ -184,7 +197,7 @@ class Intervention:
             return (target * value).to(target.dtype), True
         return value.expand(target.shape), False
 
-    def _mask(self, target: Tensor, values: Mapping[str, Any], at: _At) -> Tensor | None:
+    def _mask(self, target: Tensor, values: PerCall, at: _At) -> Tensor | None:
         index = self._get(self.index, values, at)
         if index is None:
             return None
@@ -221,11 +234,11 @@ _ROLES = {"patch": "value", "steer": "vector", "scale": "factor", "ablate": "mea
 """The name of each kind's value, in messages."""
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_positions(index: Any) -> bool:
+def _is_positions(index: object) -> TypeGuard[int | Sequence[int] | Tensor]:
     """Whether `index` is of a kind `index` takes: an int, ints, a bool or integer tensor."""
     if isinstance(index, Tensor):
         return not (index.is_floating_point() or index.is_complex())
@@ -234,7 +247,7 @@ def _is_positions(index: Any) -> bool:
     return _is_int(index)
 
 
-def _outside(index: Any, size: int) -> int | None:
+def _outside(index: int | Sequence[int] | Tensor, size: int) -> int | None:
     """The first position of `index` outside ``[-size, size)``, or None. A tensor is checked
     with one comparison (a host read), except under a ``torch.func`` transform or a
     ``torch.compile`` trace, where its values cannot be read."""
@@ -266,10 +279,10 @@ class _At:
         return InterventionError(f"{self.caller}: {rule}, at module {path_label(self.path)} for {self.spec!r}. {fix}.")
 
 
-def _item(output: Any, element: int | str, at: _At) -> Tensor:
+def _item(output: StoredValue, element: int | str, at: _At) -> Tensor:
     """The edited item of a module's tuple, list or dict output."""
     try:
-        container: Any = output
+        container: StoredValue = output
         if isinstance(output, (tuple, list)) and isinstance(element, int) or isinstance(output, Mapping):
             item = container[element]
         else:
@@ -283,10 +296,10 @@ def _item(output: Any, element: int | str, at: _At) -> Tensor:
     return item
 
 
-def _replace(output: Any, element: int | str, new: Tensor) -> Any:
+def _replace(output: StoredValue, element: int | str, new: Tensor) -> StoredValue:
     """`output` with its item `element` replaced: the rest passes on untouched."""
     if isinstance(output, tuple):
-        items: Any = output
+        items: StoredValue = output
         position = cast(int, element)  # a tuple's element is an index (checked by `_item`)
         if hasattr(items, "_fields"):  # a namedtuple
             return items._replace(**{items._fields[position]: new})
@@ -298,7 +311,7 @@ def _replace(output: Any, element: int | str, new: Tensor) -> Any:
     return out
 
 
-def _source(rec: Record, self: Intervention, at: _At) -> tuple[Any, ...]:
+def _source(rec: Record, self: Intervention, at: _At) -> Calls:
     node = rec.get(at.path)
     if node is None or self.name not in node:
         has = list(rec) if node is None else list(node)

@@ -11,7 +11,7 @@ Cost: none until the spec is run.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import cast
 
 from torch import nn
 
@@ -27,12 +27,12 @@ _FASTAI_NAME = "stored"
 (a ``functools.partial`` or a callable object): fastai takes any callable."""
 
 
-def _modules_of(label: str, ms: Any, arg: str = "ms") -> list[nn.Module]:
+def _modules_of(label: str, ms: object, arg: str = "ms") -> list[nn.Module]:
     """fastai iterates `ms`: a Sequential or ModuleList means its children."""
-    mods: list[Any] | None = None
+    mods: list[nn.Module] | None = None
     if not isinstance(ms, nn.Module) or hasattr(ms, "__iter__"):  # a Sequential or ModuleList: its children
         try:
-            mods = list(cast(Iterable[Any], ms))
+            mods = list(cast(Iterable[nn.Module], ms))  # checked below
         except TypeError:
             mods = None
     if not mods or not all(isinstance(m, nn.Module) for m in mods):
@@ -45,7 +45,7 @@ def _modules_of(label: str, ms: Any, arg: str = "ms") -> list[nn.Module]:
 
 def Hook(  # noqa: N802 - fastai's spelling
     m: nn.Module,
-    hook_func: Callable[..., Any],
+    hook_func: Callable[..., object],
     is_forward: bool = True,
     detach: bool = True,
     cpu: bool = False,
@@ -74,7 +74,7 @@ def Hook(  # noqa: N802 - fastai's spelling
 
 def Hooks(  # noqa: N802 - fastai's spelling
     ms: Iterable[nn.Module],
-    hook_func: Callable[..., Any],
+    hook_func: Callable[..., object],
     is_forward: bool = True,
     detach: bool = True,
     cpu: bool = False,

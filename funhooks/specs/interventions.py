@@ -34,21 +34,22 @@ its plan is cached (at most 32 plans per model); pass large values per call with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 from funhooks.errors import SpecError
 from funhooks.records.record import Record
 
-from .editing import Arg, Intervention, is_number, show
-from .ops import Op, around_spec, as_op
+from .editing import Arg, Index, Intervention, Nth, Operand, Source, is_number, show
+from .ops import OpLike, around_spec, as_op
 from .selector import Where, select
 from .spec import Spec
 
 __all__ = ["Arg", "Intervention", "ablate", "arg", "patch", "scale", "steer"]
 
 Tensor = torch.Tensor
+_V = TypeVar("_V")
 
 
 def arg(name: str) -> Arg:
@@ -78,7 +79,7 @@ def arg(name: str) -> Arg:
 
 # -- the constructors ----------------------------------------------------------------------------
 
-def _checked(label: str, *, index: Any, dim: Any, nth: Any, element: Any, name: Any) -> None:
+def _checked(label: str, *, index: object, dim: object, nth: object, element: object, name: object) -> None:
     ints = isinstance(index, Sequence) and not isinstance(index, str) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in index)
     if not (index is None or ints or isinstance(index, (Tensor, Arg)) or (isinstance(index, int) and not isinstance(index, bool))):
@@ -96,7 +97,7 @@ def _checked(label: str, *, index: Any, dim: Any, nth: Any, element: Any, name: 
         raise SpecError(f"{label}: `name` is a non-empty str or None, got {name!r}. Pass the record name to read.")
 
 
-def _checked_value(label: str, arg_name: str, value: Any, *, record: bool = True, none: bool = False) -> Any:
+def _checked_value(label: str, arg_name: str, value: _V, *, record: bool = True, none: bool = False) -> _V:
     kinds = (Tensor, Arg, Record) if record else (Tensor, Arg)
     if isinstance(value, kinds) or is_number(value) or (none and value is None):
         return value
@@ -104,21 +105,21 @@ def _checked_value(label: str, arg_name: str, value: Any, *, record: bool = True
     raise SpecError(f"{label}: `{arg_name}` is {what}, got {show(value)}. Pass one of those.")
 
 
-def _spec(label: str, where: Where, intervention: Intervention, op: Any) -> Spec:
+def _spec(label: str, where: Where, intervention: Intervention, op: OpLike | None) -> Spec:
     if op is None:
         return Spec(select(where), "forward", "intervene", None, intervention, is_edit=True, label=label)
     return around_spec(label, where, op, "intervene", intervention)
 
 
-def _named(name: str | None, op: Any) -> str:
+def _named(name: str | None, op: OpLike | None) -> str:
     """The record name a Record source is read at: `name`, else the op's, else ``output``."""
     if name is not None:
         return name
     return "output" if op is None else as_op("patch", op).name
 
 
-def patch(where: Where, value: Any, *, index: Any = None, dim: int = 1, nth: Any = None, element: int | str = 0,
-          name: str | None = None, op: str | Any | Op | None = None) -> Spec:
+def patch(where: Where, value: Source, *, index: Index = None, dim: int = 1, nth: Nth = None, element: int | str = 0,
+          name: str | None = None, op: OpLike | None = None) -> Spec:
     """Replace each selected module's output (or `op`'s result inside it) with `value`.
 
     `value` is a tensor or number broadcast to the output's shape, or a Record: the value it
@@ -158,8 +159,8 @@ def patch(where: Where, value: Any, *, index: Any = None, dim: int = 1, nth: Any
     return _spec("patch", where, Intervention("patch", value, index, dim, nth, element, _named(name, op)), op)
 
 
-def steer(where: Where, vector: Any, *, scale: Any = 1.0, index: Any = None, dim: int = 1, nth: Any = None,
-          element: int | str = 0, op: str | Any | Op | None = None) -> Spec:
+def steer(where: Where, vector: Operand, *, scale: Operand = 1.0, index: Index = None, dim: int = 1,
+          nth: Nth = None, element: int | str = 0, op: OpLike | None = None) -> Spec:
     """Add ``scale * vector`` to each selected module's output (a steering vector).
 
     Args:
@@ -188,8 +189,8 @@ def steer(where: Where, vector: Any, *, scale: Any = 1.0, index: Any = None, dim
     return _spec("steer", where, Intervention("steer", vector, index, dim, nth, element, "output", scale), op)
 
 
-def scale(where: Where, factor: Any, *, index: Any = None, dim: int = 1, nth: Any = None, element: int | str = 0,
-          op: str | Any | Op | None = None) -> Spec:
+def scale(where: Where, factor: Operand, *, index: Index = None, dim: int = 1, nth: Nth = None,
+          element: int | str = 0, op: OpLike | None = None) -> Spec:
     """Multiply each selected module's output by `factor`.
 
     Args:
@@ -215,8 +216,8 @@ def scale(where: Where, factor: Any, *, index: Any = None, dim: int = 1, nth: An
     return _spec("scale", where, Intervention("scale", factor, index, dim, nth, element), op)
 
 
-def ablate(where: Where, *, mean: Any = None, index: Any = None, dim: int = 1, nth: Any = None,
-           element: int | str = 0, name: str | None = None, op: str | Any | Op | None = None) -> Spec:
+def ablate(where: Where, *, mean: Source | None = None, index: Index = None, dim: int = 1,
+           nth: Nth = None, element: int | str = 0, name: str | None = None, op: OpLike | None = None) -> Spec:
     """Zero each selected module's output, or with `mean` put a mean in its place.
 
     Args:

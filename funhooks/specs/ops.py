@@ -21,20 +21,21 @@ each here); see ``funhooks/_core/ops.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 
 from funhooks import _frozen
 from funhooks.errors import SpecError
 
+from .editing import Intervention, Nth
 from .selector import Where, select
 from .spec import Spec, check_flags, check_fn
 
-__all__ = ["PROPERTY_READS", "Op", "OpAction", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
+__all__ = ["PROPERTY_READS", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
 
 
-_NAMES: dict[Any, str] = {}
+_NAMES: dict[Callable[..., object], str] = {}
 """Each torch function seen so far -> its op name."""
 _REFLECTED = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod", "and", "or",
                         "xor", "lshift", "rshift"})
@@ -42,9 +43,11 @@ _REFLECTED = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "d
 _ALIASES = {"truediv": "div"}
 PROPERTY_READS: set[str] = set()
 """Names of property reads (``t.shape``, ``t.dtype``): not listed as ops a module called."""
+OpLike: TypeAlias = "str | Callable[..., object] | Op"
+"""An op as the op specs take it: its name, a torch function, or an :class:`Op`."""
 
 
-def op_name(func: Any) -> str:
+def op_name(func: Callable[..., object]) -> str:
     """The op a torch function is: its name, with operator spellings folded
     (``__add__``/``__radd__`` -> ``add``, ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``)."""
     found = _NAMES.get(func)
@@ -89,7 +92,7 @@ class Op:
         return repr(self.name) if self.call is None and not self.deep else repr(self)
 
 
-def op(fn: str | Callable[..., Any], *, call: int | None = None, deep: bool = False) -> Op:
+def op(fn: str | Callable[..., object], *, call: int | None = None, deep: bool = False) -> Op:
     """Name an op for the op specs: a torch function (``torch.matmul``,
     ``torch.nn.functional.softmax``, ``torch.Tensor.add``) or its name (``"matmul"``).
 
@@ -113,7 +116,7 @@ def op(fn: str | Callable[..., Any], *, call: int | None = None, deep: bool = Fa
     return as_op("op", fn, call=call, deep=deep)
 
 
-def as_op(label: str, fn: Any, *, call: int | None = None, deep: bool = False) -> Op:
+def as_op(label: str, fn: object, *, call: int | None = None, deep: bool = False) -> Op:
     """`fn` (an :class:`Op`, a torch function or a name) as an :class:`Op`; errors name `label`."""
     if isinstance(fn, Op):
         return fn
@@ -156,11 +159,11 @@ class OpAction:
         return self.fn.args if self.kind == "intervene" else ()
 
     @property
-    def nth(self) -> Any:
+    def nth(self) -> Nth:
         """An intervention's `nth` (None for the other kinds)."""
         return self.fn.nth if self.kind == "intervene" else None
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: object) -> Any:
         """An op editor's function: ``fn(module, args, kwargs, output)``."""
         return self.fn(*args)
 
@@ -172,7 +175,8 @@ class OpAction:
         return str(self.op)
 
 
-def around_spec(label: str, where: Where, op_: Any, kind: str, fn: Any = None, *, name: str | None = None,
+def around_spec(label: str, where: Where, op_: OpLike, kind: str,
+                fn: Callable[..., object] | Intervention | None = None, *, name: str | None = None,
                 **flags: bool) -> Spec:
     """An op spec: `kind` (``output``, ``input``, ``edit``, ``intervene``) on `op_` in the
     modules `where` selects."""
@@ -185,7 +189,7 @@ def around_spec(label: str, where: Where, op_: Any, kind: str, fn: Any = None, *
                 **check_flags(label, **flags))
 
 
-def op_outputs(where: Where, op: str | Callable[..., Any] | Op, *, name: str | None = None, detach: bool = True,
+def op_outputs(where: Where, op: OpLike, *, name: str | None = None, detach: bool = True,
                cpu: bool = False, clone: bool = False) -> Spec:
     """Store the result of each call of `op` made by the selected modules, under `name`
     (default: the op's name), one value per op call.
@@ -214,7 +218,7 @@ def op_outputs(where: Where, op: str | Callable[..., Any] | Op, *, name: str | N
     return around_spec("op_outputs", where, op, "output", name=name, detach=detach, cpu=cpu, clone=clone)
 
 
-def op_inputs(where: Where, op: str | Callable[..., Any] | Op, *, name: str | None = None, detach: bool = True,
+def op_inputs(where: Where, op: OpLike, *, name: str | None = None, detach: bool = True,
               cpu: bool = False, clone: bool = False) -> Spec:
     """Store the positional arguments of each call of `op` made by the selected modules, as
     a tuple, under `name` (default ``"<op>.input"``); keyword arguments are not stored.
@@ -241,7 +245,7 @@ def op_inputs(where: Where, op: str | Callable[..., Any] | Op, *, name: str | No
     return around_spec("op_inputs", where, op, "input", name=name, detach=detach, cpu=cpu, clone=clone)
 
 
-def op_edit(where: Where, op: str | Callable[..., Any] | Op, fn: Callable[..., Any], *,
+def op_edit(where: Where, op: OpLike, fn: Callable[..., object], *,
             name: str | None = None) -> Spec:
     """Replace the result of each call of `op` made by the selected modules with
     ``fn(module, args, kwargs, output)`` (``None`` leaves it as it was); the rest of the

@@ -211,7 +211,7 @@ def select(where: Where) -> Selector:
     )
 
 
-def _check_predicate(fn: Callable[..., Any]) -> None:
+def _check_predicate(fn: Callable[..., object]) -> None:
     """A predicate is called as ``fn(path, module)``; one without a signature is trusted."""
     try:
         signature = inspect.signature(fn)
@@ -247,7 +247,7 @@ def resolve(
     model: nn.Module,
     *,
     caller: str,
-    spec: Any = None,
+    spec: object = None,
     modules: list[tuple[str, nn.Module]] | None = None,
 ) -> tuple[tuple[str, nn.Module], ...]:
     """Resolve `selector` on `model`, raising a helpful error when it picks nothing.

@@ -96,7 +96,7 @@ class Spec:
         return self.fn.args if self.role in ("intervene", "op") else ()
 
     @property
-    def nth(self) -> Any:
+    def nth(self) -> Any:  # an `Nth` (specs/editing.py, which imports this module)
         """The index, among the modules it selects, of the one an intervention spec edits
         (an int, a tensor or an ``fh.arg``); None for every module, and for other specs."""
         return self.fn.nth if self.role in ("intervene", "op") else None
@@ -141,7 +141,7 @@ _SHOWN_PATHS = 8
 """How many of the selected paths an `nth` error lists."""
 
 
-def check_nth(spec: Spec, nth: Any, paths: list[str], caller: str) -> None:
+def check_nth(spec: Spec, nth: object, paths: list[str], caller: str) -> None:
     """An intervention's `nth` (an int, or an integer tensor outside transforms and traces,
     read with one host sync) must index one of the `paths` its spec selected."""
     if isinstance(nth, torch.Tensor):
@@ -158,7 +158,7 @@ def check_nth(spec: Spec, nth: Any, paths: list[str], caller: str) -> None:
     )
 
 
-def check_flags(label: str, **flags: Any) -> dict[str, Any]:
+def check_flags(label: str, **flags: bool) -> dict[str, bool]:
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise SpecError(f"{label}: `{key}` is a bool, got {value!r}. Pass True or False.")
@@ -171,7 +171,7 @@ def _check_event(label: str, event: str) -> str:
     return event
 
 
-def check_fn(label: str, fn: Any, arg: str = "fn") -> Callable[..., Any]:
+def check_fn(label: str, fn: object, arg: str = "fn") -> Callable[..., object]:
     if not callable(fn):
         raise SpecError(
             f"{label}: `{arg}` is a callable taking PyTorch's hook arguments, got {fn!r}. "
@@ -188,7 +188,7 @@ def check_fn(label: str, fn: Any, arg: str = "fn") -> Callable[..., Any]:
     return fn
 
 
-def record_name(label: str, fn: Callable[..., Any], name: str | None) -> str:
+def record_name(label: str, fn: Callable[..., object], name: str | None) -> str:
     if name is None:
         name = getattr(fn, "__name__", None)
         if name is None:
@@ -284,7 +284,7 @@ def grads(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool 
 
 def observe(
     where: Where,
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     *,
     event: str = "forward",
     name: str | None = None,
@@ -328,7 +328,7 @@ def observe(
     return Spec(select(where), event, "call", record_name("observe", fn, name), fn, label="observe", **flags)
 
 
-def edit(where: Where, fn: Callable[..., Any], *, event: str = "forward", name: str | None = None) -> Spec:
+def edit(where: Where, fn: Callable[..., object], *, event: str = "forward", name: str | None = None) -> Spec:
     """Replace a value with ``fn``'s result: the output (``forward``), the args
     (``forward_pre``), ``grad_output`` (``backward_pre``), ``grad_input`` (``backward``) or a
     parameter's gradient (``param_grad``). Returning ``None`` leaves the value as it was.

@@ -36,8 +36,9 @@ import pathlib
 import re
 import secrets
 import stat
+import types
 from collections.abc import Mapping
-from typing import Any
+from typing import TypeGuard
 
 import attrs
 import torch
@@ -45,7 +46,7 @@ import torch
 from funhooks import _frozen
 from funhooks.errors import StoreError
 
-from ._shards import SHARD, TEMP_SUFFIX, Column, is_storable
+from ._shards import SHARD, TEMP_SUFFIX, Column, JsonObject, is_storable
 
 FORMAT = "funhooks.activations"
 FORMAT_VERSION = 1
@@ -76,8 +77,8 @@ class Manifest:
     """What a rank's manifest commits: the header (None before the first batch) and shard lines."""
 
     path: pathlib.Path
-    header: dict[str, Any] | None
-    shards: tuple[dict[str, Any], ...]
+    header: JsonObject | None
+    shards: tuple[JsonObject, ...]
     valid_bytes: int
     """Bytes up to the last complete line; more on disk means the last line was torn."""
     size: int
@@ -129,7 +130,7 @@ def _not_regular(path: pathlib.Path, caller: str) -> StoreError:
     )
 
 
-def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
+def _is_int(value: object, low: int = 0, high: int | None = None) -> TypeGuard[int]:
     return (isinstance(value, int) and not isinstance(value, bool) and value >= low
             and (high is None or value < high))
 
@@ -137,10 +138,10 @@ def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
 class _Field:
     """Builds the error for one field of one manifest line."""
 
-    def __init__(self, obj: Mapping[str, Any], line: int, path: pathlib.Path, caller: str) -> None:
+    def __init__(self, obj: JsonObject, line: int, path: pathlib.Path, caller: str) -> None:
         self.obj, self.line, self.path, self.caller = obj, line, path, caller
 
-    def error(self, field: str, rule: str, obj: Mapping[str, Any] | None = None) -> StoreError:
+    def error(self, field: str, rule: str, obj: JsonObject | None = None) -> StoreError:
         obj = self.obj if obj is None else obj
         key = field.rsplit(".", 1)[-1]
         got = f"`{field}` {obj[key]!r}" if key in obj else f"no `{field}`"
@@ -150,7 +151,7 @@ class _Field:
         )
 
 
-def _check_header(header: Mapping[str, Any], path: pathlib.Path, caller: str) -> list[Column]:
+def _check_header(header: JsonObject, path: pathlib.Path, caller: str) -> list[Column]:
     """The columns of a header whose fields are all usable (a StoreError names the first that is not)."""
     field = _Field(header, 1, path, caller)
     match = _MANIFEST_RE.fullmatch(path.name)
@@ -181,7 +182,7 @@ def _check_header(header: Mapping[str, Any], path: pathlib.Path, caller: str) ->
     return out
 
 
-def _check_line(line: Mapping[str, Any], k: int, rank: int, columns: list[Column], path: pathlib.Path,
+def _check_line(line: JsonObject, k: int, rank: int, columns: list[Column], path: pathlib.Path,
                 caller: str) -> None:
     """Refuse a shard line (the `k`-th) with a field the store cannot use."""
     field = _Field(line, k + 2, path, caller)
@@ -202,7 +203,7 @@ def _check_line(line: Mapping[str, Any], k: int, rank: int, columns: list[Column
         raise field.error("crc32", "each shard line gives its `crc32`, if any, as an int in range(2**32)")
 
 
-def check_header_format(header: Mapping[str, Any], path: pathlib.Path, caller: str) -> None:
+def check_header_format(header: JsonObject, path: pathlib.Path, caller: str) -> None:
     """Refuse a manifest of another format, or of another version of this one."""
     if header.get("format") != FORMAT:
         raise StoreError(
@@ -254,7 +255,7 @@ def fsync_directory(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def create_manifest(path: pathlib.Path, header: Mapping[str, Any], *, fsync: bool) -> None:
+def create_manifest(path: pathlib.Path, header: JsonObject, *, fsync: bool) -> None:
     """Write the header line as a new manifest, atomically (temporary + rename)."""
     temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
     try:
@@ -272,7 +273,7 @@ def create_manifest(path: pathlib.Path, header: Mapping[str, Any], *, fsync: boo
         fsync_directory(path.parent)
 
 
-def append_line(path: pathlib.Path, obj: Mapping[str, Any], *, fsync: bool) -> None:
+def append_line(path: pathlib.Path, obj: JsonObject, *, fsync: bool) -> None:
     """Append one line; on failure the file is cut back to its old length."""
     with open(path, "ab") as f:
         size = f.seek(0, os.SEEK_END)
@@ -289,7 +290,7 @@ def append_line(path: pathlib.Path, obj: Mapping[str, Any], *, fsync: bool) -> N
 
 # -- one writer per rank -------------------------------------------------------------------
 
-_fcntl: Any
+_fcntl: types.ModuleType | None
 try:
     import fcntl as _fcntl
 except ImportError:  # pragma: no cover - Windows: no advisory locks, one writer per rank is on the user

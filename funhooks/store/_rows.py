@@ -14,11 +14,11 @@ GPU sends only the kept rows at the cast width (the move syncs it once per batch
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from funhooks.errors import RecordError, StoreError
+from funhooks.records.node import Calls
 from funhooks.records.record import Record
 
 from . import _shards
@@ -26,7 +26,7 @@ from . import _shards
 CALLER = "ActivationWriter"
 
 
-def _unfit(calls: tuple[Any, ...], lead: int) -> str | None:
+def _unfit(calls: Calls, lead: int) -> str | None:
     """What is wrong with a column's calls in one batch, or None."""
     if len(calls) != 1:
         return f"{len(calls)} calls"
@@ -36,7 +36,7 @@ def _unfit(calls: tuple[Any, ...], lead: int) -> str | None:
 
 
 def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten: bool, dtype: torch.dtype | None,
-            mask: Any, batch: int) -> dict[str, torch.Tensor]:
+            mask: torch.Tensor | None, batch: int) -> dict[str, torch.Tensor]:
     """The rows of one batch: column name -> ``(rows, *row)`` tensor, contiguous, on the CPU.
 
     Args:

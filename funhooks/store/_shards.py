@@ -32,7 +32,7 @@ import secrets
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, TypeAlias
 
 import attrs
 import torch
@@ -44,6 +44,10 @@ SHARD = "shard.rank{rank}.{index:06d}.safetensors"
 TEMP_SUFFIX = ".tmp"
 COPY_CHUNK_BYTES = 1 << 24
 """Compaction of a last, shorter shard copies, and a checksum reads, at most this many bytes at a time."""
+
+JsonObject: TypeAlias = "Mapping[str, Any]"
+"""A JSON object as ``json.loads`` reads it: its values are whatever the file holds, so every
+field the store uses is checked before it is read (``_manifest``); also what the writer builds."""
 
 _SHARD_RE = r"\.?shard\.rank{rank}\.\d+\.safetensors(\.[0-9a-f]+\.tmp)?"
 
@@ -95,11 +99,11 @@ class Column:
             n *= d
         return n * self.dtype.itemsize
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape)}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> Column:
+    def from_json(cls, obj: JsonObject) -> Column:
         return cls(str(obj["name"]), parse_dtype(obj["dtype"]), _shape(int(d) for d in obj["shape"]))
 
     def describe(self) -> str:
@@ -144,7 +148,7 @@ def in_layout_order(columns: Sequence[Column]) -> list[Column]:
 def _header(columns: Sequence[Column], rows: int, meta: Mapping[str, str], reserve: int = 0) -> bytes:
     """The safetensors JSON header for `rows` rows, padded with spaces to a multiple of 8
     and to at least `reserve` bytes."""
-    obj: dict[str, Any] = {"__metadata__": dict(meta)}
+    obj: dict[str, object] = {"__metadata__": dict(meta)}
     for c in columns:
         begin, end = _layout(columns, rows)[c.name]
         obj[c.name] = {"dtype": _CODES[c.dtype], "shape": [rows, *c.shape], "data_offsets": [begin, end]}

@@ -21,8 +21,8 @@ import json
 import os
 import pathlib
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ from funhooks.errors import StoreError
 from . import _manifest, _shards
 
 CALLER = "ActivationWriter"
+_T = TypeVar("_T")
 _OPEN: dict[tuple[str, int], weakref.ref[Sink]] = {}
 """(real directory, rank) -> the sink that has it open in this process."""
 
@@ -104,7 +105,7 @@ class Sink:
         self._finalizer()
 
     # -- writing ----------------------------------------------------------------------------
-    def start(self, header: Mapping[str, Any], columns: Sequence[_shards.Column]) -> None:
+    def start(self, header: _shards.JsonObject, columns: Sequence[_shards.Column]) -> None:
         """Create the manifest with `header` (first batch of a new rank)."""
         _manifest.create_manifest(self.manifest_path, header, fsync=self.fsync)
         self.header, self.columns = dict(header), list(columns)
@@ -173,7 +174,7 @@ class Sink:
         self.rows += shard.rows
         self.end = end
 
-    def _io(self, doing: str, fn: Any, *args: Any) -> Any:
+    def _io(self, doing: str, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(*args)``; an OSError discards the unfinished shard and becomes a StoreError."""
         try:
             return fn(*args)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 
@@ -29,10 +29,15 @@ from .writer import ActivationWriter
 
 __all__ = ["collect"]
 
-Mask = Callable[[Any], Any]
+_R = TypeVar("_R")
+
+Batch: TypeAlias = Any
+"""One of the user's batches: a dict, a tuple or list, or one value, as the model takes it."""
+Mask = Callable[[Batch], torch.Tensor]
+"""``mask(batch)``: the rows of a batch to keep, as a bool tensor."""
 
 
-def _call(fn: Callable[..., Any], batch: Any) -> Any:
+def _call(fn: Callable[..., _R], batch: Batch) -> _R:
     if isinstance(batch, Mapping):
         return fn(**batch)
     if isinstance(batch, (tuple, list)):
@@ -40,7 +45,7 @@ def _call(fn: Callable[..., Any], batch: Any) -> Any:
     return fn(batch)
 
 
-def _mask_of(mask: str | Mask | None, batch: Any, index: int) -> Any:
+def _mask_of(mask: str | Mask | None, batch: Batch, index: int) -> torch.Tensor | None:
     if mask is None or callable(mask):
         return None if mask is None else mask(batch)
     if isinstance(batch, Mapping) and mask in batch:
@@ -52,13 +57,13 @@ def _mask_of(mask: str | Mask | None, batch: Any, index: int) -> Any:
     )
 
 
-def _remaining(inputs: Iterable[Any], start: int) -> Iterator[tuple[int, Any]]:
+def _remaining(inputs: Iterable[Batch], start: int) -> Iterator[tuple[int, Batch]]:
     if isinstance(inputs, Sequence):  # indexable: the written batches are not even loaded
         return ((i, inputs[i]) for i in range(start, len(inputs)))
     return itertools.islice(enumerate(inputs), start, None)
 
 
-def collect(writer: ActivationWriter, inputs: Iterable[Any], *, mask: str | Mask | None = None,
+def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Mask | None = None,
             progress: bool | None = None) -> ActivationDataset:
     """Run ``writer.model`` over `inputs` through :func:`funhooks.capture` and write the activations.
 

@@ -28,7 +28,8 @@ import json
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+import types
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
@@ -42,6 +43,8 @@ MAX_OPEN_SHARDS = 64
 """Shards kept mapped at once per process; the least recently used one is closed first."""
 
 CALLER = "ActivationDataset"
+Row: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"
+"""One row: its tensor for a store opened on one column, else its tensors by column name."""
 _AGREE = (("columns", "columns"), ("specs", "specs"), ("flatten", "`flatten`"), ("dtype", "`dtype`"))
 
 
@@ -59,7 +62,7 @@ class _Listed(NamedTuple):
     crc32: int | None
 
 
-def _as_indices(index: Any) -> torch.Tensor:
+def _as_indices(index: object) -> torch.Tensor:
     """`index` as a tensor of row numbers; a TypeError for anything but ints."""
     if isinstance(index, str):
         raise TypeError(
@@ -78,7 +81,7 @@ def _as_indices(index: Any) -> torch.Tensor:
     return idx.long()
 
 
-def require_safetensors(caller: str) -> Any:
+def require_safetensors(caller: str) -> types.ModuleType:
     """The safetensors module, or an ExtraError naming the ``store`` extra."""
     if importlib.util.find_spec("safetensors") is None:
         raise ExtraError(
@@ -276,7 +279,7 @@ class ActivationDataset(torch.utils.data.Dataset):
                     "store again."
                 )
 
-    def _row(self, i: int) -> Any:
+    def _row(self, i: int) -> Row:
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"{CALLER}: an index is in range(-{n}, {n}), got {i}. Index a row of the dataset.")
@@ -286,7 +289,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         row = {c.name: tensors[c.name][i - self._starts[s]].clone() for c in self._columns}
         return row[self._columns[0].name] if self._single else row
 
-    def _batch(self, indices: Any) -> dict[str, torch.Tensor]:
+    def _batch(self, indices: object) -> dict[str, torch.Tensor]:
         idx = _as_indices(indices)
         shape, idx = idx.shape, idx.reshape(-1)
         n = len(self)
@@ -305,7 +308,7 @@ class ActivationDataset(torch.utils.data.Dataset):
                 t.view(bits).index_copy_(0, where, tensors[name].view(bits).index_select(0, local))
         return {name: t.reshape(*shape, *t.shape[1:]) for name, t in out.items()}
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: object) -> Any:
         if isinstance(index, slice):
             index = range(*index.indices(len(self)))
         if isinstance(index, int) and not isinstance(index, bool):
@@ -316,18 +319,18 @@ class ActivationDataset(torch.utils.data.Dataset):
         batch = self._batch(index)
         return batch[self._columns[0].name] if self._single else batch
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Row]:
         """Rows `indices` in one gather per shard (a DataLoader calls this for each batch)."""
         batch = self._batch(indices)
         if self._single:
             return list(batch[self._columns[0].name].unbind(0))
         return [dict(zip(batch, row, strict=True)) for row in zip(*(t.unbind(0) for t in batch.values()), strict=True)]
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state["_cache"], state["_safe_open"] = collections.OrderedDict(), None
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._safe_open, self._pid = _safe_open(), os.getpid()

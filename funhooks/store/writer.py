@@ -35,7 +35,6 @@ import os
 import pathlib
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 import attrs
 import torch
@@ -58,7 +57,8 @@ SHARD_BYTES = 1 << 27
 """With ``rows_per_shard=None``, a shard holds as many rows as fit in this many bytes (128 MiB)."""
 
 CALLER = _sink.CALLER
-Mask = Callable[[Any], Any]
+Mask = Callable[[Step], torch.Tensor]
+"""``mask(step)``: the rows of a step to keep, as a bool tensor."""
 
 
 def _as_specs(specs: Spec | Iterable[Spec]) -> tuple[Spec, ...]:
@@ -74,7 +74,7 @@ def _as_specs(specs: Spec | Iterable[Spec]) -> tuple[Spec, ...]:
     return out
 
 
-def _check_dtype(writer: Any, attribute: Any, dtype: Any) -> None:
+def _check_dtype(writer: ActivationWriter, attribute: attrs.Attribute[torch.dtype | None], dtype: object) -> None:
     floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point and _shards.is_storable(dtype)
     if dtype is not None and not floating:
         raise ReducerError(
@@ -83,7 +83,7 @@ def _check_dtype(writer: Any, attribute: Any, dtype: Any) -> None:
         )
 
 
-def _check_rows(writer: Any, attribute: Any, rows: Any) -> None:
+def _check_rows(writer: ActivationWriter, attribute: attrs.Attribute[int | None], rows: object) -> None:
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
         raise ReducerError(
             f"{CALLER}: `rows_per_shard` is a positive int or None, got {rows!r}. "
@@ -91,7 +91,7 @@ def _check_rows(writer: Any, attribute: Any, rows: Any) -> None:
         )
 
 
-def _check_rank(writer: Any, attribute: Any, rank: Any) -> None:
+def _check_rank(writer: ActivationWriter, attribute: attrs.Attribute[int | None], rank: object) -> None:
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ReducerError(
             f"{CALLER}: `rank` is a non-negative int or None, got {rank!r}. "
@@ -99,7 +99,7 @@ def _check_rank(writer: Any, attribute: Any, rank: Any) -> None:
         )
 
 
-def _check_mask(writer: Any, attribute: Any, mask: Any) -> None:
+def _check_mask(writer: ActivationWriter, attribute: attrs.Attribute[Mask | None], mask: object) -> None:
     if mask is not None and not callable(mask):
         raise ReducerError(
             f"{CALLER}: `mask` is a function of a Step or None, got {type(mask).__name__}. Pass e.g. "
@@ -141,7 +141,7 @@ class WriterState:
         return self.sink.written
 
 
-def _header_mismatch(header: Mapping[str, Any], ours: Mapping[str, Any], directory: pathlib.Path) -> str | None:
+def _header_mismatch(header: _shards.JsonObject, ours: _shards.JsonObject, directory: pathlib.Path) -> str | None:
     for key, what in (("specs", "specs"), ("model", "model class"), ("flatten", "`flatten`"), ("dtype", "`dtype`")):
         if header.get(key) != ours[key]:
             return (
@@ -258,7 +258,7 @@ class ActivationWriter:
         return ActivationDataset(self.directory)
 
     # -- the sink primitive ------------------------------------------------------------------
-    def write(self, state: WriterState, batch: int, record: Record, *, mask: Any = None) -> WriterState:
+    def write(self, state: WriterState, batch: int, record: Record, *, mask: torch.Tensor | None = None) -> WriterState:
         """Write the rows of `record`, batch number `batch`, and return the next state.
 
         Batches come in order from 0; one before ``state.next_batch`` was written before a
@@ -324,7 +324,7 @@ class ActivationWriter:
             )
         return sink
 
-    def _header(self, versions: str, rank: int, columns: Sequence[_shards.Column], masked: bool) -> dict[str, Any]:
+    def _header(self, versions: str, rank: int, columns: Sequence[_shards.Column], masked: bool) -> dict[str, object]:
         model = _torch.unwrap(self.model)
         return {
             "format": _manifest.FORMAT, "version": _manifest.FORMAT_VERSION, "rank": rank,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -17,18 +17,21 @@ from funhooks._modes import in_mode
 from funhooks.records.record import Record
 from funhooks.runs.introspect import isolated
 from funhooks.runs.run import with_hooks
+from funhooks.specs.selector import Where
 from funhooks.specs.spec import observe
 
-from .table import shape_tree
+from .table import ShapeTree, shape_tree
 
 __all__ = ["is_leaf", "last_shape", "last_track", "record_shapes"]
+
+_T = TypeVar("_T")
 
 
 def is_leaf(path: str, module: nn.Module) -> bool:
     return not any(c is not None for c in _torch.children(module).values())
 
 
-def _same(args: tuple[Any, ...], output: Any) -> bool:
+def _same(args: tuple[object, ...], output: object) -> bool:
     """fastai's ``any(i.shape[1:] == o.shape for i, o in zip(args, output))`` on shapes: a
     tensor output iterates over its first dimension, a tuple or list over its items (an
     item that is no tensor, or a dict or 0-d output, where fastai raises, gives False)."""
@@ -43,12 +46,12 @@ def _same(args: tuple[Any, ...], output: Any) -> bool:
     return any(isinstance(a, torch.Tensor) and o is not None and a.shape[1:] == o for a, o in zip(args, outs))
 
 
-def _track(module: nn.Module, args: tuple[Any, ...], output: Any) -> tuple[Any, bool]:
+def _track(module: nn.Module, args: tuple[object, ...], output: object) -> tuple[ShapeTree, bool]:
     """What a row needs of one call: the output's shape tree, and fastai's `same`."""
     return shape_tree(output), _same(args, output)
 
 
-def _meta(value: Any) -> Any:
+def _meta(value: _T) -> _T:
     return _torch.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, value)
 
 
@@ -84,7 +87,7 @@ def _on_meta(model: nn.Module) -> Iterator[None]:
                         del vars(module)[key]
 
 
-def record_shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[Record, Any]:
+def record_shapes(model: nn.Module, where: Where | None, args: tuple[object, ...]) -> tuple[Record, ShapeTree]:
     """Run `model` on `args` in eval mode, storing the output shape of the modules `where`
     selects (none when `where` is None). Returns ``(record, output shape)``: on the meta
     device when it can, else with one real pass. Lazy modules always get the real pass
@@ -108,11 +111,11 @@ def record_shapes(model: nn.Module, where: Any, args: tuple[Any, ...]) -> tuple[
         return run.record, shape_tree(out)
 
 
-def last_track(rec: Any, path: str) -> tuple[Any, bool]:
+def last_track(rec: Record, path: str) -> tuple[ShapeTree, bool]:
     """``(shape, same)`` of the module's last call; ``(None, False)`` when it did not run."""
     calls = rec.calls(path, "shape") if path in rec else ()
     return calls[-1] if calls else (None, False)
 
 
-def last_shape(rec: Any, path: str) -> Any:
+def last_shape(rec: Record, path: str) -> ShapeTree:
     return last_track(rec, path)[0]

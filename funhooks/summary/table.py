@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeAlias
 
 import attrs
 import torch
@@ -12,7 +12,7 @@ import torch
 from funhooks import _frozen, _torch
 from funhooks._frozen import Frozen
 
-__all__ = ["NO_WEIGHT", "LayerRow", "ModuleSummary", "Shape", "shape_tree"]
+__all__ = ["NO_WEIGHT", "LayerRow", "ModuleSummary", "Shape", "ShapeTree", "shape_tree"]
 
 _COLUMNS = (("Layer (type)", 20), ("Output Shape", 20), ("Param #", 10), ("Trainable", 10))
 
@@ -40,14 +40,19 @@ class Shape(tuple):
     __hash__ = tuple.__hash__
 
 
-def shape_tree(value: Any) -> Any:
+ShapeTree: TypeAlias = "Shape | tuple[ShapeTree, ...] | list[ShapeTree] | dict[Hashable, ShapeTree] | None"
+"""A value's tensors as :class:`Shape`, in the value's tuples, lists and dicts; None for
+anything else (and for a module that did not run)."""
+
+
+def shape_tree(value: object) -> ShapeTree:
     """`value` with every tensor replaced by its :class:`Shape` and anything else by None."""
     if isinstance(value, torch.Tensor):
         return Shape(value.shape)
     return _torch.tree_map(lambda x: Shape(x.shape) if isinstance(x, torch.Tensor) else None, value)
 
 
-def _plain(shape: Any) -> Any:
+def _plain(shape: ShapeTree) -> object:
     """A shape tree as plain lists (JSON-ready)."""
     if isinstance(shape, Shape):
         return list(shape)
@@ -83,7 +88,8 @@ class LayerRow(tuple, Frozen):
     path: str
     """The module's path in the model (``""`` for a model that is itself a leaf)."""
 
-    def __new__(cls, path: str, type: str, params: int | str, trainable: bool | str, shape: Any,  # noqa: A002
+    def __new__(cls, path: str, type: str, params: int | str, trainable: bool | str,  # noqa: A002
+                shape: ShapeTree | Sequence[int],
                 same: bool) -> LayerRow:
         if isinstance(shape, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in shape):
             shape = Shape(shape)
@@ -109,7 +115,7 @@ class LayerRow(tuple, Frozen):
         return self[2]
 
     @property
-    def shape(self) -> Any:
+    def shape(self) -> ShapeTree:
         """The output's :class:`Shape` (a tree of them for tuple or dict outputs; None when
         the module did not run or returned no tensor)."""
         return self[3]
@@ -129,11 +135,11 @@ class LayerRow(tuple, Frozen):
         return (f"LayerRow(path={self.path!r}, type={self.type!r}, params={self.params!r}, "
                 f"trainable={self.trainable!r}, shape={self.shape!r}, same={self.same})")
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[..., LayerRow], tuple[object, ...]]:
         return (LayerRow, (self.path, *self))
 
 
-def _format_shape(shape: Any) -> str:
+def _format_shape(shape: ShapeTree) -> str:
     if isinstance(shape, Shape):
         return " x ".join(str(d) for d in shape) if shape else "scalar"
     if isinstance(shape, (tuple, list)):
@@ -165,7 +171,7 @@ class ModuleSummary:
     """
 
     model: str
-    input_shapes: tuple[Any, ...]
+    input_shapes: tuple[ShapeTree, ...]
     rows: tuple[LayerRow, ...]
     total: int
     trainable: int

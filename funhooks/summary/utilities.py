@@ -26,7 +26,7 @@ drawn from a private generator, so the global random state does not move either.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from funhooks._modes import in_mode
 from funhooks.runs.introspect import isolated
 
 from ._shapes import is_leaf, last_shape, last_track, record_shapes
-from .table import NO_WEIGHT, LayerRow, ModuleSummary, Shape, shape_tree
+from .table import NO_WEIGHT, LayerRow, ModuleSummary, Shape, ShapeTree, shape_tree
 
 __all__ = [
     "NO_WEIGHT",
@@ -61,6 +61,7 @@ _DUMMY_SEED = 0  # the private generator's seed: dummy batches are reproducible
 _FEATURE_SIZE_FIRST = 32  # num_features_model tries square inputs of this side...
 _FEATURE_SIZE_LAST = 2048  # ...doubling up to this one, for models that need big inputs
 _FIRST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_T = TypeVar("_T")
 
 
 # -- parameters --------------------------------------------------------------------------------
@@ -108,9 +109,8 @@ def total_params(m: nn.Module) -> tuple[int, bool]:
 # -- dummy passes --------------------------------------------------------------------------------
 
 
-def _first_layer(caller: str, m: nn.Module) -> Any:
-    """The first Linear or ConvNd of `m` (typed Any: its `weight`, `in_features` and
-    `in_channels` are what callers read)."""
+def _first_layer(caller: str, m: nn.Module) -> nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d:
+    """The first Linear or ConvNd of `m`."""
     for _, layer in _torch.named_modules(m):
         if isinstance(layer, _FIRST_LAYERS):
             return layer
@@ -218,7 +218,8 @@ def model_sizes(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> list[Shape]
     if not children:
         return []
     rec, _ = record_shapes(m, [c for _, c in children], (x,))
-    return [last_shape(rec, name) for name, _ in children]
+    # a Shape per child returning a tensor (fastai's case); a tree, or None, for any other
+    return cast("list[Shape]", [last_shape(rec, name) for name, _ in children])
 
 
 def num_features_model(m: nn.Module) -> int:
@@ -260,24 +261,24 @@ def num_features_model(m: nn.Module) -> int:
     return out[1]
 
 
-def _row(path: str, module: nn.Module, track: tuple[Any, bool]) -> LayerRow:
+def _row(path: str, module: nn.Module, track: tuple[ShapeTree, bool]) -> LayerRow:
     """fastai 2.8's ``_track`` row: parameter count and trainable only for a module with a
     ``weight`` attribute (``hasattr``, so a BatchNorm without affine gives ``0, False``)."""
     params, trainable = total_params(module) if hasattr(module, "weight") else (NO_WEIGHT, NO_WEIGHT)
     return LayerRow(path, _torch.own_class(module).__name__, params, trainable, *track)
 
 
-def _rows(model: nn.Module, args: tuple[Any, ...]) -> tuple[LayerRow, ...]:
+def _rows(model: nn.Module, args: tuple[object, ...]) -> tuple[LayerRow, ...]:
     rec, _ = record_shapes(model, is_leaf, args)
     return tuple(_row(path, mod, last_track(rec, path))
                  for path, mod in _torch.named_modules(_torch.unwrap(model)) if is_leaf(path, mod))
 
 
-def _first_example(value: Any) -> Any:
+def _first_example(value: _T) -> _T:
     return _torch.tree_map(lambda x: x[:1] if isinstance(x, torch.Tensor) and x.ndim else x, value)
 
 
-def layer_info(model: nn.Module, *xb: Any) -> list[LayerRow]:
+def layer_info(model: nn.Module, *xb: object) -> list[LayerRow]:
     """One row per leaf module of `model`, run on the first example of `xb`, as fastai's.
 
     Args:
@@ -303,7 +304,7 @@ def layer_info(model: nn.Module, *xb: Any) -> list[LayerRow]:
     return list(_rows(model, _first_example(xb)))
 
 
-def module_summary(model: nn.Module, *xb: Any) -> ModuleSummary:
+def module_summary(model: nn.Module, *xb: object) -> ModuleSummary:
     """A summary of `model` on the inputs `xb`: ``print`` it for fastai's table.
 
     Output shapes are those of the whole batch you pass (computed on the meta device, so a
