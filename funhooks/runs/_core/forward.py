@@ -41,6 +41,7 @@ from . import scope
 from .entries import PostEntry
 from .frame import Frame
 from .hooked import Hooked
+from .types import UserCall
 
 __all__ = ["Forward", "Item", "Table", "Users", "attribute", "call", "install", "uninstall"]
 
@@ -69,7 +70,7 @@ class Table(Protocol):
 T = TypeVar("T", bound=Table, covariant=True)
 Users = tuple[tuple[Frame, T], ...]
 """The runs that use a wrapped forward: ``(frame, table)``, outermost run first."""
-Route = Callable[[nn.Module, Callable[..., Any], Users[T], tuple, dict], Any]
+Route = Callable[[nn.Module, UserCall, Users[T], tuple, dict], object]
 """How a wrapped forward runs a call for the users in scope: ``(module, its forward, users,
 args, kwargs) -> output``: :func:`call`, or ``trace.compiled_call``."""
 Item = tuple["weakref.ref[nn.Module]", "Forward[T]", T]
@@ -96,8 +97,8 @@ def _escape(frame: Frame, hooked: Hooked) -> TransformError:
     )
 
 
-def call(module: nn.Module, inner: Callable[..., Any], users: Users[Hooked], args: tuple, kwargs: dict,
-         checked: bool = True) -> Any:
+def call(module: nn.Module, inner: UserCall, users: Users[Hooked], args: tuple, kwargs: dict,
+         checked: bool = True) -> object:
     """One call of a hooked module for the runs in `users` (``(frame, hooked)`` pairs).
 
     Forward-pre editors, then forward-pre observers; the module (inside the op mode of
@@ -177,7 +178,7 @@ class Forward(Generic[T]):
         self.attr = attr
         self.route = route
         self.module: Any = None  # the module while installed, else None
-        self.inner: Callable[..., Any] | None = None  # what `module.<attr>` was, while installed
+        self.inner: UserCall | None = None  # what `module.<attr>` was, while installed
         self.saved: object = None  # the instance attribute it replaced, if any
         self.reducer = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
         self.reducing = False  # whether it is set now
@@ -186,7 +187,7 @@ class Forward(Generic[T]):
         # observes and was entered outside transforms; else None
         self.solo: tuple[Frame, tuple[PostEntry, ...]] | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         module, inner = self.module, self.inner
         if inner is None:  # unwrapped since the caller looked it up: call what is there now
             return getattr(self.ref(), self.attr)(*args, **kwargs)
@@ -208,7 +209,7 @@ class Forward(Generic[T]):
     # -- looking like the forward it wraps ------------------------------------------------
 
     @property
-    def __wrapped__(self) -> Callable[..., Any] | None:  # inspect.signature(module.forward) sees the real one
+    def __wrapped__(self) -> UserCall | None:  # inspect.signature(module.forward) sees the real one
         return self.inner
 
     @property

@@ -49,9 +49,9 @@ class Frame:
                  "values", "watches")
 
     def __init__(self, plan: Layout, caller: str, level: int | None = None,
-                 values: dict[str, Any] | None = None) -> None:
+                 values: dict[str, object] | None = None) -> None:
         self.plan = plan
-        self.values: dict[str, Any] = {} if values is None else values  # `fh.arg` name -> this call's value
+        self.values: dict[str, object] = {} if values is None else values  # `fh.arg` name -> this call's value
         self.counts: dict[object, int] = {}  # intervention entry -> how often it applied in this frame
         self.missed: dict[object, Miss | None] = {}  # op entry -> None once it took an op, else why not
         self.caller = caller

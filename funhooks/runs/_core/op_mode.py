@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -41,7 +41,7 @@ from funhooks.specs.spec import Spec
 
 from .entries import call_spec, checked_edit
 from .frame import Frame
-from .types import Key, Miss
+from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
 
 __all__ = ["OpEntry", "OpTable", "call", "op_entry"]
@@ -132,8 +132,8 @@ class _Mode(TorchFunctionMode):
         self.outside: dict[OpEntry, int] = {}  # matches inside submodules, not counted
         self.seen: set[str] = set()  # the ops called, for the error when a spec matched none
 
-    def __torch_function__(self, func: Callable[..., Any], types: object, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> object:
         name = op_name(func)
         self.seen.add(name)
         found = None
@@ -145,7 +145,8 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         return self._run(func, found, args, kwargs or {})
 
-    def _run(self, func: Callable[..., Any], found: list[tuple[Frame, OpEntry]], args: tuple, kwargs: dict) -> Any:
+    def _run(self, func: Callable[..., object], found: list[tuple[Frame, OpEntry]], args: tuple,
+             kwargs: dict) -> object:
         own = None
         taken = []
         for frame, entry in found:
@@ -192,8 +193,8 @@ class _Mode(TorchFunctionMode):
                                              self.outside.get(entry, 0), sorted(self.seen))
 
 
-def call(module: nn.Module, inner: Callable[..., Any], users: OpUsers, path: str, args: tuple, kwargs: dict,
-         replay: bool) -> Any:
+def call(module: nn.Module, inner: UserCall, users: OpUsers, path: str, args: tuple, kwargs: dict,
+         replay: bool) -> object:
     """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
     tables have op entries); then note which op specs matched (``Frame.check``)."""
     compiling = _torch.is_compiling()

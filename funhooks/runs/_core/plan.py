@@ -29,8 +29,8 @@ import itertools
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple, cast
 
 import attrs
 import torch
@@ -314,7 +314,7 @@ class Plan:
         self._copy_items: list[forward.Item[Hooked]] | None = None
         self._traced: trace.Traced | None = None
 
-    def check_values(self, values: dict[str, Any], caller: str) -> None:
+    def check_values(self, values: Mapping[str, object], caller: str) -> None:
         """Refuse a call's per-call `nth` (``fh.arg``) past the modules its spec selected."""
         for spec, name, paths in self._nths:
             check_nth(spec, values.get(name), paths, caller)

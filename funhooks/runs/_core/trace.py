@@ -34,7 +34,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import NamedTuple, ParamSpec, TypeVar
 
 from torch import nn
 
@@ -44,7 +44,7 @@ from .entries import PostEntry
 from .forward import Users, call
 from .frame import Frame
 from .hooked import Hooked
-from .types import Key, Selected, Stored
+from .types import Key, Selected, Stored, UserCall
 from .values import COPIES, Copy, copied_inputs, copied_output, copier
 
 __all__ = ["Compiled", "Inside", "Stores", "Traced", "compiled_call", "layout", "record", "stores_of"]
@@ -122,8 +122,8 @@ def _storing(inner: Callable[P, R], before: list[tuple[list[Stored], Key, Copy]]
     return forward
 
 
-def _calling(module: nn.Module, inner: Callable[P, R], users: Users[Hooked]) -> Callable[P, R]:
-    def forward(*args: P.args, **kwargs: P.kwargs) -> R:
+def _calling(module: nn.Module, inner: UserCall, users: Users[Hooked]) -> UserCall:
+    def forward(*args: object, **kwargs: object) -> object:
         return call(module, inner, users, args, kwargs, checked=False)
 
     return forward
@@ -141,7 +141,7 @@ def record(fn: Callable[..., R], root: nn.Module, traced: Traced, frames: list[F
         if found is None:
             found = lean[route] = (attr, [], [])
         (found[1] if pre == "i" else found[2]).append((frames[int(i)].buffer, (path, name), COPIES[int(copy)]))
-    saved: list[tuple[dict[str, Any], str, object]] = []
+    saved: list[tuple[dict[str, object], str, object]] = []
     for route, (attr, before, after) in lean.items():
         module = _at(root, route)
         saved.append((module.__dict__, attr, module.__dict__.get(attr, _MISSING)))
@@ -176,7 +176,7 @@ class Inside(NamedTuple):
 
 Buffers = tuple[list[Stored], ...]
 """What a recorder's runs stored, a buffer per run."""
-Recorder = Callable[..., tuple[Any, Buffers]]
+Recorder = Callable[..., tuple[object, Buffers]]
 """A compiled recorder: ``(inner model, *args, **kwargs) -> (output, buffers)``."""
 
 
@@ -193,13 +193,13 @@ class Compiled:
         self.recorders: dict[tuple[int, ...], Recorder] = {}
 
 
-def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _fresh(fn: Recorder) -> Recorder:
     """`fn` with a code object of its own: dynamo keeps one cache (and one recompile limit)
     per code object, and every plan's recorder must have its own."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _recorder(wrapper: nn.Module, compiled_fn: Callable[..., Any], users: list[Compiled]) -> Recorder:
+def _recorder(wrapper: nn.Module, compiled_fn: object, users: list[Compiled]) -> Recorder:
     """The recorder for `users`, compiled with the settings of `wrapper` (a ``torch.compile``
     wrapper, or a module compiled in place whose compiled call is `compiled_fn`)."""
     modules: dict[int, tuple[str, str, str, list[User]]] = {}
@@ -212,7 +212,7 @@ def _recorder(wrapper: nn.Module, compiled_fn: Callable[..., Any], users: list[C
     callers = tuple([c.caller for c in users])
     in_place = not _torch.is_compile_wrapper(wrapper)  # its plain call: `Module.__call__` would call `compiled_fn`
 
-    def recorder(inner: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Buffers]:
+    def recorder(inner: nn.Module, *args: object, **kwargs: object) -> tuple[object, Buffers]:
         frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
         out = record(_torch.call_impl(inner) if in_place else inner, inner, traced, frames, args, kwargs)
         for frame in frames:  # these frames last one compiled call: their op specs are checked now
@@ -225,8 +225,8 @@ def _recorder(wrapper: nn.Module, compiled_fn: Callable[..., Any], users: list[C
     return context(_fresh(recorder))
 
 
-def compiled_call(wrapper: nn.Module, inner: Callable[..., Any], users: Users[Compiled], args: tuple,
-                  kwargs: dict) -> Any:
+def compiled_call(wrapper: nn.Module, inner: UserCall, users: Users[Compiled], args: tuple,
+                  kwargs: dict) -> object:
     """A call of a compiled module (a ``torch.compile`` wrapper, or a module compiled in place,
     whose compiled call is `inner`) for the runs in `users` (``(frame, Compiled)``): the
     compiled recorder runs the model and returns what the runs' entries stored."""

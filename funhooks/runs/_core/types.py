@@ -11,6 +11,7 @@ missed op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from funhooks.specs.spec import Spec
 
-__all__ = ["Check", "Handle", "Key", "Layout", "Miss", "Pending", "Selected", "Stored", "WatchState"]
+__all__ = ["Check", "Handle", "Key", "Layout", "Miss", "Pending", "Selected", "Stored", "UserCall", "WatchState"]
 
 Key: TypeAlias = tuple[str, str]
 """Where a value is stored in the Record: ``(module path, record name)``."""
@@ -35,6 +36,10 @@ A plain tuple on purpose: entries make one per stored value of every hooked call
 path), where a NamedTuple would cost a Python call each. The value is what the spec stored,
 the user's data (a tensor, a pytree, whatever the spec's function returned), or a
 ``frame.GradSlot`` that backward fills in."""
+
+UserCall: TypeAlias = Callable[..., Any]
+"""The user's code a run calls through: a module's own forward, or a function calling the
+model; it takes and returns the user's values, whatever they are."""
 
 
 class Selected(NamedTuple):
