@@ -21,8 +21,8 @@ tensors do not keep), so stored values stay right when an in-place op follows.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,10 @@ from ._core import Attached, Frame, Plan, scope, trace
 from .run import as_specs, check_model
 
 __all__ = ["capture", "functional"]
+
+R = TypeVar("R")
+Params = Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
+"""What ``functional``'s `params` may be: a dict of names to tensors, or several such dicts."""
 
 def _backward_error(specs: tuple[Spec, ...], caller: str) -> TransformError | None:
     """The error for a backward-event spec, raised when the function is called."""
@@ -82,7 +86,7 @@ class CaptureFunction:
         self.args = self.plan.args  # the keyword arguments that are per-call values, not the model's
         _check_args(self.inner, self.args, specs, caller)
 
-    def split(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def split(self, kwargs: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
         """`kwargs` as (the model's, the per-call values); every per-call value must be there."""
         if not self.args:
             return kwargs, {}
@@ -102,8 +106,8 @@ class CaptureFunction:
             self.plan = Plan.get(self.inner, self.specs, self.caller)
         return self.plan
 
-    def __call__(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                 values: dict[str, Any] | None = None) -> tuple[Any, Record]:
+    def __call__(self, fn: Callable[..., R], args: tuple, kwargs: dict,
+                 values: dict[str, object] | None = None) -> tuple[R, Record]:
         if self.backward is not None:
             raise self.backward
         if _torch.is_compiling():
@@ -128,8 +132,8 @@ class CaptureFunction:
             _check_leaves(record, self.caller)
         return out, record
 
-    def _traced(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                values: dict[str, Any] | None) -> tuple[Any, Record]:
+    def _traced(self, fn: Callable[..., R], args: tuple, kwargs: dict,
+                values: dict[str, object] | None) -> tuple[R, Record]:
         frame = Frame(self.plan, self.caller, 0, values)
         out = trace.record(fn, self.inner, self.plan.traced(), [frame], args, kwargs)
         frame.check()
@@ -156,7 +160,7 @@ def _check_args(model: nn.Module, names: tuple[str, ...], specs: tuple[Spec, ...
             )
 
 
-def _prepare(model: Any, specs: Spec | Iterable[Spec], caller: str) -> CaptureFunction:
+def _prepare(model: object, specs: Spec | Iterable[Spec], caller: str) -> CaptureFunction:
     model = check_model(model, caller)
     return CaptureFunction(model, as_specs(specs, caller), caller)
 
@@ -200,7 +204,7 @@ def capture(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., tup
     """
     recorder = _prepare(model, specs, "capture")
 
-    def captured(*args: Any, **kwargs: Any) -> tuple[Any, Record]:
+    def captured(*args: object, **kwargs: object) -> tuple[Any, Record]:
         kwargs, values = recorder.split(kwargs)
         # a model compiled before this function existed: its wrapper is looked through and
         # the model runs eagerly (compile the capture function itself for speed)
@@ -238,7 +242,7 @@ def _slots(model: nn.Module) -> tuple[frozenset[str], dict[str, str], dict[str, 
     return required, canonical, tied
 
 
-def _merge_params(params: Any, caller: str) -> dict[str, torch.Tensor]:
+def _merge_params(params: object, caller: str) -> dict[str, torch.Tensor]:
     if isinstance(params, Mapping):
         return dict(params)
     if isinstance(params, (tuple, list)) and all(isinstance(p, Mapping) for p in params):
@@ -288,10 +292,10 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
     recorder = _prepare(model, specs, "functional")
     names = [(recorder.plan, _slots(recorder.inner))]
 
-    def call(params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    def call(params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> object:
         return torch.func.functional_call(recorder.inner, params, args, kwargs, tie_weights=False, strict=False)
 
-    def functionally(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Record]:
+    def functionally(params: Params, *args: object, **kwargs: object) -> tuple[Any, Record]:
         kwargs, values = recorder.split(kwargs)
         merged = _merge_params(params, "functional")
         plan = recorder.current()

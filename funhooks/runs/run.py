@@ -50,7 +50,7 @@ def as_specs(specs: Spec | Iterable[Spec], caller: str) -> tuple[Spec, ...]:
     return tuple(dict.fromkeys(items))  # equal specs are installed once
 
 
-def check_model(model: Any, caller: str) -> nn.Module:
+def check_model(model: object, caller: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise SpecError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model to hook.")
     if isinstance(model, torch.jit.ScriptModule):
@@ -143,7 +143,7 @@ class Run(Frozen):
         if exc[0] is None and sys.exc_info()[0] is None:  # not while an error propagates (a step's abort)
             frame.check()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         """Call the model: ``run(x)`` is ``model(x)``."""
         return self._model(*args, **kwargs)
 

@@ -17,7 +17,7 @@ so ``f`` never changes them in place. Build ``f`` once and call it many times.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from .run import check_model
 
 __all__ = ["activation_grads"]
 
+V = TypeVar("V")
 _CALLER = "activation_grads"
 _NO_TIES = {"strict": False, "tie_weights": False}
 
@@ -42,10 +43,10 @@ class _Pass:
 
     def __init__(self, probes: list[torch.Tensor] | None, layout: dict[str, list[list[int | None]]] | None) -> None:
         self.probes, self.layout = probes, layout
-        self.outputs: dict[str, list[Any]] = {}
+        self.outputs: dict[str, list[object]] = {}
         self.slots: dict[str, list[list[int | None]]] = {}  # discovery: probe index per leaf
 
-    def visit(self, path: str, output: Any) -> Any:
+    def visit(self, path: str, output: object) -> object:
         calls = self.outputs.setdefault(path, [])
         calls.append(output)
         leaves, treespec = _torch.pytree.tree_flatten(output)
@@ -73,13 +74,13 @@ class _Prober:
         self.paths = paths
         self.passes: list[_Pass] = []
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def __call__(self, module: nn.Module, args: tuple, output: object) -> object:
         if not self.passes:
             return output
         return self.passes[-1].visit(self.paths[id(module)], output)
 
 
-def _copies(tree: Any) -> Any:
+def _copies(tree: V) -> V:
     """Tensor arguments copied, so an in-place first layer changes neither the caller's
     tensors nor the second pass's inputs (and ``torch.func.grad`` allows it)."""
     return _torch.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
@@ -141,7 +142,7 @@ def activation_grads(
             prober.passes.pop()
         return found
 
-    def differentiated(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Record]:
+    def differentiated(*args: object, **kwargs: object) -> tuple[torch.Tensor, Record]:
         found = discover(args, kwargs)
         probes: list[torch.Tensor] = []
         layout: dict[str, list[list[int | None]]] = {}
@@ -175,7 +176,7 @@ def activation_grads(
                 for name, buffer in inner.named_buffers():
                     if buffers[name] is not buffer:
                         buffer.copy_(buffers[name])
-        data: dict[str, dict[str, tuple[Any, ...]]] = {}
+        data: dict[str, dict[str, tuple[object, ...]]] = {}
         for path in order:
             if path not in outputs:
                 continue

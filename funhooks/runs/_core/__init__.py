@@ -7,7 +7,10 @@ forward on the torch ops it calls. Plans are cached per model and spec tuple whi
 
 A **frame** (``frame``) is one run's mutable state: the buffer its entries append to, the
 tensor hooks they registered, the ``torch.func`` level it was opened at. The Record is built
-from it, with the in-place check of every stored tensor.
+from it, with the in-place check of every stored tensor. The frame reads its plan through a
+protocol of ``types``, the core's shared types (the buffer's ``Stored`` entries and their
+``Check``, the plan's ``Selected`` specs): so ``frame`` imports no module whose entries take
+a frame, and no module of the core names another's types under ``TYPE_CHECKING``.
 
 **Attaching** (``attach``) puts a plan on the model for one frame: a ``Forward``
 (``forward``) in the ``__dict__`` of each hooked module, a compiled recorder (``trace``) on

@@ -11,12 +11,11 @@ Cost: per run, a few dict writes per hooked module and one hook per watched para
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import forward
 from .entries import param_hook
 from .frame import Frame
 from .plan import Plan
+from .types import Handle
 
 __all__ = ["Attached"]
 
@@ -30,16 +29,16 @@ class Attached:
         """Args: `copies` uses the entries that store copies (inside ``torch.func`` transforms,
         whose batched tensors keep no version counters)."""
         self.frame = frame
-        self.forwards: list[forward.Forward] = []
-        self.params: list[Any] = []
+        self.forwards: list[forward.Forward[forward.Table]] = []
+        self.params: list[Handle] = []
         try:
-            self.forwards = forward.install(frame, plan.copy_items() if copies else plan.items)
+            self.forwards += forward.install(frame, plan.copy_items() if copies else plan.items)
             if plan.wrappers:
                 self.forwards += forward.install(frame, plan.wrappers)
-            for spec, key, ref in plan.params:
-                param = ref()
+            for hook in plan.params:
+                param = hook.ref()
                 if param is not None and param.requires_grad:
-                    self.params.append(param.register_hook(param_hook(spec, key, param, frame)))
+                    self.params.append(param.register_hook(param_hook(hook.spec, hook.key, param, frame)))
         except BaseException:
             self.detach()
             raise

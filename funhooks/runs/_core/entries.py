@@ -17,7 +17,7 @@ Cost: one Python call per (spec, module call), plus the flagged tensor work.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -37,15 +37,15 @@ from funhooks.errors import (
 from funhooks.specs.selector import path_label as where
 from funhooks.specs.spec import Spec
 
+from .frame import Frame, GradSlot
+from .types import Key
 from .values import copies_of, preparer, snapshot, unchecked
 
-if TYPE_CHECKING:
-    from .frame import Frame
-
-__all__ = ["GradSlot", "backward_hook", "call_spec", "checked_edit", "param_hook", "post_entry", "pre_entry"]
+__all__ = ["BackwardEntry", "PostEntry", "PreEntry", "backward_hook", "call_spec", "checked_edit", "param_hook",
+           "post_entry", "pre_entry"]
 
 Tensor = torch.Tensor
-Key = tuple[str, str]
+V = TypeVar("V")
 _tracing = _torch.jit_tracing
 _OWN_ERRORS = (ExtraError, LoopError, RecordError, ReducerError, SelectorError, SpecError, StaleTensorError,
                TransformError)
@@ -78,7 +78,7 @@ def call_spec(frame: Frame, spec: Spec, path: str, args: tuple) -> Any:
         frame.calling -= 1
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, Tensor):
         return f"a Tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
@@ -86,7 +86,7 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _fits(old: Any, new: Any) -> bool:
+def _fits(old: object, new: object) -> bool:
     """Whether an editor's `new` value has the structure and tensor shapes of `old`."""
     if isinstance(old, Tensor) or isinstance(new, Tensor):
         return isinstance(old, Tensor) and isinstance(new, Tensor) and old.shape == new.shape
@@ -97,7 +97,8 @@ def _fits(old: Any, new: Any) -> bool:
     return all(_fits(x, y) if isinstance(x, Tensor) or isinstance(y, Tensor) else True for x, y in zip(a, b))
 
 
-def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: Any, new: Any) -> Any:
+def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: object, new: V) -> V:
+    """`new`, an editor's value for `old`, when it has the structure and shapes of `old` (or is None)."""
     if new is None or _fits(old, new):
         return new
     raise HookError(
@@ -109,8 +110,13 @@ def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: Any, new: 
 
 # -- the entries -------------------------------------------------------------------------------
 
-PreEntry = Callable[["Frame", nn.Module, tuple, dict], Any]
-PostEntry = Callable[["Frame", nn.Module, tuple, dict, Any], Any]
+PreEntry = Callable[[Frame, nn.Module, tuple, dict], "tuple | None"]
+"""A forward-pre entry: ``(frame, module, args, kwargs)``; an editor returns the new args, or None."""
+PostEntry = Callable[[Frame, nn.Module, tuple, dict, object], object]
+"""A forward entry: ``(frame, module, args, kwargs, output)``; an editor returns the new output,
+or None (the output: whatever the module returned)."""
+BackwardEntry = Callable[[Frame], Callable[..., object]]
+"""A backward entry: given a frame, the hook PyTorch's ``BackwardHook`` calls."""
 
 
 def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
@@ -130,7 +136,7 @@ def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
 
     if spec.is_edit:
 
-        def edit_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        def edit_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             new = call_spec(frame, spec, path, (module, args))
             if new is not None and not isinstance(new, tuple):
                 new = (new,)
@@ -154,7 +160,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     if spec.role == "output":
         if spec.detach and not (spec.cpu or spec.gather or spec.clone or copies):
 
-            def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
                 if isinstance(output, Tensor):
                     # without autograd history, detach() would only make an alias. Under `torch.jit.trace`
                     # no op is called here: the tracer names a value after the variable of the frame that
@@ -171,7 +177,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
 
             return store_output
 
-        def store_any(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def store_any(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             frame.buffer.append((key, *store(output if prep is None else prep(output))))
 
         return store_any
@@ -179,7 +185,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     if spec.role in ("grad", "grad_output"):
         as_tuple = spec.role == "grad_output"
 
-        def watch_grad(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def watch_grad(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             if not torch.is_grad_enabled():
                 return
             leaves, structure = _torch.flatten(output)
@@ -203,7 +209,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
 
     if spec.is_edit:
 
-        def edit_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        def edit_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
             new = call_spec(frame, spec, path, (module, args, output))
             return checked_edit(frame, spec, path, "output", output, new)
 
@@ -211,7 +217,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
 
     fn = spec.fn
 
-    def observe_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def observe_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if prep is not None:
             args, output = prep(args), prep(output)
         frame.calling += 1  # `call_spec`, inlined: this entry runs on every call of every observed module
@@ -234,40 +240,14 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     return observe_output
 
 
-class GradSlot:
-    """A ``grads`` value completed by tensor hooks during backward: one value per backward
-    pass through the call (``retain_graph=True``, gradient penalties), in pass order."""
-
-    __slots__ = ("as_tuple", "n", "passes", "structure")
-
-    def __init__(self, n: int, structure: Any, as_tuple: bool) -> None:
-        self.n, self.structure, self.as_tuple = n, structure, as_tuple
-        self.passes: dict[int, list[Any]] = {}
-
-    def hook(self, frame: Frame, i: int, prep: Callable[[Any], Any] | None) -> Callable[[Tensor], None]:
-        def on_grad(grad: Tensor) -> None:
-            if frame.open:
-                parts = self.passes.get(pass_id := _torch.backward_pass())
-                if parts is None:
-                    parts = self.passes[pass_id] = [None] * self.n
-                parts[i] = grad if prep is None else prep(grad)
-
-        return on_grad
-
-    def values(self) -> list[Any]:
-        if self.as_tuple:
-            return [tuple(parts) for parts in self.passes.values()]
-        return [_torch.unflatten(parts, self.structure) for parts in self.passes.values()]
-
-
-def backward_hook(spec: Spec, key: Key) -> Callable[[Frame], Callable[..., Any]]:
+def backward_hook(spec: Spec, key: Key) -> BackwardEntry:
     """For a ``backward`` / ``backward_pre`` spec: given a frame, the hook PyTorch's
     ``BackwardHook`` calls with ``(module, grad_input, grad_output)`` or ``(module, grad_output)``."""
     prep, path = preparer(spec), key[0]
     what = "grad_input" if spec.event == "backward" else "grad_output"
 
-    def for_frame(frame: Frame) -> Callable[..., Any]:
-        def on_backward(module: nn.Module, *grads: Any) -> Any:
+    def for_frame(frame: Frame) -> Callable[..., object]:
+        def on_backward(module: nn.Module, *grads: Tensor | None) -> object:
             if not frame.open:
                 frame.late.add(key)
                 return None
@@ -284,11 +264,11 @@ def backward_hook(spec: Spec, key: Key) -> Callable[[Frame], Callable[..., Any]]
     return for_frame
 
 
-def param_hook(spec: Spec, key: Key, param: Tensor, frame: Frame) -> Callable[[Tensor], Any]:
+def param_hook(spec: Spec, key: Key, param: Tensor, frame: Frame) -> Callable[[Tensor], Tensor | None]:
     """A gradient hook on `param` for `frame`: ``fn(param, grad)``."""
     prep, path = preparer(spec), key[0]
 
-    def on_grad(grad: Tensor) -> Any:
+    def on_grad(grad: Tensor) -> Tensor | None:
         if not frame.open:
             return None
         if spec.is_edit:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -38,9 +38,12 @@ from funhooks.specs.selector import path_label as where
 
 from . import op_mode as ops
 from . import scope
+from .entries import PostEntry
+from .frame import Frame
 from .hooked import Hooked
+from .types import UserCall
 
-__all__ = ["Forward", "attribute", "call", "install", "uninstall"]
+__all__ = ["Forward", "Item", "Table", "Users", "attribute", "call", "install", "uninstall"]
 
 _ATTRIBUTE: dict[type, str] = {}
 _active = scope.active
@@ -49,8 +52,29 @@ _graph_task = _torch.graph_task_id
 _LOCK = threading.RLock()
 """Guards wrapping and unwrapping: runs entered in two threads at once share the wrappers."""
 
-Users = tuple[tuple[Any, Any], ...]
-Route = Callable[[nn.Module, Callable[..., Any], Users, tuple, dict], Any]
+
+
+class Table(Protocol):
+    """What a wrapped forward reads of a user's table: a ``Hooked``, or for a ``torch.compile``
+    wrapper the ``trace.Compiled`` of its recorder (never plain)."""
+
+    @property
+    def plain(self) -> bool:
+        """True for a table of plain observers only: the calls run inlined, without :func:`call`."""
+
+    @property
+    def obs(self) -> tuple[PostEntry, ...]:
+        """The observers, read when `plain`."""
+
+
+T = TypeVar("T", bound=Table, covariant=True)
+Users = tuple[tuple[Frame, T], ...]
+"""The runs that use a wrapped forward: ``(frame, table)``, outermost run first."""
+Route = Callable[[nn.Module, UserCall, Users[T], tuple, dict], object]
+"""How a wrapped forward runs a call for the users in scope: ``(module, its forward, users,
+args, kwargs) -> output``: :func:`call`, or ``trace.compiled_call``."""
+Item = tuple["weakref.ref[nn.Module]", "Forward[T]", T]
+"""A plan's module to wrap: ``(module_ref, its Forward, the table a run uses it with)``."""
 
 
 def attribute(cls: type) -> str:
@@ -65,7 +89,7 @@ def attribute(cls: type) -> str:
     return name
 
 
-def _escape(frame: Any, hooked: Hooked) -> TransformError:
+def _escape(frame: Frame, hooked: Hooked) -> TransformError:
     return TransformError(
         f"{frame.caller}: values stored by side effect cannot leave a torch.func transform, got module "
         f"{where(hooked.path)} called inside `vmap`/`grad` while the `{frame.caller}` block was entered outside it. "
@@ -73,8 +97,8 @@ def _escape(frame: Any, hooked: Hooked) -> TransformError:
     )
 
 
-def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple, kwargs: dict,
-         checked: bool = True) -> Any:
+def call(module: nn.Module, inner: UserCall, users: Users[Hooked], args: tuple, kwargs: dict,
+         checked: bool = True) -> object:
     """One call of a hooked module for the runs in `users` (``(frame, hooked)`` pairs).
 
     Forward-pre editors, then forward-pre observers; the module (inside the op mode of
@@ -121,9 +145,9 @@ def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple
         output = inner(*args, **kwargs)
     for frame, hooked in users:
         for post in hooked.edits:
-            new = post(frame, module, args, kwargs, output)
-            if new is not None:
-                output = new
+            edited = post(frame, module, args, kwargs, output)
+            if edited is not None:
+                output = edited
     for frame, hooked in users:
         for post in hooked.grads:
             post(frame, module, args, kwargs, output)
@@ -136,7 +160,7 @@ def call(module: nn.Module, inner: Callable[..., Any], users: Users, args: tuple
     return output
 
 
-class Forward:
+class Forward(Generic[T]):
     """A module's ``forward`` (or ``_call_impl``) while at least one run hooks it.
 
     ``users`` is a tuple of ``(frame, hooked)``, outermost run first, replaced (never
@@ -149,21 +173,21 @@ class Forward:
     __slots__ = ("__weakref__", "attr", "inner", "module", "reducer", "reducing", "ref", "route", "saved", "solo",
                  "users")
 
-    def __init__(self, module: nn.Module, attr: str, route: Route = call) -> None:
+    def __init__(self, module: nn.Module, attr: str, route: Route[T]) -> None:
         self.ref = weakref.ref(module)
         self.attr = attr
         self.route = route
-        self.module: Any = None  # the module, while installed
-        self.inner: Any = None  # what `module.<attr>` was, while installed
-        self.saved: Any = None  # the instance attribute it replaced, if any
+        self.module: Any = None  # the module while installed, else None
+        self.inner: UserCall | None = None  # what `module.<attr>` was, while installed
+        self.saved: object = None  # the instance attribute it replaced, if any
         self.reducer = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
         self.reducing = False  # whether it is set now
-        self.users: Users = ()
+        self.users: Users[T] = ()
         # the common case, read by one load: `(frame, observers)` of the one user, when it only
         # observes and was entered outside transforms; else None
-        self.solo: tuple[Any, tuple] | None = None
+        self.solo: tuple[Frame, tuple[PostEntry, ...]] | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         module, inner = self.module, self.inner
         if inner is None:  # unwrapped since the caller looked it up: call what is there now
             return getattr(self.ref(), self.attr)(*args, **kwargs)
@@ -185,15 +209,15 @@ class Forward:
     # -- looking like the forward it wraps ------------------------------------------------
 
     @property
-    def __wrapped__(self) -> Any:  # inspect.signature(module.forward) sees the real one
+    def __wrapped__(self) -> UserCall | None:  # inspect.signature(module.forward) sees the real one
         return self.inner
 
     @property
-    def __self__(self) -> Any:
+    def __self__(self) -> object:
         return getattr(self.inner, "__self__", None)
 
     @property
-    def __func__(self) -> Any:
+    def __func__(self) -> object:
         return getattr(self.inner, "__func__", self.inner)
 
     @property
@@ -205,7 +229,7 @@ class Forward:
 
     # -- copies made inside a block are plain ----------------------------------------------
 
-    def reduce_ex(self, protocol: int) -> Any:
+    def reduce_ex(self, protocol: int) -> str | tuple[object, ...]:
         """The module's own reduction, without the run's instance attributes (``copy.copy``,
         ``copy.deepcopy`` and pickle all ask an object's ``__reduce_ex__``)."""
         module = self.ref()
@@ -222,7 +246,7 @@ class Forward:
         return (reduced[0], reduced[1], state, *reduced[3:])
 
 
-def _solo(users: Users) -> tuple[Any, tuple] | None:
+def _solo(users: Users[Table]) -> tuple[Frame, tuple[PostEntry, ...]] | None:
     """``Forward.solo`` for `users`."""
     if len(users) != 1:
         return None
@@ -230,11 +254,11 @@ def _solo(users: Users) -> tuple[Any, tuple] | None:
     return (frame, hooked.obs) if hooked.plain and not frame.level else None
 
 
-def install(frame: Any, items: list[tuple[weakref.ref, Forward, Any]]) -> list[Forward]:
+def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
     """Make `frame` a user of the wrapped forward of each module in `items`
     (``(module_ref, forward, hooked)``, from the plan), wrapping the modules not wrapped
     yet; returns the ``Forward`` objects `frame` uses."""
-    installed: list[Forward] = []
+    installed: list[Forward[T]] = []
     with _LOCK:
         try:
             for ref, fwd, hooked in items:
@@ -264,7 +288,7 @@ def install(frame: Any, items: list[tuple[weakref.ref, Forward, Any]]) -> list[F
     return installed
 
 
-def uninstall(frame: Any, installed: list[Forward]) -> None:
+def uninstall(frame: Frame, installed: Sequence[Forward[Table]]) -> None:
     """Remove `frame` from each wrapped forward; restore the modules it was the last user of.
 
     A forward someone else replaced since (wrapping ours) stays in place, with no users.
@@ -273,7 +297,7 @@ def uninstall(frame: Any, installed: list[Forward]) -> None:
         _uninstall(frame, installed)
 
 
-def _uninstall(frame: Any, installed: list[Forward]) -> None:
+def _uninstall(frame: Frame, installed: Sequence[Forward[Table]]) -> None:
     for fwd in reversed(installed):
         users = fwd.users
         fwd.solo = None

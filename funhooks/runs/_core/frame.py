@@ -1,6 +1,7 @@
 """Frames: one run's private mutable state, and the Record built from it.
 
-A frame holds the buffer its entries append ``(key, value, check)`` to, the tensor hooks its
+A frame holds the buffer its entries append ``(key, value, check)`` to (``types.Stored``;
+a ``grads`` entry appends a :class:`GradSlot` that backward fills in), the tensor hooks its
 ``grads`` entries registered (removed when the frame closes, so nothing stays on a
 persistent tensor such as a parameter a module returns), the backward events that arrived
 after it closed, the ``torch.func`` level it was opened at (a call at another level
@@ -9,27 +10,36 @@ values (``fh.arg`` placeholders) and how often each intervention has applied.
 
 Building the Record groups the buffer by module path in module order and compares each
 stored tensor's version counter with the one read when it was stored: a difference means a
-later in-place op changed it, and the Record would be silently wrong.
+later in-place op changed it, and the Record would be silently wrong. Closing a run checks
+that every op spec took an op in some call of its module (what ``op_mode`` noted in
+``missed``).
+
+The frame sits below the modules whose entries take it: it reads its plan through
+``types.Layout``, so it imports none of them.
 
 Cost: about 0.35 µs per stored value to build; a version read per stored tensor.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from funhooks import _torch
-from funhooks.errors import StaleTensorError
+from funhooks.errors import SelectorError, StaleTensorError
 from funhooks.records.record import Record, trusted
+from funhooks.specs.ops import PROPERTY_READS
 from funhooks.specs.selector import path_label as where
+from funhooks.specs.spec import Spec
 
-from .entries import GradSlot
-from .op_mode import unmatched
+from .types import Handle, Key, Layout, Miss, Stored, WatchState
 
-if TYPE_CHECKING:
-    from .plan import Plan
+__all__ = ["Frame", "GradSlot"]
 
-__all__ = ["Frame"]
+_SHOWN_OPS = 24
+"""How many of the ops a module called a "matched nothing" error lists."""
 
 
 class Frame:
@@ -38,23 +48,23 @@ class Frame:
     __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "missed", "open", "plan",
                  "values", "watches")
 
-    def __init__(self, plan: Plan, caller: str, level: int | None = None,
-                 values: dict[str, Any] | None = None) -> None:
+    def __init__(self, plan: Layout, caller: str, level: int | None = None,
+                 values: dict[str, object] | None = None) -> None:
         self.plan = plan
-        self.values: dict[str, Any] = {} if values is None else values  # `fh.arg` name -> this call's value
-        self.counts: dict[Any, int] = {}  # intervention entry -> how often it applied in this frame
-        self.missed: dict[Any, Any] = {}  # op entry -> None once it took an op, else why not (``ops.note``)
+        self.values: dict[str, object] = {} if values is None else values  # `fh.arg` name -> this call's value
+        self.counts: dict[object, int] = {}  # intervention entry -> how often it applied in this frame
+        self.missed: dict[object, Miss | None] = {}  # op entry -> None once it took an op, else why not
         self.caller = caller
-        self.buffer: list[tuple[Any, Any, Any]] = []
-        self.grad_hooks: list[Any] = []
-        self.late: set[tuple[str, str]] = set()
+        self.buffer: list[Stored] = []
+        self.grad_hooks: list[Handle] = []
+        self.late: set[Key] = set()
         self.calling = 0  # > 0 while one of its specs' own functions runs: it sees no call then
         if level is None:
             interpreter = _torch.peek_transform()
             level = 0 if interpreter is None else interpreter.level()
         self.level = level
         self.open = True
-        self.watches: dict[int, Any] | None = None  # FSDP-sharded parameters watched (``sharded``)
+        self.watches: dict[int, WatchState] | None = None  # FSDP-sharded parameters watched (``sharded``)
 
     def close(self) -> None:
         """Stop storing and remove the tensor hooks (gradients arriving later are noted)."""
@@ -65,10 +75,11 @@ class Frame:
         self.watches = None
 
     def check(self) -> None:
-        """Raise when an op spec took no op in any call of its module (``ops.unmatched``)."""
-        error = unmatched(self)
-        if error is not None:
-            raise error
+        """Raise when an op spec took no op in any call of its module (``op_mode``): the
+        error says what the first such call called."""
+        for miss in self.missed.values():
+            if miss is not None:
+                raise _unmatched(self.caller, miss)
 
     def record(self) -> Record:
         """The Record of everything stored so far (a snapshot)."""
@@ -81,7 +92,26 @@ class Frame:
         return record
 
 
-def _stale(caller: str, key: tuple[str, str], spec: Any) -> StaleTensorError:
+def _unmatched(caller: str, miss: Miss) -> SelectorError:
+    called = [name for name in miss.called if name not in PROPERTY_READS]
+    shown = called[:_SHOWN_OPS] + (["..."] if len(called) > _SHOWN_OPS else [])
+    n, outside = miss.taken, miss.outside
+    if miss.call is not None and n:
+        got = f"{n} call{'s' if n != 1 else ''} of `{miss.op}` where the spec takes call {miss.call}"
+        fix = f"Pick a `call` index below {n}"
+    else:
+        got = f"no call of `{miss.op}`"
+        fix = f"Pick one of the ops called while it ran, {shown}, or select the module that calls it"
+    if outside:
+        fix = (f"{outside} call{'s' if outside != 1 else ''} of it ran inside its submodules: select the submodule, "
+               f"or pass `fh.op({miss.op!r}, deep=True)` to count those")
+    return SelectorError(
+        f"{caller}: an op spec matches an op called by the module it selects, got {got} in module "
+        f"{where(miss.path)} ({type(miss.module).__name__}) for {miss.spec!r}. {fix}."
+    )
+
+
+def _stale(caller: str, key: Key, spec: Spec | None) -> StaleTensorError:
     path, name = key
     return StaleTensorError(
         f"{caller}: a stored tensor must not change after it is stored, got the {name!r} of module "
@@ -90,9 +120,9 @@ def _stale(caller: str, key: tuple[str, str], spec: Any) -> StaleTensorError:
     )
 
 
-def _notes(frame: Frame, data: dict[str, dict[str, Any]], waiting: set[tuple[str, str]]) -> dict[Any, str]:
+def _notes(frame: Frame, data: dict[str, dict[str, Any]], waiting: set[Key]) -> dict[tuple[str, str | None], str]:
     """Why some of the plan's paths and names are absent, where that can be known."""
-    notes: dict[Any, str] = dict(frame.plan.notes)
+    notes = dict(frame.plan.notes)
     for path, name in waiting:
         if name not in data.get(path, ()):
             notes[(path, name)] = (
@@ -106,7 +136,7 @@ def _notes(frame: Frame, data: dict[str, dict[str, Any]], waiting: set[tuple[str
     return notes
 
 
-def _add(data: dict[str, dict[str, Any]], key: tuple[str, str], value: Any) -> bool:
+def _add(data: dict[str, dict[str, Any]], key: Key, value: object) -> bool:
     """Add one call's value; True when the (path, name) now holds a list of several."""
     node = data.setdefault(key[0], {})
     calls = node.get(key[1])
@@ -125,13 +155,13 @@ def _build(frame: Frame) -> Record:
     plan, caller = frame.plan, frame.caller
     data: dict[str, dict[str, Any]] = {}
     several = False  # a (path, name) with more than one call: its calls are a list until the end
-    waiting: set[tuple[str, str]] = set()
+    waiting: set[Key] = set()
     for key, value, check in frame.buffer:
         if check is not None:
             if type(check) is int:
                 if value._version != check:
                     raise _stale(caller, key, plan.spec_of.get(key))
-            elif any(t._version != v for t, v in check):
+            elif any(t._version != v for t, v in check):  # type: ignore[union-attr]  # not an int: pairs
                 raise _stale(caller, key, plan.spec_of.get(key))
         if type(value) is GradSlot:  # one value per backward pass, maybe none
             values = value.values()
@@ -170,3 +200,30 @@ def _build(frame: Frame) -> Record:
     if waiting or frame.late or plan.notes:
         return trusted(data, _notes(frame, data, waiting))
     return trusted(data)
+
+
+class GradSlot:
+    """A ``grads`` value completed by tensor hooks during backward: one value per backward
+    pass through the call (``retain_graph=True``, gradient penalties), in pass order."""
+
+    __slots__ = ("as_tuple", "n", "passes", "structure")
+
+    def __init__(self, n: int, structure: object, as_tuple: bool) -> None:
+        self.n, self.structure, self.as_tuple = n, structure, as_tuple
+        self.passes: dict[int, list[torch.Tensor | None]] = {}
+
+    def hook(self, frame: Frame, i: int,
+             prep: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[torch.Tensor], None]:
+        def on_grad(grad: torch.Tensor) -> None:
+            if frame.open:
+                parts = self.passes.get(pass_id := _torch.backward_pass())
+                if parts is None:
+                    parts = self.passes[pass_id] = [None] * self.n
+                parts[i] = grad if prep is None else prep(grad)
+
+        return on_grad
+
+    def values(self) -> list[object]:
+        if self.as_tuple:
+            return [tuple(parts) for parts in self.passes.values()]
+        return [_torch.unflatten(parts, self.structure) for parts in self.passes.values()]

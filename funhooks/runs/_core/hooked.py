@@ -11,31 +11,27 @@ Cost: built once per plan and module; reading it is attribute loads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
 
 from torch import nn
 
 from funhooks.specs.spec import Spec
 
-from .entries import PostEntry, PreEntry, backward_hook, post_entry, pre_entry
+from .entries import BackwardEntry, PostEntry, PreEntry, backward_hook, post_entry, pre_entry
+from .frame import Frame
 from .op_mode import OpEntry, op_entry
-
-if TYPE_CHECKING:
-    from .frame import Frame
+from .types import Key, Selected
 
 __all__ = ["Hooked", "intervene_entry"]
 
-Key = tuple[str, str]
 
-
-def intervene_entry(spec: Spec, key: Key, rank: int) -> Any:
+def intervene_entry(spec: Spec, key: Key, rank: int) -> PostEntry:
     """The entry of an intervention on a module's output (``spec.fn`` an intervention value):
     it applies with the frame's per-call values, counting the calls it applied to in the frame
     (a Record source holding several calls gives call k to the module's k-th call)."""
     apply, path = spec.fn.apply, key[0]
 
-    def intervene(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def intervene(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         count = frame.counts.get(intervene, 0)
         frame.counts[intervene] = count + 1
         return apply(output, spec, path, rank, count, frame.values, frame.caller)
@@ -52,10 +48,9 @@ class Hooked:
     __slots__ = ("around", "backward", "backward_pre", "edits", "grads", "obs", "ops", "path", "plain", "pre_edits",
                  "pre_obs")
 
-    def __init__(self, path: str, specs: list[tuple[Spec, Key, int]], *, copies: bool = False,
+    def __init__(self, path: str, specs: Iterable[Selected], *, copies: bool = False,
                  watch: PreEntry | None = None) -> None:
-        """Args: `specs`: ``(spec, key, rank)``, `rank` the module's index among those the
-        spec's selector matched; `copies`: the specs store copies (inside compiled graphs and
+        """Args: `specs`: the specs selecting the module; `copies`: the specs store copies (inside compiled graphs and
         transforms); `watch`: the entry hooking the FSDP-sharded parameters this module
         manages (``sharded``)."""
         self.path = path
@@ -64,8 +59,8 @@ class Hooked:
         edits: list[PostEntry] = []
         grads: list[PostEntry] = []
         obs: list[PostEntry] = []
-        backward: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
-        backward_pre: list[tuple[bool, Callable[[Frame], Callable[..., Any]]]] = []
+        backward: list[tuple[bool, BackwardEntry]] = []
+        backward_pre: list[tuple[bool, BackwardEntry]] = []
         ops: dict[str, list[OpEntry]] = {}
         for spec, key, rank in specs:  # `param_grad` specs never reach here: they hook parameters
             if spec.hook == "forward_pre":

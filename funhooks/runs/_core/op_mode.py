@@ -26,30 +26,25 @@ walked: only ``deep=True`` op specs work there.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import types
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from funhooks import _torch
-from funhooks.errors import SelectorError, TransformError
-from funhooks.specs.ops import PROPERTY_READS, op_name
+from funhooks.errors import TransformError
+from funhooks.specs.ops import op_name
 from funhooks.specs.selector import path_label as where
 from funhooks.specs.spec import Spec
 
 from .entries import call_spec, checked_edit
+from .frame import Frame
+from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
 
-if TYPE_CHECKING:
-    from .frame import Frame
-
-__all__ = ["OpEntry", "call", "op_entry", "unmatched"]
-
-Key = tuple[str, str]
-_SHOWN_OPS = 24
-"""How many of the ops a module called a "matched nothing" error lists."""
-
+__all__ = ["OpEntry", "OpTable", "call", "op_entry"]
 
 
 class OpEntry:
@@ -60,15 +55,26 @@ class OpEntry:
 
     def __init__(self, spec: Spec, name: str, call: int | None, deep: bool) -> None:
         self.spec, self.name, self.call, self.deep = spec, name, call, deep
-        self.store_in: Callable[[Frame, Any], None] | None = None
-        self.store_out: Callable[[Frame, Any], None] | None = None
-        self.edit: Callable[[Frame, nn.Module, tuple, dict, Any], Any] | None = None
+        self.store_in: Callable[[Frame, tuple], None] | None = None
+        self.store_out: Callable[[Frame, object], None] | None = None
+        self.edit: Callable[[Frame, nn.Module, tuple, dict, object], object] | None = None
 
 
-def _store(spec: Spec, key: Key, copies: bool) -> Callable[[Frame, Any], None]:
+class OpTable(Protocol):
+    """What the op mode reads of a user's table (a ``Hooked``): its op entries by op name."""
+
+    @property
+    def ops(self) -> dict[str, tuple[OpEntry, ...]]: ...
+
+
+OpUsers = Sequence[tuple[Frame, OpTable]]
+"""The runs a hooked call's op mode serves: ``(frame, table)``, outermost run first."""
+
+
+def _store(spec: Spec, key: Key, copies: bool) -> Callable[[Frame, object], None]:
     prep, keep = preparer(spec), unchecked if copies else snapshot
 
-    def store(frame: Frame, value: Any) -> None:
+    def store(frame: Frame, value: object) -> None:
         frame.buffer.append((key, *keep(value if prep is None else prep(value))))
 
     return store
@@ -87,7 +93,7 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
         entry.store_in = _store(spec, key, copies)
     elif kind == "edit":
 
-        def edit_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        def edit_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
             new = call_spec(frame, spec, path, (module, args, kwargs, output))
             return checked_edit(frame, spec, path, f"output of `{op.name}`", output, new)
 
@@ -95,7 +101,7 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
     else:  # an intervention: counted per frame, so a Record with several calls gives call k to the k-th
         apply = action.fn.apply
 
-        def intervene_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        def intervene_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
             count = frame.counts.get(entry, 0)
             frame.counts[entry] = count + 1
             return apply(output, spec, path, rank, count, frame.values, frame.caller)
@@ -104,7 +110,7 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
     return entry
 
 
-def _own(start: Any, mark: Any) -> bool:
+def _own(start: types.FrameType | None, mark: types.FrameType | None) -> bool:
     """Whether the op whose caller's frame is `start` was called by the module whose
     forward `mark`'s frame called, and not inside one of its submodules' calls."""
     codes = _torch.MODULE_CALL_CODES
@@ -119,14 +125,15 @@ def _own(start: Any, mark: Any) -> bool:
 class _Mode(TorchFunctionMode):
     """The mode of one hooked module call: the op entries of every run that sees it."""
 
-    def __init__(self, module: nn.Module, users: tuple, mark: Any, replay: bool) -> None:
+    def __init__(self, module: nn.Module, users: OpUsers, mark: types.FrameType | None, replay: bool) -> None:
         super().__init__()
         self.module, self.users, self.mark, self.replay = module, users, mark, replay
         self.counts: dict[OpEntry, int] = {}  # matches per entry in this call
         self.outside: dict[OpEntry, int] = {}  # matches inside submodules, not counted
         self.seen: set[str] = set()  # the ops called, for the error when a spec matched none
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> object:
         name = op_name(func)
         self.seen.add(name)
         found = None
@@ -138,7 +145,8 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         return self._run(func, found, args, kwargs or {})
 
-    def _run(self, func: Any, found: list, args: tuple, kwargs: dict) -> Any:
+    def _run(self, func: Callable[..., object], found: list[tuple[Frame, OpEntry]], args: tuple,
+             kwargs: dict) -> object:
         own = None
         taken = []
         for frame, entry in found:
@@ -172,7 +180,7 @@ class _Mode(TorchFunctionMode):
     def note(self, module: nn.Module, path: str) -> None:
         """Note in each frame which op specs took an op in this call, and for one that took
         none (or fewer calls than its ``call`` index) what this call called, for the error
-        :func:`unmatched` gives if no call of the run takes one."""
+        ``Frame.check`` raises if no call of the run takes one."""
         for frame, hooked in self.users:
             missed = frame.missed
             for entries in hooked.ops.values():
@@ -181,41 +189,14 @@ class _Mode(TorchFunctionMode):
                     if n > (entry.call or 0):
                         missed[entry] = None
                     elif entry not in missed:
-                        missed[entry] = (module, path, n, self.outside.get(entry, 0), sorted(self.seen))
+                        missed[entry] = Miss(entry.spec, entry.name, entry.call, module, path, n,
+                                             self.outside.get(entry, 0), sorted(self.seen))
 
 
-def unmatched(frame: Frame) -> SelectorError | None:
-    """The error for an op spec that took no op in any call of its module in the frame's
-    run (said with the first such call's ops), or None."""
-    for entry, why in frame.missed.items():
-        if why is not None:
-            return _unmatched(frame.caller, entry, *why)
-    return None
-
-
-def _unmatched(caller: str, entry: OpEntry, module: nn.Module, path: str, n: int, outside: int,
-               called: list[str]) -> SelectorError:
-    called = [name for name in called if name not in PROPERTY_READS]
-    shown = called[:_SHOWN_OPS] + (["..."] if len(called) > _SHOWN_OPS else [])
-    if entry.call is not None and n:
-        got = f"{n} call{'s' if n != 1 else ''} of `{entry.name}` where the spec takes call {entry.call}"
-        fix = f"Pick a `call` index below {n}"
-    else:
-        got = f"no call of `{entry.name}`"
-        fix = f"Pick one of the ops called while it ran, {shown}, or select the module that calls it"
-    if outside:
-        fix = (f"{outside} call{'s' if outside != 1 else ''} of it ran inside its submodules: select the submodule, "
-               f"or pass `fh.op({entry.name!r}, deep=True)` to count those")
-    return SelectorError(
-        f"{caller}: an op spec matches an op called by the module it selects, got {got} in module {where(path)} "
-        f"({type(module).__name__}) for {entry.spec!r}. {fix}."
-    )
-
-
-def call(module: nn.Module, inner: Callable[..., Any], users: tuple, path: str, args: tuple, kwargs: dict,
-         replay: bool) -> Any:
+def call(module: nn.Module, inner: UserCall, users: OpUsers, path: str, args: tuple, kwargs: dict,
+         replay: bool) -> object:
     """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
-    tables have op entries); then note which op specs matched (:func:`unmatched`)."""
+    tables have op entries); then note which op specs matched (``Frame.check``)."""
     compiling = _torch.is_compiling()
     if compiling:
         for frame, hooked in users:

@@ -29,8 +29,8 @@ import itertools
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple, cast
 
 import attrs
 import torch
@@ -44,9 +44,11 @@ from funhooks.specs.selector import resolve
 from funhooks.specs.spec import Spec, check_nth
 
 from . import forward, sharded, trace
+from .entries import PreEntry
 from .hooked import Hooked
+from .types import Key, Selected
 
-__all__ = ["Plan", "as_copy", "never_called"]
+__all__ = ["ParamHook", "Plan", "as_copy", "never_called"]
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Spec, ...], Plan]] = weakref.WeakKeyDictionary()
 _PLANS_PER_MODEL = 32
@@ -54,6 +56,42 @@ _LOCK = threading.Lock()
 Route = tuple[tuple[str, ...], int]
 """How traced code reaches a module: the ``_modules`` keys from the model (wrappers' own
 included), and where in them the inner model of its ``torch.compile`` wrapper starts."""
+
+
+class _Walked(NamedTuple):
+    """A module the walk of a model met (wrappers looked through)."""
+
+    path: str
+    module: nn.Module
+    owner: nn.Module | None
+    """The ``torch.compile`` wrapper (or module compiled in place) whose compiled code runs it."""
+    route: Route
+
+
+class _Target(NamedTuple):
+    """A module specs hook through its wrapped forward: where, which module (held weakly), and
+    the specs selecting it."""
+
+    path: str
+    ref: weakref.ref[nn.Module]
+    selected: list[Selected]
+
+
+class _Watched(NamedTuple):
+    """An FSDP module whose forward watches the sharded parameters it manages (``sharded``)."""
+
+    path: str
+    ref: weakref.ref[nn.Module]
+    watch: sharded.Watch
+
+
+class ParamHook(NamedTuple):
+    """A ``param_grad`` spec on one parameter, hooked for each run (held weakly)."""
+
+    spec: Spec
+    key: Key
+    ref: weakref.ref[torch.Tensor]
+
 _REACH_LIMIT = 100_000
 """How many objects :func:`_reaches` visits before it gives up (and the plan is not cached)."""
 
@@ -63,15 +101,15 @@ def never_called(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
-def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any, Route]], list, list]:
+def _walk(model: nn.Module, caller: str) -> tuple[list[_Walked], list, list]:
     """``(path, module, compile wrapper, route)`` in ``named_modules()`` order, wrappers looked
     through and a shared module once; with the children of every module seen, to tell later
     whether the structure changed."""
     seen: set[int] = set()
-    found: list[tuple[str, nn.Module, Any, Route]] = []
+    found: list[_Walked] = []
     full: list[tuple[dict, tuple]] = []
     empty: list[dict] = []
-    stack: list[tuple[str, nn.Module, Any, Route]] = [("", model, None, ((), 0))]
+    stack: list[_Walked] = [_Walked("", model, None, ((), 0))]
     while stack:
         path, module, owner, (route, start) = stack.pop()
         while (attr := _torch.wrapper_attr(module)) is not None:
@@ -92,18 +130,18 @@ def _walk(model: nn.Module, caller: str) -> tuple[list[tuple[str, nn.Module, Any
         seen.add(id(module))
         if owner is None and _torch.compiled_in_place(module) is not None:  # `module.compile()`
             owner, start = module, len(route)
-        found.append((path, module, owner, (route, start)))
+        found.append(_Walked(path, module, owner, (route, start)))
         children = _torch.children(module)
         if children:
             full.append((children, tuple(children.items())))
-            stack.extend(reversed([(f"{path}.{n}" if path else n, c, owner, ((*route, n), start))
+            stack.extend(reversed([_Walked(f"{path}.{n}" if path else n, c, owner, ((*route, n), start))
                                    for n, c in children.items() if c is not None]))
         else:
             empty.append(children)
     return found, full, empty
 
 
-def _reaches(start: Any, target: Any) -> bool:
+def _reaches(start: object, target: object) -> bool:
     """Whether `target` can be reached from `start` through closures, defaults, bound
     ``self``, partials, containers, object attributes and submodules (not globals, which
     live as long as their module anyway). Unsure (too many objects) counts as yes."""
@@ -192,15 +230,15 @@ class Plan:
 
     def __init__(self, model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
         walk, self._full, self._empty = _walk(model, caller)
-        modules = [(p, m) for p, m, _, _ in walk]
+        modules = [(w.path, w.module) for w in walk]
         self._dicts = [m.__dict__ for _, m in modules]
         self._compiled = self._compiled_calls()  # which modules `module.compile()` compiled
-        owner = {id(m): w for _, m, w, _ in walk}
-        self._routes = {id(m): r for _, m, _, r in walk}
+        owner = {id(w.module): w.owner for w in walk}
+        self._routes = {id(w.module): w.route for w in walk}
         rank = {id(m): i for i, (_, m) in enumerate(modules)}
-        hooked: dict[int, tuple[str, weakref.ref, list[tuple[Spec, tuple[str, str], int]]]] = {}
-        self.params: list[tuple[Spec, tuple[str, str], weakref.ref]] = []
-        self._watches: dict[int, tuple[str, weakref.ref, sharded.Watch]] = {}  # by FSDP module
+        hooked: dict[int, _Target] = {}
+        self.params: list[ParamHook] = []
+        self._watches: dict[int, _Watched] = {}  # by FSDP module
         self._held: list[tuple[dict, tuple]] = []  # the parameters `param_grad` specs watch, by module
         self.slots: list[tuple[str, str]] = []  # `run.stored`'s order: spec, then module (or given) order
         self.notes: dict[tuple[str, str | None], str] = {}
@@ -236,8 +274,9 @@ class Plan:
                         f"events never reach a run, got {spec!r}. Run on the model before compiling it, or "
                         "compile `fh.capture(...)` for forward values."
                     )
-                hooked.setdefault(id(module), (path, weakref.ref(module), []))[2].append((spec, key, nth))  # type: ignore[arg-type]
-        self.params.sort(key=lambda p: not p[0].is_edit)  # editors first: observers see edited gradients
+                target = hooked.setdefault(id(module), _Target(path, weakref.ref(module), []))
+                target.selected.append(Selected(spec, key, nth))  # type: ignore[arg-type]
+        self.params.sort(key=lambda p: not p.spec.is_edit)  # editors first: observers see edited gradients
         for mid, (mpath, ref, _) in self._watches.items():
             if owner[mid] is not None:
                 raise TransformError(
@@ -245,39 +284,43 @@ class Plan:
                     f"module, which runs inside a `torch.compile`d module here, got module {where(mpath)}. Run the "
                     "specs on the sharded model before compiling it."
                 )
-            hooked.setdefault(mid, (mpath, ref, []))
-        self.spec_of = {**names, **{key: spec for spec, key, _ in self.params}}  # parameters' keys too
-        for _, _, watch in self._watches.values():
-            self.spec_of.update((key, spec) for param in watch.params.values() for spec, key in param.specs)
+            hooked.setdefault(mid, _Target(mpath, ref, []))
+        self.spec_of = {**names, **{p.key: p.spec for p in self.params}}  # parameters' keys too
+        for watched in self._watches.values():
+            self.spec_of.update((key, spec) for param in watched.watch.params.values() for spec, key in param.specs)
         self.name_rank = {spec.name: i for i, spec in reversed(list(enumerate(specs))) if spec.name is not None}
         self.specs = specs
         self.args = tuple(dict.fromkeys(name for spec in specs for name in spec.args))  # per-call values read
         self.paths = sorted(self.order, key=self.order.__getitem__)  # every path, in module order
         self._hooked = hooked
-        self.items: list[tuple[weakref.ref, forward.Forward, Hooked]] = []
-        inside: dict[int, tuple[nn.Module, list[tuple[weakref.ref, str, str, Hooked, Any]]]] = {}
+        self.items: list[forward.Item[Hooked]] = []
+        inside: dict[int, tuple[nn.Module, list[trace.Inside]]] = {}
         for mid, (path, ref, entries) in hooked.items():
-            target: Any = ref()
-            attr = forward.attribute(type(target))
+            module = cast(nn.Module, ref())  # alive: `walk` holds it
+            attr = forward.attribute(type(module))
             wrapper = owner[mid]
             if wrapper is None:
-                self.items.append((ref, forward.Forward(target, attr), Hooked(path, entries, watch=self._watch(mid))))
+                fwd = forward.Forward(module, attr, forward.call)
+                self.items.append((ref, fwd, Hooked(path, entries, watch=self._watch(mid))))
             else:  # recorded by the wrapper's compiled recorder, storing copies
                 keys, start = self._routes[mid]
                 copies = _copies(entries)
-                item = (ref, ".".join(keys[start:]), attr, Hooked(path, copies, copies=True), trace.stores_of(copies))
+                item = trace.Inside(ref, ".".join(keys[start:]), attr, Hooked(path, copies, copies=True),
+                                    trace.stores_of(copies))
                 inside.setdefault(id(wrapper), (wrapper, []))[1].append(item)
-        self.wrappers = [(weakref.ref(w), forward.Forward(w, _torch.compile_attr(w), trace.compiled_call),
-                          trace.Compiled(group, caller)) for w, group in inside.values()]
-        self._copy_items: list | None = None
+        self.wrappers: list[forward.Item[trace.Compiled]] = [
+            (weakref.ref(w), forward.Forward(w, _torch.compile_attr(w), trace.compiled_call), trace.Compiled(group, caller))
+            for w, group in inside.values()]
+        self._copy_items: list[forward.Item[Hooked]] | None = None
         self._traced: trace.Traced | None = None
 
-    def check_values(self, values: dict[str, Any], caller: str) -> None:
+    def check_values(self, values: Mapping[str, object], caller: str) -> None:
         """Refuse a call's per-call `nth` (``fh.arg``) past the modules its spec selected."""
         for spec, name, paths in self._nths:
             check_nth(spec, values.get(name), paths, caller)
 
-    def _select(self, spec: Spec, model: nn.Module, modules: list, caller: str) -> list[tuple[str, nn.Module]]:
+    def _select(self, spec: Spec, model: nn.Module, modules: list[tuple[str, nn.Module]],
+                caller: str) -> list[tuple[str, nn.Module]]:
         found = resolve(spec.where, model, caller=caller, spec=spec, modules=modules)
         _check_called(found, modules, spec, caller)
         given = spec.where.given()
@@ -316,43 +359,43 @@ class Plan:
             found = manager(path)
             shard = None if found is None else sharded.shard_of(found[1], param)
             if shard is None:
-                self.params.append((spec, key, weakref.ref(param)))  # type: ignore[arg-type]
+                self.params.append(ParamHook(spec, key, weakref.ref(param)))  # type: ignore[arg-type]
                 continue
             mpath, fsdp_module = found  # type: ignore[misc]
-            watch = self._watches.get(id(fsdp_module))
-            if watch is None:
-                watch = self._watches[id(fsdp_module)] = (mpath, weakref.ref(fsdp_module), sharded.Watch(mpath))
-            watch[2].param(ppath, holder, name, shard).add(spec, key)  # type: ignore[arg-type]
+            watched = self._watches.get(id(fsdp_module))
+            if watched is None:
+                watched = self._watches[id(fsdp_module)] = _Watched(mpath, weakref.ref(fsdp_module), sharded.Watch(mpath))
+            watched.watch.param(ppath, holder, name, shard).add(spec, key)  # type: ignore[arg-type]
             self.notes.setdefault(key, (
                 f"{where(ppath)} is an FSDP-sharded parameter: its gradient is seen when the forward and the "
                 "backward both run inside the block, at the backward that reduces gradients"
             ))
         self._held += [(d, tuple(d.items())) for d in holders.values()]
 
-    def _watch(self, mid: int) -> Any:
+    def _watch(self, mid: int) -> PreEntry | None:
         found = self._watches.get(mid)
-        return None if found is None else found[2].entry
+        return None if found is None else found.watch.entry
 
-    def copy_items(self) -> list[tuple[weakref.ref, forward.Forward, Hooked]]:
+    def copy_items(self) -> list[forward.Item[Hooked]]:
         """The eager items with entries that store copies (runs inside ``torch.func`` transforms)."""
         if self._copy_items is None:
-            items = []
+            items: list[forward.Item[Hooked]] = []
             for ref, fwd, h in self.items:
                 if (module := ref()) is not None:
-                    entries = _copies(self._hooked[id(module)][2])
+                    entries = _copies(self._hooked[id(module)].selected)
                     hooked = Hooked(h.path, entries, copies=True, watch=self._watch(id(module)))
-                    items.append((ref, forward.Forward(module, fwd.attr), hooked))
+                    items.append((ref, forward.Forward(module, fwd.attr, forward.call), hooked))
             self._copy_items = items
         return self._copy_items
 
     def traced(self) -> trace.Traced:
         """What a trace reads to record every hooked module, storing copies (``trace``)."""
         if self._traced is None:
-            modules = []
+            modules: list[tuple[str, str, str, list[trace.User]]] = []
             for mid, (path, ref, entries) in self._hooked.items():
                 if (module := ref()) is not None:
                     copies = _copies(entries)
-                    users = [(0, Hooked(path, copies, copies=True), trace.stores_of(copies))]
+                    users: list[trace.User] = [(0, Hooked(path, copies, copies=True), trace.stores_of(copies))]
                     modules.append((".".join(self._routes[mid][0]), forward.attribute(type(module)), path, users))
             self._traced = trace.layout(modules)
         return self._traced
@@ -368,7 +411,7 @@ class Plan:
             return False
         return self._compiled_calls() == self._compiled  # a module compiled in place since, or no more
 
-    def _compiled_calls(self) -> list[Any]:
+    def _compiled_calls(self) -> list[object]:
         """Each module's compiled call (``module.compile()``), or None (one C-level pass)."""
         return list(map(dict.get, self._dicts, itertools.repeat(_torch.COMPILED_CALL, len(self._dicts))))
 
@@ -391,5 +434,5 @@ class Plan:
         return plan
 
 
-def _copies(entries: list[tuple[Spec, tuple[str, str], int]]) -> list[tuple[Spec, tuple[str, str], int]]:
-    return [(as_copy(spec), key, rank) for spec, key, rank in entries]
+def _copies(entries: list[Selected]) -> list[Selected]:
+    return [Selected(as_copy(spec), key, rank) for spec, key, rank in entries]

@@ -14,22 +14,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+
+from .frame import Frame
 
 __all__ = ["active", "enter", "isolated", "leave", "only"]
 
-_ACTIVE: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("funhooks.active", default=())
+_ACTIVE: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar("funhooks.active", default=())
 
 active = _ACTIVE.get
 """The frames entered in the calling context, outermost first."""
 
 
-def enter(frame: Any) -> None:
+def enter(frame: Frame) -> None:
     """Let `frame` see the module calls of the calling context."""
     _ACTIVE.set((*_ACTIVE.get(), frame))
 
 
-def leave(frame: Any) -> None:
+def leave(frame: Frame) -> None:
     """Stop `frame` seeing the calling context's calls; the other frames keep theirs, so runs
     may be left in any order."""
     frames = _ACTIVE.get()
@@ -38,7 +39,7 @@ def leave(frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def only(frames: tuple[Any, ...]) -> Iterator[None]:
+def only(frames: tuple[Frame, ...]) -> Iterator[None]:
     """Inside this block exactly `frames` see the calling context's calls."""
     token = _ACTIVE.set(frames)
     try:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -46,14 +46,11 @@ from funhooks.specs.selector import path_label as where
 from funhooks.specs.spec import Spec
 
 from .entries import call_spec, checked_edit
-from .values import preparer
-
-if TYPE_CHECKING:
-    from .frame import Frame
+from .frame import Frame
+from .types import Check, Key, Pending, WatchState
+from .values import Prep, preparer
 
 __all__ = ["Param", "Watch", "managers", "shard_of"]
-
-Key = tuple[str, str]
 
 
 def managers(modules: list[tuple[str, nn.Module]]) -> Callable[[str], tuple[str, nn.Module] | None]:
@@ -96,7 +93,7 @@ class Param:
         self.path, self.name = path, name
         self.owner, self.sharded = weakref.ref(owner), weakref.ref(sharded)
         self.specs: list[tuple[Spec, Key]] = []
-        self.preps: list[Any] = []
+        self.preps: list[Prep | None] = []
 
     def add(self, spec: Spec, key: Key) -> None:
         at = 0 if spec.is_edit else len(self.specs)
@@ -104,18 +101,6 @@ class Param:
         # a gradient has no autograd history to detach from, and a DTensor's `detach()` would
         # give a local tensor whose version counter the Record's in-place check cannot follow
         self.preps.insert(at, preparer(attrs.evolve(spec, detach=False)))
-
-
-class _State:
-    """One frame's watch of one module: the unsharded tensors hooked, the backward pass in
-    progress and, per parameter that got a gradient in it, its ``.grad`` before."""
-
-    __slots__ = ("hooked", "pass_id", "pending")
-
-    def __init__(self) -> None:
-        self.hooked: dict[int, torch.Tensor] = {}
-        self.pass_id: int | None = None
-        self.pending: dict[Param, Any] = {}
 
 
 class Watch:
@@ -147,7 +132,7 @@ class Watch:
             frame.watches = {}
         state = frame.watches.get(id(self))
         if state is None:
-            state = frame.watches[id(self)] = _State()
+            state = frame.watches[id(self)] = WatchState()
         for param in self.params.values():
             owner = param.owner()
             tensor = None if owner is None else _torch.own_parameters(owner).get(param.name)
@@ -157,7 +142,7 @@ class Watch:
                 state.hooked[id(param)] = tensor
                 frame.grad_hooks.append(tensor.register_hook(self._on_grad(frame, state, param)))
 
-    def _on_grad(self, frame: Frame, state: _State, param: Param) -> Any:
+    def _on_grad(self, frame: Frame, state: WatchState, param: Param) -> Callable[[torch.Tensor], None]:
         def on_unsharded_grad(grad: torch.Tensor) -> None:
             if not frame.open:
                 return
@@ -167,7 +152,7 @@ class Watch:
                 pending = state.pending
                 _torch.after_backward(lambda: self._finish(frame, pending))
             if param not in state.pending:
-                sharded: Any = param.sharded()
+                sharded: Any = param.sharded()  # a DTensor
                 old = None if sharded is None else sharded.grad
                 if old is not None:  # FSDP will add to `.grad` in place: let it add to a copy, and keep `old`
                     sharded.grad = copy = old.clone()
@@ -177,7 +162,7 @@ class Watch:
 
         return on_unsharded_grad
 
-    def _finish(self, frame: Frame, pending: dict[Param, Any]) -> None:
+    def _finish(self, frame: Frame, pending: dict[object, Pending | None]) -> None:
         """After the backward pass: run the specs on what it added to each shard's ``.grad``."""
         if not frame.open:
             return
@@ -185,7 +170,7 @@ class Watch:
             if param not in pending:
                 continue
             before = pending[param]
-            sharded: Any = param.sharded()
+            sharded: Any = param.sharded()  # a DTensor
             grad = None if sharded is None else sharded.grad
             if grad is None:
                 continue
@@ -209,7 +194,7 @@ class Watch:
                 sharded.grad = grad if before is None else before[0] + grad
 
 
-def _versions(value: Any) -> tuple | None:
+def _versions(value: object) -> Check:
     """The Record's in-place check of a stored value. A DTensor has two version counters: its
     own moves with DTensor ops (``grad.zero_()``), its local tensor's with ops on that tensor
     (FSDP's accumulation), so both are read."""

@@ -34,22 +34,31 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import NamedTuple, ParamSpec, TypeVar
 
 from torch import nn
 
 from funhooks import _torch
-from funhooks.specs.spec import Spec
 
-from .forward import call
+from .entries import PostEntry
+from .forward import Users, call
 from .frame import Frame
-from .values import COPIES, copied_inputs, copied_output, copier
+from .hooked import Hooked
+from .types import Key, Selected, Stored, UserCall
+from .values import COPIES, Copy, copied_inputs, copied_output, copier
 
-__all__ = ["Compiled", "Traced", "compiled_call", "layout", "record", "stores_of"]
+__all__ = ["Compiled", "Inside", "Stores", "Traced", "compiled_call", "layout", "record", "stores_of"]
 
 _MISSING = object()
+P = ParamSpec("P")
+R = TypeVar("R")
 
-Group = tuple[str, str, tuple[tuple[int, Any], ...]]
+Stores = tuple[tuple[str, bool, int], ...]
+"""A module's entries when each stores a copy of its inputs or output: ``(name, stores the
+inputs, copy)`` each, `copy` an index in ``values.COPIES`` (see :func:`stores_of`)."""
+User = tuple[int, Hooked, "Stores | None"]
+"""One frame's table on a module a trace records: ``(frame index, hooked, stores_of(...))``."""
+Group = tuple[str, str, tuple[tuple[int, Hooked], ...]]
 """A module with other entries: its route (its ``_modules`` keys from the root, joined by
 dots), the attribute its forward is wrapped under, and ``(frame index, hooked)`` pairs."""
 Traced = tuple[str, tuple[Group, ...]]
@@ -58,7 +67,7 @@ modules with other entries."""
 _FIELD, _ROW = "\x1f", "\x1e"  # ASCII's unit and record separators
 
 
-def stores_of(entries: Iterable[tuple[Spec, tuple[str, str], int]]) -> tuple[tuple[str, bool, int], ...] | None:
+def stores_of(entries: Iterable[Selected]) -> Stores | None:
     """A module's entries as ``(name, stores the inputs, copy)`` (`copy` an index in
     ``values.COPIES``), when every one of them stores a copy of the inputs or the output; else None."""
     stores = []
@@ -70,7 +79,7 @@ def stores_of(entries: Iterable[tuple[Spec, tuple[str, str], int]]) -> tuple[tup
     return tuple(stores)
 
 
-def layout(modules: Iterable[tuple[str, str, str, list[tuple[int, Any, Any]]]]) -> Traced:
+def layout(modules: Iterable[tuple[str, str, str, list[User]]]) -> Traced:
     """What a trace reads, from ``(route, attr, path, [(frame index, hooked, stores_of(...))])``
     per module: a module is plain stores only when every frame's entries on it are.
 
@@ -85,7 +94,7 @@ def layout(modules: Iterable[tuple[str, str, str, list[tuple[int, Any, Any]]]]) 
         fields = [route, attr, path, *(name for _, _, lean in users for name, _, _ in lean or ())]
         if plain and not any(_FIELD in f or _ROW in f for f in fields):
             rows += [_FIELD.join((route, attr, path, name, "i" if pre else "o", str(copy), str(i)))
-                     for i, _, lean in users for name, pre, copy in lean]
+                     for i, _, lean in users for name, pre, copy in lean or ()]
         else:
             groups.append((route, attr, tuple([(i, hooked) for i, hooked, _ in users])))
     return _ROW.join(rows), tuple(groups)
@@ -99,9 +108,10 @@ def _at(root: nn.Module, route: str) -> nn.Module:
     return module
 
 
-def _storing(inner: Callable[..., Any], before: list, after: list) -> Callable[..., Any]:
+def _storing(inner: Callable[P, R], before: list[tuple[list[Stored], Key, Copy]],
+             after: list[tuple[list[Stored], Key, Copy]]) -> Callable[P, R]:
     """A forward storing copies (``(buffer, key, copy)`` each) of its inputs and its output."""
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: P.args, **kwargs: P.kwargs) -> R:
         for buffer, key, copy in before:
             buffer.append((key, copied_inputs(copy, args, kwargs), None))
         output = inner(*args, **kwargs)
@@ -112,26 +122,26 @@ def _storing(inner: Callable[..., Any], before: list, after: list) -> Callable[.
     return forward
 
 
-def _calling(module: nn.Module, inner: Callable[..., Any], users: Any) -> Callable[..., Any]:
-    def forward(*args: Any, **kwargs: Any) -> Any:
+def _calling(module: nn.Module, inner: UserCall, users: Users[Hooked]) -> UserCall:
+    def forward(*args: object, **kwargs: object) -> object:
         return call(module, inner, users, args, kwargs, checked=False)
 
     return forward
 
 
-def record(fn: Callable[..., Any], root: nn.Module, traced: Traced, frames: list[Frame], args: tuple,
-           kwargs: dict) -> Any:
+def record(fn: Callable[..., R], root: nn.Module, traced: Traced, frames: list[Frame], args: tuple,
+           kwargs: dict) -> R:
     """``fn(*args, **kwargs)`` with the modules of `traced` (reached from `root`) recording
     into `frames`; traceable."""
     stores, groups = traced
-    lean: dict[str, tuple[str, list, list]] = {}
+    lean: dict[str, tuple[str, list[tuple[list[Stored], Key, Copy]], list[tuple[list[Stored], Key, Copy]]]] = {}
     for row in stores.split(_ROW) if stores else ():
         route, attr, path, name, pre, copy, i = row.split(_FIELD)
         found = lean.get(route)
         if found is None:
             found = lean[route] = (attr, [], [])
         (found[1] if pre == "i" else found[2]).append((frames[int(i)].buffer, (path, name), COPIES[int(copy)]))
-    saved = []
+    saved: list[tuple[dict[str, object], str, object]] = []
     for route, (attr, before, after) in lean.items():
         module = _at(root, route)
         saved.append((module.__dict__, attr, module.__dict__.get(attr, _MISSING)))
@@ -150,29 +160,49 @@ def record(fn: Callable[..., Any], root: nn.Module, traced: Traced, frames: list
                 d[attr] = prev
 
 
+class Inside(NamedTuple):
+    """A hooked module inside a ``torch.compile`` wrapper, as its recorder reaches it."""
+
+    ref: weakref.ref[nn.Module]
+    route: str
+    """Its ``_modules`` keys from the wrapper's inner model, joined by dots."""
+    attr: str
+    """The attribute its forward is wrapped under."""
+    hooked: Hooked
+    """Its entries, storing copies."""
+    stores: Stores | None
+    """``stores_of`` its entries."""
+
+
+Buffers = tuple[list[Stored], ...]
+"""What a recorder's runs stored, a buffer per run."""
+Recorder = Callable[..., tuple[object, Buffers]]
+"""A compiled recorder: ``(inner model, *args, **kwargs) -> (output, buffers)``."""
+
+
 class Compiled:
-    """One plan's hooked modules inside one ``torch.compile`` wrapper: ``(module_ref, route,
-    attr, hooked, stores_of(...))`` each (routes from the wrapper's inner model; the hooked
-    entries store copies), and the recorders compiled for them."""
+    """One plan's hooked modules inside one ``torch.compile`` wrapper, and the recorders
+    compiled for them; the table a run uses the wrapper's ``Forward`` with."""
 
     __slots__ = ("caller", "items", "recorders")
     plain = False  # never the observers-only fast path of a wrapped forward
+    obs: tuple[PostEntry, ...] = ()  # so never read
 
-    def __init__(self, items: list[tuple[weakref.ref, str, str, Any, Any]], caller: str) -> None:
+    def __init__(self, items: list[Inside], caller: str) -> None:
         self.items, self.caller = items, caller
-        self.recorders: dict[tuple[int, ...], Callable[..., Any]] = {}
+        self.recorders: dict[tuple[int, ...], Recorder] = {}
 
 
-def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _fresh(fn: Recorder) -> Recorder:
     """`fn` with a code object of its own: dynamo keeps one cache (and one recompile limit)
     per code object, and every plan's recorder must have its own."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _recorder(wrapper: nn.Module, compiled_fn: Any, users: list[Compiled]) -> Callable[..., Any]:
+def _recorder(wrapper: nn.Module, compiled_fn: object, users: list[Compiled]) -> Recorder:
     """The recorder for `users`, compiled with the settings of `wrapper` (a ``torch.compile``
     wrapper, or a module compiled in place whose compiled call is `compiled_fn`)."""
-    modules: dict[int, tuple[str, str, str, list[tuple[int, Any, Any]]]] = {}
+    modules: dict[int, tuple[str, str, str, list[User]]] = {}
     for i, compiled in enumerate(users):
         for ref, route, attr, hooked, lean in compiled.items:
             module = ref()
@@ -182,7 +212,7 @@ def _recorder(wrapper: nn.Module, compiled_fn: Any, users: list[Compiled]) -> Ca
     callers = tuple([c.caller for c in users])
     in_place = not _torch.is_compile_wrapper(wrapper)  # its plain call: `Module.__call__` would call `compiled_fn`
 
-    def recorder(inner: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def recorder(inner: nn.Module, *args: object, **kwargs: object) -> tuple[object, Buffers]:
         frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
         out = record(_torch.call_impl(inner) if in_place else inner, inner, traced, frames, args, kwargs)
         for frame in frames:  # these frames last one compiled call: their op specs are checked now
@@ -195,12 +225,13 @@ def _recorder(wrapper: nn.Module, compiled_fn: Any, users: list[Compiled]) -> Ca
     return context(_fresh(recorder))
 
 
-def compiled_call(wrapper: nn.Module, inner: Callable[..., Any], users: Any, args: tuple, kwargs: dict) -> Any:
+def compiled_call(wrapper: nn.Module, inner: UserCall, users: Users[Compiled], args: tuple,
+                  kwargs: dict) -> object:
     """A call of a compiled module (a ``torch.compile`` wrapper, or a module compiled in place,
     whose compiled call is `inner`) for the runs in `users` (``(frame, Compiled)``): the
     compiled recorder runs the model and returns what the runs' entries stored."""
     key = tuple([id(compiled) for _, compiled in users])
-    first: Compiled = users[0][1]
+    first = users[0][1]
     recorder = first.recorders.get(key)
     if recorder is None:
         recorder = first.recorders[key] = _recorder(wrapper, inner, [compiled for _, compiled in users])

@@ -7,7 +7,7 @@ Cost: a version read per stored tensor; a flagged transform per tensor it applie
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -16,14 +16,25 @@ from funhooks import _torch
 from funhooks.distributed import is_distributed
 from funhooks.specs.spec import Spec
 
-if TYPE_CHECKING:
-    from .frame import Frame
+from .frame import Frame
+from .types import Check, Key
 
-__all__ = ["COPIES", "copied_inputs", "copied_output", "copier", "copies_of", "preparer", "snapshot", "unchecked"]
+__all__ = ["COPIES", "Copy", "Prep", "copied_inputs", "copied_output", "copier", "copies_of", "preparer", "snapshot",
+           "unchecked"]
 
 Tensor = torch.Tensor
-Key = tuple[str, str]
+V = TypeVar("V")
 _SCALARS = (bool, int, float, complex, str)
+
+Copy = Callable[[Tensor], Tensor]
+"""One of :data:`COPIES`."""
+
+
+class Prep(Protocol):
+    """A spec's per-tensor transform applied to a value: every tensor in it transformed, the
+    structure kept (see :func:`preparer`)."""
+
+    def __call__(self, value: V, /) -> V: ...
 
 
 # -- stored values ----------------------------------------------------------------------------
@@ -33,7 +44,7 @@ def _own_copy(t: Tensor) -> Tensor:
     return t.clone() if t.is_inference() else t
 
 
-def snapshot(value: Any) -> tuple[Any, Any]:
+def snapshot(value: object) -> tuple[object, Check]:
     """`value`, and what the Record needs to tell later whether it was changed in place.
 
     Inference tensors (made under ``torch.inference_mode``) keep no version counter, so the
@@ -56,7 +67,7 @@ def snapshot(value: Any) -> tuple[Any, Any]:
         return value, tuple([(t, t._version) for t in _torch.tensor_leaves(value) if not t.is_inference()])
 
 
-def unchecked(value: Any) -> tuple[Any, None]:
+def unchecked(value: object) -> tuple[object, Check]:
     """For entries that store copies (inside compiled graphs and transforms): nothing can
     change a private copy, and a version read inside a dynamo trace becomes an op."""
     return value, None
@@ -92,17 +103,17 @@ def copier(spec: Spec) -> int | None:
     return None
 
 
-def copied_inputs(copy: Callable[[Tensor], Tensor], args: tuple, kwargs: dict) -> Any:
+def copied_inputs(copy: Copy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every tensor in them copied by `copy` (one of :data:`COPIES`)."""
     return _torch.map_tensors(copy, (args, kwargs))
 
 
-def copied_output(copy: Callable[[Tensor], Tensor], output: Any) -> Any:
+def copied_output(copy: Copy, output: object) -> object:
     """`output` (a tensor or a structure of them) copied by `copy` (one of :data:`COPIES`)."""
     return copy(output) if isinstance(output, Tensor) else _torch.map_tensors(copy, output)
 
 
-def copies_of(spec: Spec, key: Key, pre: bool) -> Any:
+def copies_of(spec: Spec, key: Key, pre: bool) -> Callable[..., None]:
     """A lean entry storing copies of the inputs (`pre`) or outputs, for `outputs`/`inputs`
     specs inside compiled graphs and transforms (what a dynamo trace reads is what it guards)."""
     copy = COPIES[spec.detach + 2 * spec.cpu]
@@ -113,7 +124,7 @@ def copies_of(spec: Spec, key: Key, pre: bool) -> Any:
 
         return store_input_copy
 
-    def store_output_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def store_output_copy(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         frame.buffer.append((key, copied_output(copy, output), None))
 
     return store_output_copy
@@ -134,7 +145,7 @@ def _gather(t: Tensor) -> Tensor:
     return torch.cat(parts, dim=0)
 
 
-def preparer(spec: Spec) -> Callable[[Any], Any] | None:
+def preparer(spec: Spec) -> Prep | None:
     """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone)."""
     steps: list[Callable[[Tensor], Tensor]] = []
     if spec.detach:
