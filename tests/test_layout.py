@@ -3,9 +3,8 @@
 The map's table has one row per package (and per top-level module), with what it may import.
 These tests hold the code to it: every module belongs to a row, every import (module level,
 inside functions and under ``TYPE_CHECKING`` alike) goes only to its own unit or to a unit the
-row allows, private modules and names stay inside their package, no import cycle forms (the run
-core's type-only cycle excepted, as the map says), private torch APIs stay in ``_torch.py``, and
-no file outgrows a read.
+row allows, private modules and names stay inside their package, no import cycle forms (type-only
+imports count), private torch APIs stay in ``_torch.py``, and no file outgrows a read.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "funhooks"
 MAX_LINES = 600
 MAX_TOP_MODULES = 12
-CORE = "funhooks.runs._core"
 TORCH_INTERNALS = {"_modules", "_parameters", "_buffers", "_call_impl", "_compiled_call_impl",
                    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"}
 
@@ -144,29 +142,13 @@ def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = {dep for _, dep, _ in _imports(name, path, set(modules))}
-        if name.startswith(CORE):
-            deps -= _type_only(name, path, set(modules))
         graph[name] = {d for d in deps if not name.startswith(d + ".")} - {"funhooks"}
     return graph
 
 
 def test_no_import_cycle() -> None:
-    """The import graph, counting imports inside functions and type-only ones, has no cycle;
-    only the run core's type-only imports (``if TYPE_CHECKING``) are left out, as the map says."""
+    """The import graph, counting imports inside functions and type-only ones, has no cycle."""
     tuple(graphlib.TopologicalSorter(_import_graph()).static_order())  # raises CycleError on a cycle
-
-
-def _type_only(name: str, path: Path, known: set[str]) -> set[str]:
-    tree = ast.parse(path.read_text())
-    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test).endswith("TYPE_CHECKING")]
-    out = set()
-    for block in blocks:
-        for stmt in block.body:
-            if isinstance(stmt, ast.ImportFrom) and stmt.level:
-                package = _package(name, path).split(".")
-                base = ".".join([*package[: len(package) - stmt.level + 1], *([stmt.module] if stmt.module else [])])
-                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in stmt.names}
-    return out
 
 
 def test_the_top_level_holds_few_modules_and_no_alias_tricks() -> None:

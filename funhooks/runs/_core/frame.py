@@ -208,7 +208,7 @@ class GradSlot:
 
     __slots__ = ("as_tuple", "n", "passes", "structure")
 
-    def __init__(self, n: int, structure: object, as_tuple: bool) -> None:
+    def __init__(self, n: int, structure: _torch.Structure, as_tuple: bool) -> None:
         self.n, self.structure, self.as_tuple = n, structure, as_tuple
         self.passes: dict[int, list[torch.Tensor | None]] = {}
 
