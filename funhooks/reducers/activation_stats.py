@@ -31,7 +31,7 @@ count)`` (and ``(modules, hist_bins)`` with histograms) and the paths of the mod
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar, cast
 
 import attrs
 import torch
@@ -240,6 +240,19 @@ class ActivationStats:
 _ABSENT = (math.nan, math.nan, math.nan)
 
 
+class _Hist(TypedDict, total=False):
+    hist: Tensor
+
+
+class ModuleStats(_Hist):
+    """One module's statistics on one step, as :attr:`ActivationStatsResult.stats` gives them:
+    Python floats, and ``"hist"`` (a CPU tensor) with ``with_hist``."""
+
+    mean: float
+    std: float
+    near_zero: float
+
+
 @_frozen.frozen
 @attrs.frozen(eq=False)
 class ActivationStatsResult(red.Steps):
@@ -288,14 +301,14 @@ class ActivationStatsResult(red.Steps):
         return [here.get(p) for p in self.paths]
 
     @property
-    def stats(self) -> list[list[dict[str, Any] | None]]:
+    def stats(self) -> list[list[ModuleStats | None]]:
         """Per recorded step, per module of ``paths``: ``{"mean", "std", "near_zero"}`` as
         Python floats (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's
         ``stats``; ``None`` for a module that did not run on that step."""
         out = []
         hists = [cast(torch.Tensor, e.hist).cpu() for e in self.entries] if self.with_hist else None
         for s, (entry, rows) in enumerate(zip(self.entries, self._host_rows())):
-            per_module: list[dict[str, Any] | None] = []
+            per_module: list[ModuleStats | None] = []
             for i in self._positions(entry):
                 if i is None:
                     per_module.append(None)
@@ -303,7 +316,7 @@ class ActivationStatsResult(red.Steps):
                 r = entry.order[i]
                 mean, std, near = rows[r]
                 n = entry.ns[i]
-                item: dict[str, Any] = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
+                item: ModuleStats = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
                 if hists is not None:
                     item["hist"] = hists[s][r]
                 per_module.append(item)

@@ -247,8 +247,8 @@ def evaluate(
     return _progress.wrap(steps, total=work.total(batches, 1), desc="evaluate", progress=progress)
 
 
-def _evaluate(model: nn.Module, batches: Iterable[object], loss_fn: LossFn | None, step: StepFn | None, recorder: Recorder,
-              to_device: bool) -> Generator[Step, None, None]:
+def _evaluate(model: nn.Module, batches: Iterable[object], loss_fn: LossFn | None, step: StepFn | None,
+              recorder: Recorder, to_device: bool) -> Generator[Step, None, None]:
     device = _batch.model_device(model) if to_device else None
     index = -1
     for index, batch in enumerate(batches):

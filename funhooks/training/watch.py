@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import attrs
 import torch
@@ -136,6 +136,12 @@ def optimizers(opt: Optimizers | None, caller: str) -> tuple[torch.optim.Optimiz
     return tuple(dict.fromkeys(found))
 
 
+class _Handle(Protocol):
+    """What registering an optimizer hook returns."""
+
+    def remove(self) -> None: ...
+
+
 class Watching:
     """Optimizer watches attached for one step at a time; what they stored, by path."""
 
@@ -162,7 +168,7 @@ class Watching:
                 )
         self.carries: dict[tuple[int, int], Any] = {}
         self.data: Stored = {}
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.handles: list[_Handle] = []
         self.current: dict[int, list[Layers | None]] = {}
         self.owner = 0
 
