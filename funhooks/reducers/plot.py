@@ -8,25 +8,74 @@ figure state, needs no display, and ``fig.savefig("x.png")`` works anywhere.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from funhooks.errors import ExtraError
 
 from ._shared import HEALTHY_RATIO
 
 if TYPE_CHECKING:
+    import torch
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-    from .activation_stats import ActivationStatsResult
-    from .dead_units import DeadUnitsResult
-    from .loss_curve import LossCurveResult
-    from .param_grads import GradientStatsResult
-    from .update_ratio import UpdateRatioResult
 
 __all__ = ["color_dim", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats", "plot_loss", "plot_update_ratio"]
 
 LAYER_STATS_TITLES = ("mean", "std", "% near zero")
+
+
+# What each plot reads of its result (the results import this module, so it names none of them).
+
+class PerLayer(Protocol):
+    """A result over recorded steps and layers."""
+
+    @property
+    def iterations(self) -> tuple[int, ...]: ...
+
+    @property
+    def paths(self) -> tuple[str, ...]: ...
+
+
+class ActivationStatsLike(PerLayer, Protocol):
+    """An :class:`~funhooks.ActivationStatsResult`."""
+
+    def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float]]: ...
+
+    def hist(self, idx: int | str) -> torch.Tensor: ...
+
+
+class GradientStatsLike(PerLayer, Protocol):
+    """A :class:`~funhooks.GradientStatsResult`."""
+
+    def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float], list[float]]: ...
+
+
+class UpdateRatioLike(PerLayer, Protocol):
+    """An :class:`~funhooks.UpdateRatioResult`."""
+
+    def log10(self) -> list[list[float]]: ...
+
+
+class DeadUnitsLike(PerLayer, Protocol):
+    """A :class:`~funhooks.DeadUnitsResult`."""
+
+    @property
+    def dead(self) -> list[list[float]]: ...
+
+
+class LossCurveLike(Protocol):
+    """A :class:`~funhooks.LossCurveResult`."""
+
+    @property
+    def iterations(self) -> tuple[int, ...]: ...
+
+    @property
+    def losses(self) -> list[float]: ...
+
+    @property
+    def ema(self) -> list[float]: ...
+
+    def __len__(self) -> int: ...
 
 
 def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") -> Figure:
@@ -48,7 +97,7 @@ def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") ->
     return fig
 
 
-def plot_layer_stats(result: ActivationStatsResult, idx: int | str, *,
+def plot_layer_stats(result: ActivationStatsLike, idx: int | str, *,
                      figsize: tuple[float, float] = (12, 3)) -> Figure:
     """Plot the mean, std and near-zero share of module `idx` over the recorded steps.
 
@@ -89,7 +138,7 @@ def plot_layer_stats(result: ActivationStatsResult, idx: int | str, *,
     return fig
 
 
-def color_dim(result: ActivationStatsResult, idx: int | str, *, ax: Axes | None = None,
+def color_dim(result: ActivationStatsLike, idx: int | str, *, ax: Axes | None = None,
               figsize: tuple[float, float] = (10, 5)) -> Axes:
     """Draw fastai's "colorful dimension" image of module `idx`: histograms over steps.
 
@@ -147,7 +196,7 @@ def _lines(ax: Axes, iterations: tuple[int, ...], series: list[tuple[str, list[f
         ax.legend(fontsize=7, ncol=2)
 
 
-def plot_gradient_stats(result: GradientStatsResult, *, figsize: tuple[float, float] = (12, 7)) -> Figure:
+def plot_gradient_stats(result: GradientStatsLike, *, figsize: tuple[float, float] = (12, 7)) -> Figure:
     """Gradient norm, mean, std and share of zeros of every layer over the recorded steps.
 
     Args:
@@ -182,7 +231,7 @@ def plot_gradient_stats(result: GradientStatsResult, *, figsize: tuple[float, fl
     return fig
 
 
-def plot_update_ratio(result: UpdateRatioResult, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
+def plot_update_ratio(result: UpdateRatioLike, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """log10 of every layer's update-to-parameter ratio over the steps, with the 1e-3 line.
 
     Args:
@@ -217,7 +266,7 @@ def plot_update_ratio(result: UpdateRatioResult, *, figsize: tuple[float, float]
     return fig
 
 
-def plot_dead_units(result: DeadUnitsResult, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
+def plot_dead_units(result: DeadUnitsLike, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """The share of dead units of every layer over the steps.
 
     Args:
@@ -251,7 +300,7 @@ def plot_dead_units(result: DeadUnitsResult, *, figsize: tuple[float, float] = (
     return fig
 
 
-def plot_loss(result: LossCurveResult, *, epoch_len: int | None = None,
+def plot_loss(result: LossCurveLike, *, epoch_len: int | None = None,
               figsize: tuple[float, float] = (8, 4)) -> Figure:
     """The loss at every step, its moving average and, given `epoch_len`, the epoch boundaries.
 
