@@ -14,7 +14,7 @@ Cost: whatever ``hook`` costs, per selected module call; the state keeps its ret
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import attrs
 
@@ -30,8 +30,16 @@ __all__ = ["HookCallback"]
 
 T = TypeVar("T")
 
-State: TypeAlias = "red.Cons[tuple[int, list[Any]]]"
-"""Per recorded step, ``(iteration, the hook's values in module order)``, newest on top."""
+
+class Entry(NamedTuple):
+    """One recorded step: its iteration and the hook's values, in module order."""
+
+    iteration: int
+    values: list[Any]
+
+
+State: TypeAlias = "red.Cons[Entry]"
+"""One :class:`Entry` per recorded step, newest on top."""
 
 
 def _check_hook(instance: object, attribute: attrs.Attribute[T], hook: T) -> None:
@@ -120,13 +128,13 @@ class HookCallback:
         if not red.records(self.every, step.iteration, step.training):
             return state
         values = red.last_calls(step.record, self.record_name, "HookCallback")
-        return (state, (step.iteration, values))
+        return (state, Entry(step.iteration, values))
 
     def merge(self, a: State, b: State) -> State:
         """The state of two disjoint chunks of steps, in iteration order."""
-        return red.roll(sorted(red.unroll(a) + red.unroll(b), key=lambda entry: entry[0]))
+        return red.roll(sorted(red.unroll(a) + red.unroll(b), key=lambda entry: entry.iteration))
 
     def result(self, state: State) -> tuple[list[Any], ...]:
         """One list of hook values per recorded step."""
-        return tuple(values for _, values in red.unroll(state))
+        return tuple(entry.values for entry in red.unroll(state))
 
