@@ -29,14 +29,15 @@ loss, and its keyword arguments' names).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from funhooks.errors import ExtraError
 from funhooks.specs.spec import inputs, observe
-from funhooks.training.folds import Reducer
+from funhooks.training.folds import Reducers
 from funhooks.training.recorder import Recorder
 from funhooks.training.stepwise import Results, Stepwise, misplaced
 
@@ -54,7 +55,7 @@ LOSS = "model_loss"
 """The record name of the loss the model returned, in the callback's own run on the root."""
 
 
-def model_loss(module: Any, args: tuple, output: Any) -> torch.Tensor | None:
+def model_loss(module: nn.Module, args: tuple[object, ...], output: object) -> torch.Tensor | None:
     """A copy of the ``loss`` of a model output (a ``ModelOutput``, a dict); None without one.
     (A copy: the Trainer scales the loss in place after the model returns it.)"""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -96,7 +97,7 @@ class FoldCallback(Results, transformers.TrainerCallback):
         (8, ('transformer.wte', 'transformer.wpe'))
     """
 
-    def __init__(self, reducers: Mapping[Any, Reducer] | Sequence[Reducer]) -> None:
+    def __init__(self, reducers: Reducers) -> None:
         self._fold = Stepwise(reducers, "FoldCallback")
         self._losses: Recorder | None = None
         self._losses_open = False
@@ -115,8 +116,9 @@ class FoldCallback(Results, transformers.TrainerCallback):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                       control: transformers.TrainerControl, model: Any = None,
+                       optimizer: torch.optim.Optimizer | None = None, **kwargs: object) -> None:
         """Resolve the reducers' specs on the model and their watches on its optimizer."""
         self.close()
         self._fold.start(model, optimizer)
@@ -124,12 +126,14 @@ class FoldCallback(Results, transformers.TrainerCallback):
         self._losses = Recorder(model, specs, (), None, "FoldCallback")
         self._epoch = 0
 
-    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_epoch_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                       control: transformers.TrainerControl, **kwargs: object) -> None:
         """The Trainer's epoch, from 0 (resumed: the checkpoint's, whose ``state.epoch`` counts
         the epochs done, a fraction for one done in part)."""
         self._epoch = int(state.epoch or 0)
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                      control: transformers.TrainerControl, **kwargs: object) -> None:
         """The first micro-batch of an optimizer step opens the step, numbered by the Trainer's
         global step."""
         self._fold.begin(self._epoch, state.global_step)
@@ -137,7 +141,8 @@ class FoldCallback(Results, transformers.TrainerCallback):
             self._losses.open()
             self._losses_open = True
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                    control: transformers.TrainerControl, **kwargs: object) -> None:
         """After the optimizer's update the step ends, with the mean of the model's losses."""
         if self._losses_open and self._losses is not None:
             self._losses_open = False
@@ -149,7 +154,8 @@ class FoldCallback(Results, transformers.TrainerCallback):
                     self._fold.add(torch.stack(losses).sum() if summed else torch.stack(losses).mean())
         self._fold.end()
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                     control: transformers.TrainerControl, **kwargs: object) -> None:
         """A step left open (training stopped mid-accumulation) is dropped."""
         self.close()
 
@@ -158,7 +164,7 @@ class FoldCallback(Results, transformers.TrainerCallback):
         """The name a ``lightning.Trainer`` reads before calling a callback (then :meth:`setup` refuses)."""
         return type(self).__qualname__
 
-    def setup(self, *args: Any, **kwargs: Any) -> None:
+    def setup(self, *args: object, **kwargs: object) -> None:
         """The first call of a ``lightning.Trainer`` to its callbacks: this one is the Hugging Face Trainer's.
 
         Raises:
@@ -166,5 +172,5 @@ class FoldCallback(Results, transformers.TrainerCallback):
         """
         raise misplaced("hf", "lightning")
 
-    def on_exception(self, *args: Any, **kwargs: Any) -> None:
+    def on_exception(self, *args: object, **kwargs: object) -> None:
         """Lightning's call after :meth:`setup` refused: nothing was attached, nothing to undo."""

@@ -20,11 +20,13 @@ Cost: what the reducers cost in ``fh.fit``, plus a few callback calls per step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from funhooks.errors import ExtraError
-from funhooks.training.folds import Reducer
+from funhooks.training.folds import Reducers
 from funhooks.training.stepwise import Results, Stepwise, misplaced
 
 try:
@@ -34,6 +36,9 @@ except ImportError:
         "funhooks.lightning: the Lightning callback needs lightning, got it not installed. "
         "Install the extra: pip install 'funhooks[lightning]'."
     ) from None
+
+if TYPE_CHECKING:
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 __all__ = ["FoldCallback"]
 
@@ -76,7 +81,7 @@ class FoldCallback(Results, pl.Callback):
         (('net.0', 'net.2'), 8)
     """
 
-    def __init__(self, reducers: Mapping[Any, Reducer] | Sequence[Reducer]) -> None:
+    def __init__(self, reducers: Reducers) -> None:
         super().__init__()
         self._fold = Stepwise(reducers, "FoldCallback")
         self._global_step = 0
@@ -94,17 +99,18 @@ class FoldCallback(Results, pl.Callback):
             self._global_step = trainer.global_step
         self._fold.begin(trainer.current_epoch, trainer.global_step)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
         """The gradients are final (unscaled, before Lightning's clipping): the watches' ``before``."""
         self._fold.before_update(optimizer)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any,
                            batch_idx: int) -> None:
         """Add the micro-batch's loss; after the optimizer stepped, the step ends."""
-        loss, metrics = outputs, None
         if isinstance(outputs, Mapping):
-            loss = outputs.get("loss")
-            metrics = {k: v for k, v in outputs.items() if k != "loss"}
+            loss, metrics = outputs.get("loss"), {k: v for k, v in outputs.items() if k != "loss"}
+        else:
+            loss, metrics = outputs, None
         if loss is not None and self._normalize != 1:
             loss = loss * self._normalize  # Lightning hands back the loss divided by the accumulation
         self._fold.add(loss, metrics)
@@ -119,7 +125,7 @@ class FoldCallback(Results, pl.Callback):
         """Training raised: the open step is dropped, nothing stays attached."""
         self._fold.abort()
 
-    def on_init_end(self, *args: Any, **kwargs: Any) -> None:
+    def on_init_end(self, *args: object, **kwargs: object) -> None:
         """The first call of a ``transformers.Trainer`` to its callbacks: this one is Lightning's.
 
         Raises:

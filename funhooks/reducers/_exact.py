@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import attrs
 import torch
@@ -45,6 +45,13 @@ reduced with the step's others; the rest are reduced in the hook by ``x.mean()``
 reduction reproduces, so both ways give torch's own numbers to the bit."""
 
 Tensor = torch.Tensor
+
+Reduced: TypeAlias = tuple[int, Tensor, Tensor | None]
+"""An activation reduced in its hook: ``(n, (mean, std, near-zero count), histogram)``."""
+
+Source: TypeAlias = tuple[Tensor, int, nn.Module, bool]
+"""What a kept activation notes under :data:`SOURCE`: the output, its version counter at the
+hook, its module, and whether this is the module's first copy."""
 
 SOURCE = "_funhooks_source"
 """The attribute by which a kept activation names the output it stands for: the output, its
@@ -69,7 +76,7 @@ class Snapshot:
     hist_bins: int
     hist_range: tuple[float, float]
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> Tensor | Reduced:
         if not isinstance(output, Tensor):
             kind = type(module).__name__
             raise ReducerError(
@@ -87,7 +94,7 @@ class Snapshot:
             return keep(module, output, n)
         return self.reduce(output.detach())
 
-    def reduce(self, o: Tensor) -> tuple[int, Tensor, Tensor | None]:
+    def reduce(self, o: Tensor) -> Reduced:
         """``(n, (mean, std, near-zero count), histogram)`` of `o`, by fastai's very calls."""
         x = o.float()
         n = x.numel()
@@ -121,7 +128,7 @@ def keep(module: nn.Module, output: Tensor, n: int) -> Tensor:
     return copy
 
 
-def _check(source: tuple, path: str, iteration: int) -> None:
+def _check(source: Source, path: str, iteration: int) -> None:
     """Check a value as stored by the hook: a kept alias whose output changed since the hook
     raises; a first copy teaches :data:`_CHANGED_LATER` about its module.
 
@@ -241,7 +248,7 @@ def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
             x = x.float()
         hist = batched_hist(x, snap.hist_bins, *snap.hist_range) if snap.with_hist else None
         return tuple(range(len(values))), (x.shape[1],) * len(values), row_stats(x, snap.near_zero), hist
-    groups: dict[Any, list[int]] = {}
+    groups: dict[tuple[torch.Size, torch.dtype] | None, list[int]] = {}
     for i, v in enumerate(values):
         key = None if type(v) is tuple else (v.shape, v.dtype)  # None: reduced in the hook
         members = groups.get(key)
@@ -274,7 +281,7 @@ def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
     return tuple(order), tuple(ns), rows, hist
 
 
-def reduce_calls(calls: dict[str, tuple[Any, ...]], snap: Snapshot, iteration: int) -> Entry:
+def reduce_calls(calls: dict[str, tuple[Tensor | Reduced, ...]], snap: Snapshot, iteration: int) -> Entry:
     """The Entry of one step from every call's hook value, by path (module order): the calls
     of a module on one step (micro-batches, several forwards before a mark) are one batch.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import torch
 
@@ -38,7 +38,11 @@ class Entry(NamedTuple):
     rows: torch.Tensor | list[list[float]]
 
 
-def add_step(state: tuple, step: Step, every: int | None, name: str) -> tuple:
+State: TypeAlias = "red.Cons[Entry]"
+"""One :class:`Entry` per recorded step, newest on top."""
+
+
+def add_step(state: State, step: Step, every: int | None, name: str) -> State:
     """`state` with the step's entry (the last value each layer stored under `name`, as rows)
     when the ``every`` rule records the step."""
     if not red.records(every, step.iteration, step.training):
@@ -49,7 +53,7 @@ def add_step(state: tuple, step: Step, every: int | None, name: str) -> tuple:
     return (state, Entry(step.iteration, tuple(paths), red.settled(stacked(values))))
 
 
-def table(state: tuple, reducer: str, name: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> Table:
+def table(state: State, reducer: str, name: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> Table:
     """The Table of a state's entries, their rows turned into values by `finish`; recorded steps
     none of which holds `name` are refused (they ran without the reducer's watches)."""
     entries = red.unroll(state)
@@ -72,7 +76,7 @@ def stacked(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(values)
 
 
-def merge(a: tuple, b: tuple, same: Callable[[Entry, Entry], Entry]) -> tuple:
+def merge(a: State, b: State, same: Callable[[Entry, Entry], Entry]) -> State:
     """Entries of both states in iteration order; `same` combines two of one iteration."""
     by_iteration: dict[int, Entry] = {}
     for entry in red.unroll(a) + red.unroll(b):
@@ -88,7 +92,7 @@ def keep_first(a: Entry, b: Entry) -> Entry:
     if not extra:
         return a
     paths = red.module_order([a.paths, b.paths])
-    rows: dict[str, Any] = dict(zip(a.paths, a.rows))
+    rows: dict[str, torch.Tensor | list[float]] = dict(zip(a.paths, a.rows))
     rows.update((b.paths[i], b.rows[i]) for i in extra)
     if isinstance(a.rows, torch.Tensor):
         return Entry(a.iteration, paths, torch.stack([red.as_tensor(rows[p], a.rows.device, a.rows.dtype) for p in paths]))
@@ -125,15 +129,15 @@ class Reducer:
         """True for the train iterations recorded."""
         return red.records(self.every, iteration, training)
 
-    def init(self) -> tuple:
+    def init(self) -> State:
         """The empty state."""
         return ()
 
-    def step(self, state: tuple, step: Step) -> tuple:
+    def step(self, state: State, step: Step) -> State:
         """Add the step's rows (on the device, not read) when it is recorded."""
         return add_step(state, step, self.every, self.NAME)
 
-    def merge(self, a: tuple, b: tuple) -> tuple:
+    def merge(self, a: State, b: State) -> State:
         """Chunks of steps in iteration order; of one iteration (two ranks, replicated
         parameters), the first's rows."""
         return merge(a, b, keep_first)

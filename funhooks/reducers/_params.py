@@ -14,7 +14,6 @@ one ``index_add`` of a ``(tensors, k)`` table.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -93,7 +92,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()  # type: ignore[attr-defined]
 
 
-def _over_shards(table: torch.Tensor, shards: list[int] | None, group: Any) -> None:
+def _over_shards(table: torch.Tensor, shards: list[int] | None, group: torch.distributed.ProcessGroup) -> None:
     """Sum the rows of sharded tensors (`shards`; None: all of them) over the ranks of `group`, in place."""
     if shards is None:
         torch.distributed.all_reduce(table, group=group)

@@ -15,9 +15,10 @@ import heapq
 import itertools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, TypeAlias, TypeGuard, TypeVar
 
+import attrs
 import torch
 
 from funhooks.errors import ReducerError
@@ -27,7 +28,14 @@ from funhooks.specs.selector import Selector, Where, select
 from .layers import LeafModules
 
 __all__ = [
-    "HEALTHY_RATIO", "Steps", "as_tensor", "entry_paths", "module_order", "roll", "settled", "unroll"]
+    "HEALTHY_RATIO", "Cons", "Steps", "Validator", "as_tensor", "entry_paths", "module_order", "roll", "settled",
+    "unroll"]
+
+T = TypeVar("T")
+E = TypeVar("E")
+
+Cons: TypeAlias = "tuple[()] | tuple[Cons[E], E]"
+"""A cons-list state: ``()``, or ``(rest, entry)`` with the newest entry on top."""
 
 HEALTHY_RATIO = 1e-3
 """The rule of thumb for a healthy update-to-parameter ratio (Karpathy's), drawn on its plot."""
@@ -43,10 +51,16 @@ def to_selector(modules: Where | None) -> Selector | None:
     return None if modules is None else select(modules)
 
 
-def check_every(caller: str) -> Callable[[Any, Any, Any], None]:
+class Validator(Protocol):
+    """An attrs validator of a field of any type: ``check(instance, attribute, value)``."""
+
+    def __call__(self, instance: object, attribute: attrs.Attribute[T], value: T, /) -> None: ...
+
+
+def check_every(caller: str) -> Validator:
     """The attrs validator of ``every``: a positive int or None."""
 
-    def check(instance: Any, attribute: Any, every: Any) -> None:
+    def check(instance: object, attribute: attrs.Attribute[T], every: T) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
             raise ReducerError(
                 f"{caller}: `every` is a positive int or None, got {every!r}. "
@@ -56,17 +70,17 @@ def check_every(caller: str) -> Callable[[Any, Any, Any], None]:
     return check
 
 
-def check_bool(caller: str) -> Callable[[Any, Any, Any], None]:
+def check_bool(caller: str) -> Validator:
     """The attrs validator of a flag."""
 
-    def check(instance: Any, attribute: Any, value: Any) -> None:
+    def check(instance: object, attribute: attrs.Attribute[T], value: T) -> None:
         if not isinstance(value, bool):
             raise ReducerError(f"{caller}: `{attribute.name}` is a bool, got {value!r}. Pass True or False.")
 
     return check
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[float]:
     """A real number that is not a bool and not NaN."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
 
@@ -95,12 +109,22 @@ def last_calls(record: Record, name: str, caller: str) -> list[Any]:
     return out
 
 
+class StepEntry(Protocol):
+    """What every reducer's entry for one recorded step has."""
+
+    @property
+    def iteration(self) -> int: ...
+
+    @property
+    def paths(self) -> tuple[str, ...]: ...
+
+
 class Steps:
     """What results over one entry per recorded step share (each entry with an ``iteration``
     and its ``paths``): the iterations recorded and the number of steps."""
 
     __slots__ = ()
-    entries: tuple[Any, ...]
+    entries: tuple[StepEntry, ...]
 
     @property
     def iterations(self) -> tuple[int, ...]:
@@ -111,12 +135,12 @@ class Steps:
         return len(self.entries)
 
 
-def entry_paths(result: Any) -> tuple[str, ...]:
+def entry_paths(result: Steps) -> tuple[str, ...]:
     """Every path of a result's entries, in module order (the attrs default of its ``paths``)."""
     return module_order(e.paths for e in result.entries)
 
 
-def unroll(state: tuple) -> list[Any]:
+def unroll(state: Cons[E]) -> list[E]:
     """The entries of a cons-list state, oldest first."""
     out = []
     while state:
@@ -126,29 +150,30 @@ def unroll(state: tuple) -> list[Any]:
     return out
 
 
-def roll(entries: Sequence[Any]) -> tuple:
+def roll(entries: Sequence[E]) -> Cons[E]:
     """A cons-list state holding `entries`, the last one on top."""
-    state: tuple = ()
+    state: Cons[E] = ()
     for entry in entries:
         state = (state, entry)
     return state
 
 
 def settled(value: torch.Tensor) -> Any:
-    """A step's values as a state keeps them: on the CPU as Python numbers (``tolist()``, no
+    """A step's values as a state keeps them: on the CPU as Python numbers (``tolist()``, a
+    number or nested lists as deep as the tensor; no
     sync there), since a small tensor kept per step pins freed heap pages and a long run's
     memory grows with its steps; on another device the tensor itself, not read (no sync)."""
     return value.tolist() if value.device.type == "cpu" else value
 
 
-def as_tensor(value: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def as_tensor(value: object, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A value :func:`settled` kept, as a tensor on `device`."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(device, dtype)
     return torch.tensor(value, dtype=dtype, device=device)
 
 
-def path_key(path: str) -> tuple:
+def path_key(path: str) -> tuple[tuple[int, int, str], ...]:
     """A stand-in for module order between two paths no step orders: numbered parts by number."""
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split("."))
 

@@ -31,7 +31,7 @@ count)`` (and ``(modules, hist_bins)`` with histograms) and the paths of the mod
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar, cast
 
 import attrs
 import torch
@@ -48,6 +48,10 @@ from ._exact import REDUCE_IN_HOOK_NUMEL
 from ._shared import roll, unroll
 from .hook_callback import HookCallback
 from .layers import LeafModules, OwnParams
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
     "HIST_BINS",
@@ -75,8 +79,13 @@ which ignores every negative activation)."""
 
 Tensor = torch.Tensor
 
+T = TypeVar("T")
 
-def _check_near_zero(instance: Any, attribute: Any, near_zero: Any) -> None:
+State: TypeAlias = "red.Cons[ex.Entry]"
+"""One :class:`~funhooks.reducers._exact.Entry` per recorded step, newest on top."""
+
+
+def _check_near_zero(instance: object, attribute: attrs.Attribute[T], near_zero: T) -> None:
     if not red.is_number(near_zero):
         raise ReducerError(
             f"ActivationStats: `near_zero` is a number (values `<= near_zero` count as near zero), got "
@@ -84,7 +93,7 @@ def _check_near_zero(instance: Any, attribute: Any, near_zero: Any) -> None:
         )
 
 
-def _check_hist_bins(instance: Any, attribute: Any, bins: Any) -> None:
+def _check_hist_bins(instance: object, attribute: attrs.Attribute[T], bins: T) -> None:
     if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
         raise ReducerError(
             f"ActivationStats: `hist_bins` is a positive int, got {bins!r}. "
@@ -92,12 +101,12 @@ def _check_hist_bins(instance: Any, attribute: Any, bins: Any) -> None:
         )
 
 
-def _as_pair(value: Any) -> Any:
+def _as_pair(value: object) -> object:
     """A list range becomes a tuple; anything else is left for the validator to judge."""
     return tuple(value) if isinstance(value, (tuple, list)) else value
 
 
-def _check_hist_range(instance: Any, attribute: Any, bounds: Any) -> None:
+def _check_hist_range(instance: object, attribute: attrs.Attribute[T], bounds: T) -> None:
     if not (isinstance(bounds, tuple) and len(bounds) == 2 and all(red.is_number(b) and math.isfinite(b) for b in bounds)
             and bounds[0] < bounds[1]):
         low, high = (int(b) if float(b).is_integer() else b for b in HIST_RANGE)
@@ -187,11 +196,11 @@ class ActivationStats:
         """True for the train iterations these statistics record."""
         return red.records(self.every, iteration, training)
 
-    def init(self) -> tuple:
+    def init(self) -> State:
         """The empty state."""
         return ()
 
-    def step(self, state: tuple, step: Step) -> tuple:
+    def step(self, state: State, step: Step) -> State:
         """Add the step's statistics (computed on the device, not read) when it is recorded;
         the modules that did not run on it are absent from it, and a module called several
         times on it (micro-batches) has the statistics of all its calls together."""
@@ -202,7 +211,7 @@ class ActivationStats:
             return (state, ex.empty_entry(step.iteration, self._snapshot))
         return (state, ex.reduce_calls(calls, self._snapshot, step.iteration))
 
-    def merge(self, a: tuple, b: tuple) -> tuple:
+    def merge(self, a: State, b: State) -> State:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
         the same iteration in both (two ranks) is combined by module path as one larger batch."""
         by_iteration: dict[int, ex.Entry] = {}
@@ -211,7 +220,7 @@ class ActivationStats:
             by_iteration[entry.iteration] = entry if seen is None else ex.combine(seen, entry)
         return red.roll([by_iteration[k] for k in sorted(by_iteration)])
 
-    def result(self, state: tuple) -> ActivationStatsResult:
+    def result(self, state: State) -> ActivationStatsResult:
         """The statistics of every recorded step.
 
         Raises:
@@ -229,6 +238,19 @@ class ActivationStats:
 
 
 _ABSENT = (math.nan, math.nan, math.nan)
+
+
+class _Hist(TypedDict, total=False):
+    hist: Tensor
+
+
+class ModuleStats(_Hist):
+    """One module's statistics on one step, as :attr:`ActivationStatsResult.stats` gives them:
+    Python floats, and ``"hist"`` (a CPU tensor) with ``with_hist``."""
+
+    mean: float
+    std: float
+    near_zero: float
 
 
 @_frozen.frozen
@@ -279,14 +301,14 @@ class ActivationStatsResult(red.Steps):
         return [here.get(p) for p in self.paths]
 
     @property
-    def stats(self) -> list[list[dict[str, Any] | None]]:
+    def stats(self) -> list[list[ModuleStats | None]]:
         """Per recorded step, per module of ``paths``: ``{"mean", "std", "near_zero"}`` as
         Python floats (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's
         ``stats``; ``None`` for a module that did not run on that step."""
         out = []
         hists = [cast(torch.Tensor, e.hist).cpu() for e in self.entries] if self.with_hist else None
         for s, (entry, rows) in enumerate(zip(self.entries, self._host_rows())):
-            per_module: list[dict[str, Any] | None] = []
+            per_module: list[ModuleStats | None] = []
             for i in self._positions(entry):
                 if i is None:
                     per_module.append(None)
@@ -294,7 +316,7 @@ class ActivationStatsResult(red.Steps):
                 r = entry.order[i]
                 mean, std, near = rows[r]
                 n = entry.ns[i]
-                item: dict[str, Any] = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
+                item: ModuleStats = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
                 if hists is not None:
                     item["hist"] = hists[s][r]
                 per_module.append(item)
@@ -342,7 +364,7 @@ class ActivationStatsResult(red.Steps):
         empty = torch.zeros_like(present)
         return torch.stack([empty if c is None else c.to(present.device) for c in cols]).t().float().log1p().cpu()  # one copy to the host
 
-    def color_dim(self, idx: int | str, ax: Any = None, *, figsize: tuple[float, float] = (10, 5)) -> Any:
+    def color_dim(self, idx: int | str, ax: Axes | None = None, *, figsize: tuple[float, float] = (10, 5)) -> Axes:
         """Draw the "colorful dimension" image of module `idx` (needs the ``plot`` extra).
 
         Returns:
@@ -352,7 +374,7 @@ class ActivationStatsResult(red.Steps):
 
         return plot.color_dim(self, idx, ax=ax, figsize=figsize)
 
-    def plot_layer_stats(self, idx: int | str, *, figsize: tuple[float, float] = (12, 3)) -> Any:
+    def plot_layer_stats(self, idx: int | str, *, figsize: tuple[float, float] = (12, 3)) -> Figure:
         """Plot mean, std and near-zero share of module `idx` over steps (needs the ``plot`` extra).
 
         Returns:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias, TypeVar, cast
 
 import attrs
 import torch
@@ -32,7 +32,12 @@ from funhooks.training.step import Step
 
 from . import _shared as red
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = ["ACTIVATIONS", "NEAR_ZERO", "DeadUnits", "DeadUnitsResult", "is_activation"]
+
+T = TypeVar("T")
 
 NEAR_ZERO = 1e-6
 """A unit's magnitude at or below this counts as zero (``fh.testing.check_dead_units``' too)."""
@@ -68,12 +73,12 @@ def is_activation(path: str, module: nn.Module) -> bool:
 NAME = "dead_units"
 
 
-def _check_near_zero(instance: Any, attribute: Any, value: Any) -> None:
+def _check_near_zero(instance: object, attribute: attrs.Attribute[T], value: T) -> None:
     if not red.is_number(value) or value < 0:
         raise ReducerError(f"DeadUnits: `near_zero` is a number >= 0, got {value!r}. Pass e.g. near_zero={NEAR_ZERO}.")
 
 
-def unit_peaks(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
+def unit_peaks(module: nn.Module, args: tuple[object, ...], output: object) -> torch.Tensor | None:
     """The largest magnitude of each unit of `output` over the batch (None: not a tensor, or 0-d).
 
     Example:
@@ -135,6 +140,10 @@ class _Entry(NamedTuple):
     fractions: torch.Tensor | list[float]
 
 
+State: TypeAlias = "red.Cons[_Entry]"
+"""One entry per recorded step, newest on top."""
+
+
 def _entry(iteration: int, paths: tuple[str, ...], peaks: list[torch.Tensor], near_zero: float) -> _Entry:
     if not peaks:
         return _Entry(iteration, (), (), [])
@@ -194,11 +203,11 @@ class DeadUnits:
         """True for the train iterations recorded."""
         return red.records(self.every, iteration, training)
 
-    def init(self) -> tuple:
+    def init(self) -> State:
         """The empty state."""
         return ()
 
-    def step(self, state: tuple, step: Step) -> tuple:
+    def step(self, state: State, step: Step) -> State:
         """Add the step's dead-unit masks (on the device, not read) when it is recorded; a
         module called several times (micro-batches) counts every call."""
         if not red.records(self.every, step.iteration, step.training):
@@ -211,7 +220,7 @@ class DeadUnits:
                 peaks.append(calls[0] if len(calls) == 1 else torch.stack(calls).amax(0))
         return (state, _entry(step.iteration, tuple(paths), peaks, self.near_zero))
 
-    def merge(self, a: tuple, b: tuple) -> tuple:
+    def merge(self, a: State, b: State) -> State:
         """Chunks of steps in iteration order; one iteration's two parts (two ranks) by path:
         dead on the joint batch where dead on both."""
         by_iteration: dict[int, _Entry] = {}
@@ -228,7 +237,7 @@ class DeadUnits:
         ordered = tuple(masks[p] for p in paths)
         return _Entry(a.iteration, paths, ordered, _fractions(ordered))
 
-    def result(self, state: tuple) -> DeadUnitsResult:
+    def result(self, state: State) -> DeadUnitsResult:
         """The dead fractions of every recorded step.
 
         Raises:
@@ -299,7 +308,7 @@ class DeadUnitsResult(red.Steps):
                 out[path] = math.nan  # the unit count changed between steps: no unit is followed throughout
         return out
 
-    def plot(self, *, figsize: tuple[float, float] = (8, 4)) -> Any:
+    def plot(self, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
         """The dead fraction of every layer over the steps (the ``plot`` extra).
 
         Returns:

@@ -14,7 +14,7 @@ Cost: whatever ``hook`` costs, per selected module call; the state keeps its ret
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import attrs
 
@@ -28,15 +28,28 @@ from . import _shared as red
 
 __all__ = ["HookCallback"]
 
+T = TypeVar("T")
 
-def _check_hook(instance: Any, attribute: Any, hook: Any) -> None:
+
+class Entry(NamedTuple):
+    """One recorded step: its iteration and the hook's values, in module order."""
+
+    iteration: int
+    values: list[Any]
+
+
+State: TypeAlias = "red.Cons[Entry]"
+"""One :class:`Entry` per recorded step, newest on top."""
+
+
+def _check_hook(instance: object, attribute: attrs.Attribute[T], hook: T) -> None:
     if not callable(hook):
         raise ReducerError(
             f"HookCallback: `hook` is a callable `hook(module, input, output)`, got {hook!r}. Pass a function."
         )
 
 
-def _check_name(instance: Any, attribute: Any, name: Any) -> None:
+def _check_name(instance: object, attribute: attrs.Attribute[T], name: T) -> None:
     if name is not None and (not isinstance(name, str) or not name):
         raise ReducerError(
             f"HookCallback: `name` is a non-empty str or None, got {name!r}. "
@@ -106,22 +119,22 @@ class HookCallback:
         """True for the train iterations this callback records."""
         return red.records(self.every, iteration, training)
 
-    def init(self) -> tuple:
+    def init(self) -> State:
         """The empty state."""
         return ()
 
-    def step(self, state: tuple, step: Step) -> tuple:
+    def step(self, state: State, step: Step) -> State:
         """Add the step's hook values when the step is recorded."""
         if not red.records(self.every, step.iteration, step.training):
             return state
         values = red.last_calls(step.record, self.record_name, "HookCallback")
-        return (state, (step.iteration, values))
+        return (state, Entry(step.iteration, values))
 
-    def merge(self, a: tuple, b: tuple) -> tuple:
+    def merge(self, a: State, b: State) -> State:
         """The state of two disjoint chunks of steps, in iteration order."""
-        return red.roll(sorted(red.unroll(a) + red.unroll(b), key=lambda entry: entry[0]))
+        return red.roll(sorted(red.unroll(a) + red.unroll(b), key=lambda entry: entry.iteration))
 
-    def result(self, state: tuple) -> tuple[list[Any], ...]:
+    def result(self, state: State) -> tuple[list[Any], ...]:
         """One list of hook values per recorded step."""
-        return tuple(values for _, values in red.unroll(state))
+        return tuple(entry.values for entry in red.unroll(state))
 

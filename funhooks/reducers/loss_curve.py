@@ -13,7 +13,7 @@ Cost: one tuple per train step; the state keeps every step's loss (a float on th
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias, TypeVar
 
 import attrs
 import torch
@@ -25,13 +25,18 @@ from funhooks.training.step import Step
 
 from . import _shared as red
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = ["BETA", "LossCurve", "LossCurveResult"]
+
+T = TypeVar("T")
 
 BETA = 0.98
 """fastai's smoothing of the loss (``Recorder``'s ``SmoothenValue``)."""
 
 
-def _check_beta(instance: Any, attribute: Any, beta: Any) -> None:
+def _check_beta(instance: object, attribute: attrs.Attribute[T], beta: T) -> None:
     if not red.is_number(beta) or not 0 <= beta < 1:
         raise ReducerError(f"LossCurve: `beta` is a number in [0, 1), got {beta!r}. Pass e.g. beta={BETA} (fastai's).")
 
@@ -41,6 +46,10 @@ class _Entry(NamedTuple):
     loss: torch.Tensor | float
     parts: int
     """How many ranks' losses `loss` sums (1 until states of one iteration merge)."""
+
+
+State: TypeAlias = "red.Cons[_Entry]"
+"""One entry per recorded train step, newest on top."""
 
 
 @_frozen.frozen
@@ -75,17 +84,17 @@ class LossCurve:
         """None: only ``step.loss`` is read."""
         return ()
 
-    def init(self) -> tuple:
+    def init(self) -> State:
         """The empty state: a cons list of losses."""
         return ()
 
-    def step(self, state: tuple, step: Step) -> tuple:
+    def step(self, state: State, step: Step) -> State:
         """Add the loss of a train step (one that has a loss)."""
         if not step.training or step.loss is None:
             return state
         return (state, _Entry(step.iteration, red.settled(step.loss.detach()), 1))
 
-    def merge(self, a: tuple, b: tuple) -> tuple:
+    def merge(self, a: State, b: State) -> State:
         """Chunks of steps in iteration order; one iteration's losses from two ranks average."""
         by_iteration: dict[int, _Entry] = {}
         for entry in red.unroll(a) + red.unroll(b):
@@ -95,7 +104,7 @@ class LossCurve:
             by_iteration[entry.iteration] = entry
         return red.roll([by_iteration[k] for k in sorted(by_iteration)])
 
-    def result(self, state: tuple) -> LossCurveResult:
+    def result(self, state: State) -> LossCurveResult:
         """The losses in step order and their moving average (one copy to the host)."""
         entries = red.unroll(state)
         if not entries:
@@ -152,7 +161,7 @@ class LossCurveResult:
     def __len__(self) -> int:
         return len(self.losses)
 
-    def plot(self, *, epoch_len: int | None = None, figsize: tuple[float, float] = (8, 4)) -> Any:
+    def plot(self, *, epoch_len: int | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
         """The loss at every step (thin), its moving average (thick) and, given `epoch_len`
         (steps per epoch), the epoch boundaries (the ``plot`` extra).
 

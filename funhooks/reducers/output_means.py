@@ -20,6 +20,7 @@ from funhooks.errors import ReducerError
 from funhooks.records.record import Record
 from funhooks.specs.selector import Selector, path_label, select
 from funhooks.specs.spec import Spec, outputs
+from funhooks.training.step import Step
 
 __all__ = ["OutputMeans"]
 
@@ -63,7 +64,7 @@ class OutputMeans:
         """No module seen yet."""
         return {}
 
-    def step(self, state: State, step: Any) -> State:
+    def step(self, state: State, step: Step) -> State:
         """Add one step's outputs (every call of every selected module) to the sums."""
         new = dict(state)
         for path, node in step.record.items():

@@ -21,7 +21,7 @@ until a result is.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import torch
@@ -34,6 +34,9 @@ from . import _layered as lay
 from . import _params
 from . import _shared as red
 from .layers import OwnParams
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["GradientStats", "GradientStatsResult"]
 
@@ -136,7 +139,7 @@ class GradientStats(lay.Reducer):
         where = OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _GradientRows(), name=NAME),)
 
-    def result(self, state: tuple) -> GradientStatsResult:
+    def result(self, state: lay.State) -> GradientStatsResult:
         """The statistics of every recorded step.
 
         Raises:
@@ -183,7 +186,7 @@ class GradientStatsResult(lay.TableResult):
         columns = [self.table.column(idx, k, "layer_stats") for k in range(len(COLUMNS))]
         return columns[0], columns[1], columns[2], columns[3]
 
-    def plot(self, *, figsize: tuple[float, float] = (12, 7)) -> Any:
+    def plot(self, *, figsize: tuple[float, float] = (12, 7)) -> Figure:
         """Norm, mean, std and share of zeros of every layer over the steps (the ``plot`` extra).
 
         Returns:

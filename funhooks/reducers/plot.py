@@ -8,18 +8,77 @@ figure state, needs no display, and ``fig.savefig("x.png")`` works anywhere.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from funhooks.errors import ExtraError
 
 from ._shared import HEALTHY_RATIO
+
+if TYPE_CHECKING:
+    import torch
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["color_dim", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats", "plot_loss", "plot_update_ratio"]
 
 LAYER_STATS_TITLES = ("mean", "std", "% near zero")
 
 
-def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") -> Any:
+# What each plot reads of its result (the results import this module, so it names none of them).
+
+class PerLayer(Protocol):
+    """A result over recorded steps and layers."""
+
+    @property
+    def iterations(self) -> tuple[int, ...]: ...
+
+    @property
+    def paths(self) -> tuple[str, ...]: ...
+
+
+class ActivationStatsLike(PerLayer, Protocol):
+    """An :class:`~funhooks.ActivationStatsResult`."""
+
+    def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float]]: ...
+
+    def hist(self, idx: int | str) -> torch.Tensor: ...
+
+
+class GradientStatsLike(PerLayer, Protocol):
+    """A :class:`~funhooks.GradientStatsResult`."""
+
+    def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float], list[float]]: ...
+
+
+class UpdateRatioLike(PerLayer, Protocol):
+    """An :class:`~funhooks.UpdateRatioResult`."""
+
+    def log10(self) -> list[list[float]]: ...
+
+
+class DeadUnitsLike(PerLayer, Protocol):
+    """A :class:`~funhooks.DeadUnitsResult`."""
+
+    @property
+    def dead(self) -> list[list[float]]: ...
+
+
+class LossCurveLike(Protocol):
+    """A :class:`~funhooks.LossCurveResult`."""
+
+    @property
+    def iterations(self) -> tuple[int, ...]: ...
+
+    @property
+    def losses(self) -> list[float]: ...
+
+    @property
+    def ema(self) -> list[float]: ...
+
+    def __len__(self) -> int: ...
+
+
+def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") -> Figure:
     """A matplotlib Figure on the Agg canvas, without touching pyplot's global state.
 
     Raises:
@@ -38,7 +97,8 @@ def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") ->
     return fig
 
 
-def plot_layer_stats(result: Any, idx: int | str, *, figsize: tuple[float, float] = (12, 3)) -> Any:
+def plot_layer_stats(result: ActivationStatsLike, idx: int | str, *,
+                     figsize: tuple[float, float] = (12, 3)) -> Figure:
     """Plot the mean, std and near-zero share of module `idx` over the recorded steps.
 
     Args:
@@ -78,7 +138,8 @@ def plot_layer_stats(result: Any, idx: int | str, *, figsize: tuple[float, float
     return fig
 
 
-def color_dim(result: Any, idx: int | str, *, ax: Any = None, figsize: tuple[float, float] = (10, 5)) -> Any:
+def color_dim(result: ActivationStatsLike, idx: int | str, *, ax: Axes | None = None,
+              figsize: tuple[float, float] = (10, 5)) -> Axes:
     """Draw fastai's "colorful dimension" image of module `idx`: histograms over steps.
 
     Args:
@@ -123,7 +184,7 @@ GRADIENT_PANELS = (("norm", "gradient norm", True), ("mean", "mean", False), ("s
                    ("zeros", "% zeros", False))
 
 
-def _lines(ax: Any, iterations: tuple[int, ...], series: list[tuple[str, list[float]]], *, log: bool = False) -> None:
+def _lines(ax: Axes, iterations: tuple[int, ...], series: list[tuple[str, list[float]]], *, log: bool = False) -> None:
     """One line per layer over the iterations (a dot per step where gaps would hide it)."""
     for i, (label, values) in enumerate(series):
         gaps = any(math.isnan(v) for v in values)
@@ -135,7 +196,7 @@ def _lines(ax: Any, iterations: tuple[int, ...], series: list[tuple[str, list[fl
         ax.legend(fontsize=7, ncol=2)
 
 
-def plot_gradient_stats(result: Any, *, figsize: tuple[float, float] = (12, 7)) -> Any:
+def plot_gradient_stats(result: GradientStatsLike, *, figsize: tuple[float, float] = (12, 7)) -> Figure:
     """Gradient norm, mean, std and share of zeros of every layer over the recorded steps.
 
     Args:
@@ -170,7 +231,7 @@ def plot_gradient_stats(result: Any, *, figsize: tuple[float, float] = (12, 7)) 
     return fig
 
 
-def plot_update_ratio(result: Any, *, figsize: tuple[float, float] = (8, 4)) -> Any:
+def plot_update_ratio(result: UpdateRatioLike, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """log10 of every layer's update-to-parameter ratio over the steps, with the 1e-3 line.
 
     Args:
@@ -205,7 +266,7 @@ def plot_update_ratio(result: Any, *, figsize: tuple[float, float] = (8, 4)) -> 
     return fig
 
 
-def plot_dead_units(result: Any, *, figsize: tuple[float, float] = (8, 4)) -> Any:
+def plot_dead_units(result: DeadUnitsLike, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """The share of dead units of every layer over the steps.
 
     Args:
@@ -239,7 +300,8 @@ def plot_dead_units(result: Any, *, figsize: tuple[float, float] = (8, 4)) -> An
     return fig
 
 
-def plot_loss(result: Any, *, epoch_len: int | None = None, figsize: tuple[float, float] = (8, 4)) -> Any:
+def plot_loss(result: LossCurveLike, *, epoch_len: int | None = None,
+              figsize: tuple[float, float] = (8, 4)) -> Figure:
     """The loss at every step, its moving average and, given `epoch_len`, the epoch boundaries.
 
     Args:

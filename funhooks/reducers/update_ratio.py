@@ -21,7 +21,7 @@ layer, on their device. Memory: two copies of the selected parameters during the
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -35,6 +35,9 @@ from . import _params
 from . import _shared as red
 from ._shared import HEALTHY_RATIO
 from .layers import OwnParams
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["HEALTHY_RATIO", "UpdateRatio", "UpdateRatioResult"]
 
@@ -110,7 +113,7 @@ class UpdateRatio(lay.Reducer):
         where = OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _Before(), _After(), name=NAME),)
 
-    def result(self, state: tuple) -> UpdateRatioResult:
+    def result(self, state: lay.State) -> UpdateRatioResult:
         """The ratios of every recorded step.
 
         Raises:
@@ -154,7 +157,7 @@ class UpdateRatioResult(lay.TableResult):
         """``ratios`` in log10 (``-inf`` for a zero update)."""
         return [[math.log10(r) if r > 0 else -math.inf if r == 0 else math.nan for r in row] for row in self.ratios]
 
-    def plot(self, *, figsize: tuple[float, float] = (8, 4)) -> Any:
+    def plot(self, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
         """log10 of every layer's ratio over the steps, with the 1e-3 rule of thumb (``plot`` extra).
 
         Returns:

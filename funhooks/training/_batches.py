@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -23,8 +23,10 @@ from funhooks.errors import LoopError
 
 __all__ = ["describe", "group", "model_device", "pair", "to_device"]
 
+B = TypeVar("B")
 
-def describe(batch: Any) -> str:
+
+def describe(batch: object) -> str:
     """A batch as an error message names it."""
     if isinstance(batch, torch.Tensor):
         return f"a Tensor of shape {tuple(batch.shape)}"
@@ -35,7 +37,7 @@ def describe(batch: Any) -> str:
     return f"a {type(batch).__name__}"
 
 
-def pair(batch: Any, index: int, caller: str) -> tuple[Any, Any]:
+def pair(batch: object, index: int, caller: str) -> tuple[Any, Any]:
     """``(x, y)`` of a batch the built-in step takes, or a LoopError saying what came."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
@@ -79,15 +81,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, collections.abc.Mapping):  # BatchEncoding, OrderedDict, UserDict alike
         moved = {k: to_device(v, device) for k, v in batch.items()}
         try:
-            return cast(Any, type(batch))(moved)
+            return cast("Callable[[dict[object, object]], object]", type(batch))(moved)
         except TypeError:
             return moved
     return batch
 
 
-def group(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
+def group(batches: Iterable[B], size: int) -> Iterator[list[B]]:
     """Consecutive batches in lists of `size` (the last one may be shorter)."""
-    chunk: list[Any] = []
+    chunk: list[B] = []
     for batch in batches:
         chunk.append(batch)
         if len(chunk) == size:

@@ -12,8 +12,8 @@ Cost: nothing beyond the step itself and a ``detach()`` of what it returns.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from typing import Any, Protocol, TypeAlias, cast
 
 import torch
 from torch import nn
@@ -22,14 +22,36 @@ from funhooks import _torch
 from funhooks.errors import LoopError
 
 from . import _batches as _batch
+from .step import Metrics
 
-__all__ = ["builtin_step", "check_loop", "check_start", "check_step", "empty", "evaluation", "outcome", "scalar",
-           "total"]
+__all__ = ["LossFn", "Optimizer", "Optimizers", "Outcome", "StepFn", "builtin_step", "check_loop", "check_start",
+           "check_step", "empty", "evaluation", "outcome", "scalar", "total"]
 
-StepFn = Callable[[nn.Module, Any], Any]
+LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
+"""The built-in step's ``loss_fn(model(x), y)``: the model's output and the batch's target (the
+user's own values) to a one-element tensor."""
+
+StepFn: TypeAlias = Callable[[nn.Module, Any], Any]
+"""A user's step ``step(model, batch)`` (the user's batch) returning the loss, a mapping
+holding it under ``"loss"``, or None (see :func:`outcome`)."""
+
+Outcome: TypeAlias = tuple[torch.Tensor | None, Metrics | None]
+"""``(loss, metrics)`` of one step, detached."""
 
 
-def check_loop(model: Any, batches: Any, epochs: Any, caller: str) -> None:
+class Optimizer(Protocol):
+    """What the built-in step calls: a ``torch.optim.Optimizer`` or a wrapper of one."""
+
+    def zero_grad(self) -> object: ...
+
+    def step(self) -> object: ...
+
+
+Optimizers: TypeAlias = "Optimizer | Sequence[Optimizer]"
+"""The optimizer a loop's watches read, or a list of them (see :func:`~funhooks.training.watch.optimizers`)."""
+
+
+def check_loop(model: object, batches: object, epochs: object, caller: str) -> None:
     """The model, the batches and `epochs`, or a LoopError."""
     if not isinstance(model, nn.Module):
         raise LoopError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model to run.")
@@ -57,7 +79,7 @@ def empty(got: str, caller: str) -> LoopError:
     )
 
 
-def check_start(start_iteration: Any, caller: str) -> None:
+def check_start(start_iteration: object, caller: str) -> None:
     """The iteration of a run's first train step: a non-negative int, or a LoopError."""
     if isinstance(start_iteration, bool) or not isinstance(start_iteration, int) or start_iteration < 0:
         raise LoopError(
@@ -67,7 +89,7 @@ def check_start(start_iteration: Any, caller: str) -> None:
         )
 
 
-def check_opt(opt: Any, caller: str) -> None:
+def check_opt(opt: object, caller: str) -> None:
     """An optimizer with ``step()`` and ``zero_grad()``, or a LoopError."""
     if not (callable(getattr(opt, "step", None)) and callable(getattr(opt, "zero_grad", None))):
         raise LoopError(
@@ -76,7 +98,7 @@ def check_opt(opt: Any, caller: str) -> None:
         )
 
 
-def check_step(loss_fn: Any, opt: Any, step: Any, accumulate: Any, to_device: Any, caller: str) -> None:
+def check_step(loss_fn: object, opt: object, step: object, accumulate: object, to_device: object, caller: str) -> None:
     """Either `loss_fn` and `opt` (the built-in step) or a user's `step`; the flags."""
     if step is not None:
         if not callable(step):
@@ -101,16 +123,16 @@ def check_step(loss_fn: Any, opt: Any, step: Any, accumulate: Any, to_device: An
                         "model's device.")
 
 
-def total(batches: Any, epochs: int, accumulate: int = 1) -> int | None:
+def total(batches: Iterable[object], epochs: int, accumulate: int = 1) -> int | None:
     """The number of steps, when `batches` has a length."""
     try:
-        return -(-len(batches) // accumulate) * epochs
+        return -(-len(cast(Sized, batches)) // accumulate) * epochs
     except TypeError:
         return None
 
 
-def builtin_step(model: nn.Module, batches: list[Any], start: int, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 opt: Any, caller: str) -> torch.Tensor:
+def builtin_step(model: nn.Module, batches: list[Any], start: int, loss_fn: LossFn, opt: Optimizer,
+                 caller: str) -> torch.Tensor:
     """One optimizer step over `batches` (micro-batches; usually one): the mean detached loss."""
     pairs = [_batch.pair(b, start + i, caller) for i, b in enumerate(batches)]
     opt.zero_grad()
@@ -129,7 +151,7 @@ def builtin_step(model: nn.Module, batches: list[Any], start: int, loss_fn: Call
     return torch.stack(losses).mean()
 
 
-def scalar(loss: Any, caller: str) -> torch.Tensor:
+def scalar(loss: object, caller: str) -> torch.Tensor:
     """What `loss_fn` returned, when it is a one-element tensor; else a LoopError."""
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
@@ -141,7 +163,7 @@ def scalar(loss: Any, caller: str) -> torch.Tensor:
     )
 
 
-def outcome(out: Any, caller: str) -> tuple[torch.Tensor | None, Mapping[str, Any] | None]:
+def outcome(out: object, caller: str) -> Outcome:
     """``(loss, metrics)`` of what a user's step returned, detached."""
     if out is None:
         return None, None
@@ -163,8 +185,8 @@ def outcome(out: Any, caller: str) -> tuple[torch.Tensor | None, Mapping[str, An
     )
 
 
-def evaluation(model: nn.Module, batch: Any, index: int, loss_fn: Any, step: StepFn | None,
-               caller: str) -> Callable[[], tuple[torch.Tensor | None, Mapping[str, Any] | None]]:
+def evaluation(model: nn.Module, batch: Any, index: int, loss_fn: LossFn | None, step: StepFn | None,
+               caller: str) -> Callable[[], Outcome]:
     """The work of one evaluation batch: ``(loss, metrics)``."""
     if step is not None:
         return lambda: outcome(step(model, batch), caller)

@@ -22,32 +22,36 @@ reducer that raises never leaves hooks on the model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeAlias, TypeVar, cast, runtime_checkable
 
 import toolz
-import torch
 from torch import nn
 
 from funhooks.errors import ReducerError
 from funhooks.specs.spec import Spec
 
 from . import progress as _progress
-from ._one_step import total
+from ._one_step import LossFn, Optimizers, StepFn, total
 from .loops import train_steps
 from .step import Step
 from .watch import OptimizerWatch
 
-__all__ = ["Reducer", "fit", "fold", "fold_all", "running"]
+__all__ = ["Reducer", "Reducers", "fit", "fold", "fold_all", "running"]
 
 S = TypeVar("S")
+"""A reducer's state."""
+R_co = TypeVar("R_co", covariant=True)
+"""A reducer's result."""
 PROTOCOL = ("specs", "init", "step", "result")
 """The members every reducer has."""
 
 
 @runtime_checkable
-class Reducer(Protocol):
+class Reducer(Protocol[S, R_co]):
     """The reducer protocol (for type hints): ``specs``, ``init``, ``step``, ``result``.
 
+    Generic in the state `S` and the result `R_co`: ``fh.fold(fh.ActivationStats(), steps)``
+    is an ``ActivationStatsResult`` to a type checker; a bare ``Reducer`` takes any.
     ``specs`` is read-only: a field, a class attribute or a property all satisfy it. The
     optional members (``merge``, ``records``, ``watches``) are not part of the protocol;
     :mod:`funhooks.fold` says what each adds.
@@ -61,46 +65,58 @@ class Reducer(Protocol):
     @property
     def specs(self) -> tuple[Spec, ...]: ...
 
-    def init(self) -> Any: ...
+    def init(self) -> S: ...
 
-    def step(self, state: Any, step: Step) -> Any: ...
+    def step(self, state: S, step: Step) -> S: ...
 
-    def result(self, state: Any) -> Any: ...
+    def result(self, state: S) -> R_co: ...
 
 
-def check_reducer(reducer: Any, caller: str) -> Any:
+AnyReducer: TypeAlias = "Reducer[Any, Any]"
+"""A reducer of whatever state and result (several reducers together mix them)."""
+
+Reducers: TypeAlias = "Mapping[Any, AnyReducer] | Sequence[AnyReducer] | AnyReducer"
+"""What ``fit``, ``fold_all``, ``folding`` and the trainer callbacks take: a dict (user's keys)
+or a list or tuple of reducers, or one reducer."""
+
+Shape: TypeAlias = Callable[[Sequence[object]], Any]
+"""Puts the reducers' results (or states), in order, back in the shape of `reducers`."""
+
+
+def check_reducer(reducer: object, caller: str) -> AnyReducer:
     """Return `reducer` if it has the protocol, else raise a ReducerError naming what lacks."""
     missing = [name for name in PROTOCOL if not hasattr(reducer, name)]
+    checked = cast("AnyReducer", reducer)  # its members are there; their kinds are checked next
     if not missing:
         missing = [name for name in PROTOCOL[1:] if not callable(getattr(reducer, name))]
     if not missing:
-        specs = reducer.specs
+        specs = checked.specs
         if not isinstance(specs, (tuple, list)) or not all(isinstance(s, Spec) for s in specs):
             missing = ["`specs` as a tuple of Specs"]
         elif not all(isinstance(w, OptimizerWatch) for w in watches_of(reducer)):
             missing = ["`watches` as a tuple of OptimizerWatch"]
-    if missing:
-        raise ReducerError(
+    if not missing:
+        return checked
+    raise ReducerError(
             f"{caller}: a reducer has `specs`, `init()`, `step(state, step)` and `result(state)`, got {reducer!r} "
             f"which lacks {', '.join(missing)}. Give it those members (see docs/folds.md), or use "
             "fh.ActivationStats / fh.HookCallback."
-        )
-    return reducer
+    )
 
 
-def watches_of(reducer: Any) -> tuple[OptimizerWatch, ...]:
+def watches_of(reducer: object) -> tuple[OptimizerWatch, ...]:
     """The reducer's optional ``watches`` (none: ``()``)."""
     watches = getattr(reducer, "watches", ())
     return tuple(watches) if isinstance(watches, (tuple, list)) else (watches,)
 
 
-def _close(steps: Iterable[Any]) -> None:
+def _close(steps: Iterable[object]) -> None:
     close = getattr(steps, "close", None)
     if callable(close):
         close()
 
 
-def fold(reducer: Reducer, steps: Iterable[Step]) -> Any:
+def fold(reducer: Reducer[S, R_co], steps: Iterable[Step]) -> R_co:
     """Run one reducer over `steps` and return its result.
 
     Args:
@@ -131,7 +147,7 @@ def fold(reducer: Reducer, steps: Iterable[Step]) -> Any:
         _close(steps)
 
 
-def running(reducer: Reducer, steps: Iterable[Step]) -> Iterator[Any]:
+def running(reducer: Reducer[S, R_co], steps: Iterable[Step]) -> Iterator[R_co]:
     """Lazily yield the reducer's result after each step (a running view, for live plots).
 
     Args:
@@ -161,7 +177,7 @@ def running(reducer: Reducer, steps: Iterable[Step]) -> Iterator[Any]:
         _close(steps)
 
 
-def as_items(reducers: Any, caller: str) -> tuple[Callable[[Sequence[Any]], Any], tuple[Any, ...]]:
+def as_items(reducers: Reducers, caller: str) -> tuple[Shape, tuple[AnyReducer, ...]]:
     """The reducers as a tuple, plus the function that puts results back in their shape."""
     if isinstance(reducers, Mapping):
         keys = tuple(reducers)
@@ -179,7 +195,7 @@ def as_items(reducers: Any, caller: str) -> tuple[Callable[[Sequence[Any]], Any]
     )
 
 
-def fold_all(reducers: Mapping[Any, Reducer] | Sequence[Reducer], steps: Iterable[Step]) -> Any:
+def fold_all(reducers: Reducers, steps: Iterable[Step]) -> Any:
     """Run several reducers over `steps` in one pass; results come back in the same shape.
 
     Args:
@@ -207,7 +223,7 @@ def fold_all(reducers: Mapping[Any, Reducer] | Sequence[Reducer], steps: Iterabl
     shape, items = as_items(reducers, "fold_all")
     steppers = tuple(r.step for r in items)
 
-    def advance(states: tuple[Any, ...], step: Step) -> tuple[Any, ...]:
+    def advance(states: tuple[object, ...], step: Step) -> tuple[object, ...]:
         return tuple(f(s, step) for f, s in zip(steppers, states))
 
     try:
@@ -217,23 +233,23 @@ def fold_all(reducers: Mapping[Any, Reducer] | Sequence[Reducer], steps: Iterabl
         _close(steps)
 
 
-def records_of(items: tuple[Any, ...]) -> Callable[[int, bool], bool] | None:
+def records_of(items: tuple[AnyReducer, ...]) -> Callable[[int, bool], bool] | None:
     """``records(iteration, training)`` for the reducers that read records; None: always."""
-    readers = [r for r in items if r.specs or watches_of(r)]
-    if any(not callable(getattr(r, "records", None)) for r in readers):
+    methods = [getattr(r, "records", None) for r in items if r.specs or watches_of(r)]  # optional: not in Reducer
+    if any(not callable(m) for m in methods):
         return None
-    wants = toolz.juxt(*(r.records for r in readers))
+    wants = toolz.juxt(*methods)
     return lambda iteration, training: any(wants(iteration, training))
 
 
 def fit(
     model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    opt: Any = None,
-    reducers: Mapping[Any, Reducer] | Sequence[Reducer] | None = None,
+    batches: Iterable[object],
+    loss_fn: LossFn | None = None,
+    opt: Optimizers | None = None,
+    reducers: Reducers | None = None,
     *,
-    step: Callable[[nn.Module, Any], Any] | None = None,
+    step: StepFn | None = None,
     epochs: int = 1,
     accumulate: int = 1,
     to_device: bool = False,

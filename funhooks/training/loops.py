@@ -25,7 +25,7 @@ never calls ``.item()``, so nothing syncs a GPU. Steps whose record nobody reads
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from funhooks.specs.spec import Spec
 from . import _batches as _batch
 from . import _one_step as work
 from . import progress as _progress
+from ._one_step import LossFn, Optimizer, Optimizers, Outcome, StepFn
 from .recorder import Recorder
 from .step import EMPTY_RECORD, Step
 from .watch import OptimizerWatch, as_watches
@@ -46,15 +47,12 @@ __all__ = ["evaluate", "train"]
 Records = Callable[[int, bool], bool]
 """``records(iteration, training) -> bool``: whether a step's record is read by anyone."""
 
-StepFn = Callable[[nn.Module, Any], Any]
-"""A user's training step: ``step(model, batch) -> loss | {"loss": loss, ...} | None``."""
-
 
 def train_steps(
     model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    opt: Any,
+    batches: Iterable[object],
+    loss_fn: LossFn | None,
+    opt: Optimizers | None,
     *,
     step: StepFn | None = None,
     specs: Spec | Iterable[Spec] = (),
@@ -79,13 +77,16 @@ def train_steps(
         raise LoopError(f"{caller}: `watches` read the optimizer step, got no optimizer. Pass `opt=` (the "
                         "optimizer your `step` function calls).")
     recorder = Recorder(model, specs, watches, opt, caller)
-    return _train(model, batches, loss_fn, opt, step, recorder, epochs, accumulate, to_device, records,
-                  start_iteration, caller)
+    # without `step`, check_step made sure of both; with it, neither is called
+    builtin = cast(LossFn, loss_fn), cast(Optimizer, opt)
+    return _train(model, batches, builtin, step, recorder, epochs, accumulate, to_device, records, start_iteration,
+                  caller)
 
 
-def _train(model: nn.Module, batches: Iterable[Any], loss_fn: Any, opt: Any, step: StepFn | None, recorder: Recorder,
-           epochs: int, accumulate: int, to_device: bool, records: Records | None, iteration: int,
+def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, Optimizer], step: StepFn | None,
+           recorder: Recorder, epochs: int, accumulate: int, to_device: bool, records: Records | None, iteration: int,
            caller: str) -> Generator[Step, None, None]:
+    loss_fn, opt = builtin
     device = _batch.model_device(model) if to_device else None
     for epoch in range(epochs):
         start = 0
@@ -93,7 +94,7 @@ def _train(model: nn.Module, batches: Iterable[Any], loss_fn: Any, opt: Any, ste
             if device is not None:
                 group = [_batch.to_device(b, device) for b in group]
 
-            def run(group: list[Any] = group, start: int = start) -> tuple[torch.Tensor | None, Any]:
+            def run(group: list[object] = group, start: int = start) -> Outcome:
                 if step is None:
                     return work.builtin_step(model, group, start, loss_fn, opt, caller), None
                 return work.outcome(step(model, group[0] if accumulate == 1 else group), caller)
@@ -111,9 +112,9 @@ def _train(model: nn.Module, batches: Iterable[Any], loss_fn: Any, opt: Any, ste
 
 def train(
     model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    opt: Any = None,
+    batches: Iterable[object],
+    loss_fn: LossFn | None = None,
+    opt: Optimizers | None = None,
     *,
     step: StepFn | None = None,
     specs: Spec | Iterable[Spec] = (),
@@ -198,8 +199,8 @@ def train(
 
 def evaluate(
     model: nn.Module,
-    batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    batches: Iterable[object],
+    loss_fn: LossFn | None = None,
     *,
     step: StepFn | None = None,
     specs: Spec | Iterable[Spec] = (),
@@ -246,8 +247,8 @@ def evaluate(
     return _progress.wrap(steps, total=work.total(batches, 1), desc="evaluate", progress=progress)
 
 
-def _evaluate(model: nn.Module, batches: Iterable[Any], loss_fn: Any, step: StepFn | None, recorder: Recorder,
-              to_device: bool) -> Generator[Step, None, None]:
+def _evaluate(model: nn.Module, batches: Iterable[object], loss_fn: LossFn | None, step: StepFn | None,
+              recorder: Recorder, to_device: bool) -> Generator[Step, None, None]:
     device = _batch.model_device(model) if to_device else None
     index = -1
     for index, batch in enumerate(batches):

@@ -21,7 +21,7 @@ Cost: per marked step, a Record built from what was stored, one Step and each re
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -29,7 +29,8 @@ from torch import nn
 from funhooks.errors import LoopError
 
 from . import _one_step as _work
-from .folds import Reducer, as_items, records_of, watches_of
+from ._one_step import Optimizers
+from .folds import Reducers, as_items, records_of, watches_of
 from .recorder import Recorder
 from .step import EMPTY_RECORD, Step
 
@@ -50,7 +51,7 @@ class Folding:
         (2, [3.0, 2.0, 1.0])
     """
 
-    def __init__(self, model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer], opt: Any,
+    def __init__(self, model: nn.Module, reducers: Reducers, opt: Optimizers | None,
                  start_iteration: int = 0, caller: str = "folding") -> None:
         if not isinstance(model, nn.Module):
             raise LoopError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model you train.")
@@ -92,7 +93,7 @@ class Folding:
         else:
             self._recorder.pause()
 
-    def step(self, loss: Any = None, *, epoch: int | None = None, training: bool = True) -> Step:
+    def step(self, loss: object = None, *, epoch: int | None = None, training: bool = True) -> Step:
         """Mark the end of one iteration: what was recorded since the last mark is one Step.
 
         Args:
@@ -148,7 +149,7 @@ class Folding:
         return f"Folding({len(self._items)} reducers, {self._iteration - self._start} train steps marked)"
 
 
-def folding(model: nn.Module, reducers: Mapping[Any, Reducer] | Sequence[Reducer], *, opt: Any = None,
+def folding(model: nn.Module, reducers: Reducers, *, opt: Optimizers | None = None,
             start_iteration: int = 0) -> Folding:
     """Fold `reducers` over the steps of a training loop you write: mark each with ``fold.step(loss)``.
 

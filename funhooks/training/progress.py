@@ -14,11 +14,13 @@ import importlib.util
 import os
 import sys
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import TypeVar
 
 from funhooks.errors import ExtraError
 
 __all__ = ["is_enabled", "wrap"]
+
+T = TypeVar("T")
 
 CI_VARIABLE = "CI"
 """Setting this environment variable (to anything but ``""`` / ``"0"`` / ``"false"``) turns the default bar off."""
@@ -57,7 +59,7 @@ def is_enabled(progress: bool | None) -> bool:
     return installed and not in_ci and sys.stderr is not None and sys.stderr.isatty()
 
 
-def wrap(steps: Generator[Any, None, None], *, total: int | None, desc: str, progress: bool | None) -> Iterator[Any]:
+def wrap(steps: Generator[T, None, None], *, total: int | None, desc: str, progress: bool | None) -> Iterator[T]:
     """`steps` itself when no bar is shown, else a generator that shows one while it runs.
 
     Closing the wrapper closes `steps` (so a loop's hooks are removed) and the bar.
@@ -82,15 +84,17 @@ def wrap(steps: Generator[Any, None, None], *, total: int | None, desc: str, pro
     return _with_bar(steps, total, desc)
 
 
-def _with_bar(steps: Generator[Any, None, None], total: int | None, desc: str) -> Iterator[Any]:
+def _with_bar(steps: Generator[T, None, None], total: int | None, desc: str) -> Iterator[T]:
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True)
     try:
         for step in steps:
             yield step
-            if bar.update() and getattr(step, "loss", None) is not None:
-                bar.set_postfix(loss=f"{float(step.loss):.4g}", refresh=False)
+            if bar.update():
+                loss = getattr(step, "loss", None)
+                if loss is not None:
+                    bar.set_postfix(loss=f"{float(loss):.4g}", refresh=False)
     finally:
         steps.close()
         bar.close()

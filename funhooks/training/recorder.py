@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TypeVar
 
 from torch import nn
 
@@ -26,10 +26,13 @@ from funhooks.records.record import Record, with_notes_of
 from funhooks.runs.run import Run, make_run
 from funhooks.specs.spec import Spec
 
+from ._one_step import Optimizers
 from .step import EMPTY_RECORD
-from .watch import OptimizerWatch, Watching, as_watches, optimizers
+from .watch import OptimizerWatch, Stored, Watching, as_watches, optimizers
 
 __all__ = ["Recorder"]
+
+T = TypeVar("T")
 
 
 class Recorder:
@@ -38,7 +41,7 @@ class Recorder:
     __slots__ = ("caller", "model", "paused", "run", "specs", "watching")
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec],
-                 watches: OptimizerWatch | Iterable[OptimizerWatch], opts: Any, caller: str, *,
+                 watches: OptimizerWatch | Iterable[OptimizerWatch], opts: Optimizers | None, caller: str, *,
                  manual_before: bool = False) -> None:
         """Check everything now: specs resolved against the model, watches' layers found.
 
@@ -70,7 +73,7 @@ class Recorder:
         """The optimizer watches, for a caller that runs ``before`` itself (Lightning)."""
         return self.watching
 
-    def __call__(self, work: Callable[[], Any]) -> tuple[Any, Record]:
+    def __call__(self, work: Callable[[], T]) -> tuple[T, Record]:
         """``work()`` as one recorded step, and the step's Record."""
         if self.watching is None:
             if self.specs is None:
@@ -160,12 +163,12 @@ class Recorder:
             if self.watching is not None:
                 self.watching.attach()
 
-    def _merged(self, record: Record, data: dict[str, dict[str, list[Any]]]) -> Record:
+    def _merged(self, record: Record, data: Stored) -> Record:
         """`record` with the watches' values added, paths in module order."""
         watching = self.watching
         if not data or watching is None:
             return record
-        merged: dict[str, dict[str, tuple[Any, ...]]] = {p: dict(names) for p, names in record._data.items()}
+        merged: dict[str, dict[str, tuple[object, ...]]] = {p: dict(names) for p, names in record._data.items()}
         for path, names in data.items():
             node = merged.get(path)
             if node is None:

@@ -15,8 +15,8 @@ Cost: one small object per step; nothing is copied or read from a device.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, TypeAlias
 
 import attrs
 import torch
@@ -25,15 +25,18 @@ from funhooks import _torch
 from funhooks._frozen import frozen
 from funhooks.records.record import Record
 
-__all__ = ["EMPTY_RECORD", "Step"]
+__all__ = ["EMPTY_RECORD", "Metrics", "Step"]
 
 EMPTY_RECORD = Record()
 """The Record of a step that ran with the hooks paused (or without specs)."""
 
-_NO_METRICS: Mapping[str, Any] = types.MappingProxyType({})
+Metrics: TypeAlias = Mapping[str, Any]
+"""What a training step returned besides its loss, by name: the user's values."""
+
+_NO_METRICS: Metrics = types.MappingProxyType({})
 
 
-def _as_metrics(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+def _as_metrics(value: Metrics | None) -> Metrics:
     """A read-only copy of `value` (None: empty)."""
     if not value:
         return _NO_METRICS
@@ -81,24 +84,28 @@ class Step:
     loss: torch.Tensor | None
     record: Record
     training: bool
-    metrics: Mapping[str, Any] = attrs.field(default=None, converter=_as_metrics)
+    metrics: Metrics = attrs.field(default=None, converter=_as_metrics)
     _hint: ClassVar[str] = "Build a new one with `attrs.evolve(step, {key}=...)`."
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[Step], tuple[object, ...]]:
         return (Step, (self.epoch, self.iteration, self.loss, self.record, self.training, dict(self.metrics)))
 
 
-def _flatten(step: Step) -> tuple[list[Any], Any]:
+Context: TypeAlias = tuple[int, int, bool]
+"""A Step's pytree context: ``(epoch, iteration, training)``."""
+
+
+def _flatten(step: Step) -> tuple[list[object], Context]:
     return [step.loss, step.record, dict(step.metrics)], (step.epoch, step.iteration, step.training)
 
 
-def _unflatten(children: Any, context: Any) -> Step:
+def _unflatten(children: Iterable[Any], context: Context) -> Step:
     loss, record, metrics = children
     epoch, iteration, training = context
     return Step(epoch, iteration, loss, record, training, metrics)
 
 
-def _flatten_with_keys(step: Step) -> tuple[list[tuple[Any, Any]], Any]:
+def _flatten_with_keys(step: Step) -> tuple[list[tuple[_torch.pytree.GetAttrKey, object]], Context]:
     children, context = _flatten(step)
     keys = [_torch.pytree.GetAttrKey(name) for name in ("loss", "record", "metrics")]
     return list(zip(keys, children)), context

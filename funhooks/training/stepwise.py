@@ -14,7 +14,6 @@ records), one Step and each reducer's ``step``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,9 +22,10 @@ from torch import nn
 from funhooks.errors import LoopError
 
 from . import _one_step as _work
-from .folds import Reducer, as_items, records_of, watches_of
+from ._one_step import Optimizers
+from .folds import Reducers, as_items, records_of, watches_of
 from .recorder import Recorder
-from .step import EMPTY_RECORD, Step
+from .step import EMPTY_RECORD, Metrics, Step
 
 __all__ = ["Results", "Stepwise", "misplaced"]
 
@@ -44,7 +44,7 @@ def misplaced(ours: str, theirs: str) -> LoopError:
 class Stepwise:
     """Reducers folded over the optimizer steps a framework brackets."""
 
-    def __init__(self, reducers: Mapping[Any, Reducer] | Sequence[Reducer], caller: str) -> None:
+    def __init__(self, reducers: Reducers, caller: str) -> None:
         self.caller = caller
         self.shape, self.items = as_items(reducers, caller)
         self.specs = tuple(dict.fromkeys(s for r in self.items for s in r.specs))
@@ -57,9 +57,9 @@ class Stepwise:
         self.open = False
         self.recording = False
         self.losses: list[torch.Tensor] = []
-        self.metrics: dict[str, Any] = {}
+        self.metrics: dict[str, object] = {}
 
-    def start(self, model: nn.Module, opts: Any, *, manual_before: bool = False) -> None:
+    def start(self, model: nn.Module, opts: Optimizers | None, *, manual_before: bool = False) -> None:
         """Resolve the specs and watches against the model and its optimizer(s), before training."""
         if self.watches and not opts:
             raise LoopError(f"{self.caller}: a reducer watches the optimizer step (`watches`), got a trainer without "
@@ -78,7 +78,7 @@ class Stepwise:
             self.recorder.open()
             self.recording = True
 
-    def add(self, loss: Any, metrics: Mapping[str, Any] | None = None) -> None:
+    def add(self, loss: object, metrics: Metrics | None = None) -> None:
         """One micro-batch's loss (and other outputs) of the open step."""
         if not self.open:
             return
@@ -88,7 +88,7 @@ class Stepwise:
         self.metrics.update(extra or {})
         self.metrics.update(metrics or {})
 
-    def before_update(self, optimizer: Any) -> None:
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """The watches' ``before``, for frameworks that run it themselves (Lightning)."""
         if self.recording and self.recorder is not None and self.recorder.watches is not None:
             self.recorder.watches.before(optimizer)

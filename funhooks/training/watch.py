@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import attrs
 import torch
@@ -37,7 +37,14 @@ from funhooks import _frozen, _torch
 from funhooks.errors import HookError, LoopError, SelectorError, SpecError
 from funhooks.specs.selector import Selector, resolve, select
 
+from ._one_step import Optimizers
+
 __all__ = ["Layers", "OptimizerWatch", "Watching", "optimizers"]
+
+T = TypeVar("T")
+
+Stored: TypeAlias = dict[str, dict[str, list[object]]]
+"""What the watches stored, by layer path, then record name: one value per optimizer step."""
 
 
 @_frozen.frozen
@@ -55,16 +62,16 @@ class Layers:
     optimizer: torch.optim.Optimizer
     paths: tuple[str, ...]
     params: tuple[tuple[torch.Tensor, ...], ...]
-    cache: dict[Any, Any] = attrs.field(factory=dict, repr=False)
+    cache: dict[Hashable, Any] = attrs.field(factory=dict, repr=False)
     """Scratch space for the watch functions (e.g. a stacking plan), kept while these layers are."""
 
 
-def _check_fn(instance: Any, attribute: Any, fn: Any) -> None:
+def _check_fn(instance: object, attribute: attrs.Attribute[T], fn: T) -> None:
     if fn is not None and not callable(fn):
         raise SpecError(f"OptimizerWatch: `{attribute.name}` is a callable, got {fn!r}. Pass a function.")
 
 
-def _check_name(instance: Any, attribute: Any, name: Any) -> None:
+def _check_name(instance: object, attribute: attrs.Attribute[T], name: T) -> None:
     if not isinstance(name, str) or not name:
         raise SpecError(f"OptimizerWatch: `name` is a non-empty str, got {name!r}. Name what the watch stores.")
 
@@ -113,7 +120,7 @@ def as_watches(watches: OptimizerWatch | Iterable[OptimizerWatch], caller: str) 
     return tuple(dict.fromkeys(items))
 
 
-def optimizers(opt: Any, caller: str) -> tuple[torch.optim.Optimizer, ...]:
+def optimizers(opt: Optimizers | None, caller: str) -> tuple[torch.optim.Optimizer, ...]:
     """`opt` (an optimizer, a wrapper of one, or a list of them) as the innermost optimizers."""
     found = []
     for o in (opt if isinstance(opt, (list, tuple)) else [opt]):
@@ -127,6 +134,12 @@ def optimizers(opt: Any, caller: str) -> tuple[torch.optim.Optimizer, ...]:
             o = inner
         found.append(o)
     return tuple(dict.fromkeys(found))
+
+
+class _Handle(Protocol):
+    """What registering an optimizer hook returns."""
+
+    def remove(self) -> None: ...
 
 
 class Watching:
@@ -154,8 +167,8 @@ class Watching:
                     f"optimizers holding none of those of {watch!r}. Pass the optimizer of this model's parameters."
                 )
         self.carries: dict[tuple[int, int], Any] = {}
-        self.data: dict[str, dict[str, list[Any]]] = {}
-        self.handles: list[Any] = []
+        self.data: Stored = {}
+        self.handles: list[_Handle] = []
         self.current: dict[int, list[Layers | None]] = {}
         self.owner = 0
 
@@ -185,11 +198,11 @@ class Watching:
         self.handles = []
         self.carries.clear()
 
-    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre(self, opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if threading.get_ident() == self.owner:
             self.before(opt)
 
-    def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _post(self, opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if threading.get_ident() == self.owner:
             self.after(opt)
 
@@ -211,7 +224,7 @@ class Watching:
             for path, value in values.items():
                 self.data.setdefault(path, {}).setdefault(watch.name, []).append(value)
 
-    def _call(self, watch: OptimizerWatch, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, watch: OptimizerWatch, fn: Callable[..., T], *args: object) -> T:
         try:
             with torch.no_grad():
                 return fn(*args)
@@ -231,10 +244,22 @@ class Watching:
             key = order[path] = (order.get(path.rpartition(".")[0], (len(order), 0))[0], 1)
         return key
 
-    def take(self) -> dict[str, dict[str, list[Any]]]:
+    def take(self) -> Stored:
         """What the watches stored since the last take, by path then name; starts afresh."""
         data, self.data = self.data, {}
         return data
+
+
+Found: TypeAlias = tuple[tuple[str, ...], tuple[tuple[torch.Tensor, ...], ...], dict[Hashable, Any]]
+"""A :class:`Layers` but its optimizer: the paths, their parameters and the cache."""
+
+
+class _Known(NamedTuple):
+    """The layers an optimizer updates, as found for its param groups."""
+
+    opt: weakref.ref[torch.optim.Optimizer]
+    groups: tuple[tuple[int, int], ...]
+    found: Found | None
 
 
 class _Resolved:
@@ -250,11 +275,11 @@ class _Resolved:
     _PER_MODEL = 8
     _LOCK = threading.Lock()
 
-    def __init__(self, found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]], shape: list[Any],
-                 held: list[Any], order: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, found: dict[Selector, list[tuple[str, tuple[torch.Tensor, ...]]]], shape: list[object],
+                 held: list[nn.Parameter | None], order: dict[str, tuple[int, int]]) -> None:
         self.found, self.shape, self.held, self.order = found, shape, held, order
         self.partial = False  # some selector matched no module (a layer left mid-training)
-        self.by_opt: dict[tuple[int, Selector], tuple[weakref.ref, tuple, tuple[Any, Any, dict] | None]] = {}
+        self.by_opt: dict[tuple[int, Selector], _Known] = {}
 
     @classmethod
     def get(cls, model: nn.Module, wheres: tuple[Selector, ...], caller: str,
@@ -293,26 +318,26 @@ class _Resolved:
         optimizer itself is held weakly: it is freed when its user drops it."""
         groups = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
         known = self.by_opt.get((id(opt), where))
-        if known is None or known[0]() is not opt or known[1] != groups:
+        if known is None or known.opt() is not opt or known.groups != groups:
             ids = {id(q) for g in opt.param_groups for q in g["params"]}
             kept = [(p, tuple(q for q in ps if id(q) in ids)) for p, ps in self.found[where]]
             kept = [(p, ps) for p, ps in kept if ps]
-            layers: tuple[Any, Any, dict] | None = (tuple(p for p, _ in kept), tuple(ps for _, ps in kept), {})
-            known = (weakref.ref(opt), groups, layers if kept else None)
-            self.by_opt = {k: v for k, v in self.by_opt.items() if v[0]() is not None}
+            layers: Found = (tuple(p for p, _ in kept), tuple(ps for _, ps in kept), {})
+            known = _Known(weakref.ref(opt), groups, layers if kept else None)
+            self.by_opt = {k: v for k, v in self.by_opt.items() if v.opt() is not None}
             self.by_opt[id(opt), where] = known
-        found = known[2]
+        found = known.found
         return None if found is None else Layers(opt, *found)
 
 
-def _shape(model: nn.Module) -> tuple[list[Any], list[Any]]:
+def _shape(model: nn.Module) -> tuple[list[object], list[nn.Parameter | None]]:
     """What the watches' layers and their stacking plans depend on: every module (a plain
     walk, as a weak reference: two compare equal while they name one live module), its
     children's names, its own parameters (by id), their ``requires_grad``, shape, dtype and
     device (``param.data = ...`` changes them in place); and the parameters, which the cache
     holds so that no id is reused while it is compared."""
-    out: list[Any] = []
-    held: list[Any] = []
+    out: list[object] = []
+    held: list[nn.Parameter | None] = []
     stack = [model]
     while stack:
         module = stack.pop()
