@@ -329,3 +329,18 @@ def test_every_public_name_is_defined_in_a_public_module() -> None:
             if isinstance(home, str) and any(_is_private(p) for p in home.split(".")):
                 hidden.append(f"{face}.{name} lives in {home}")
     assert not hidden, "move these into public modules:\n" + "\n".join(hidden)
+
+
+MAX_ANY_PER_1000_LINES = 20
+
+
+def test_any_stays_rare() -> None:
+    """`Any` is kept for the user's own data (what a hook returns, a batch), not for types
+    the library knows: fewer than 20 per 1,000 lines of the package."""
+    count = lines = 0
+    for path in _modules().values():
+        text = path.read_text()
+        lines += len(text.splitlines())
+        count += sum(isinstance(n, ast.Name) and n.id == "Any" or isinstance(n, ast.Attribute) and n.attr == "Any"
+                     for n in ast.walk(ast.parse(text)))
+    assert count * 1000 < MAX_ANY_PER_1000_LINES * lines, f"{count} `Any` in {lines} lines: name the types"
