@@ -3,8 +3,8 @@
 
 Modules: ``utilities`` (the functions), ``table`` (``Shape``, ``LayerRow``, ``SummaryRow``,
 ``ModuleSummary``), private ``_shapes`` (the one pass that finds each module's input and output
-shapes and FLOPs, on the meta device where it can). May import: ``errors``, ``_torch``, ``_frozen``, ``_modes``, ``records``, ``specs``,
-``runs``.
+shapes and FLOPs, on the meta device where it can). May import: ``errors``, ``_torch``,
+``_frozen``, ``_modes``, ``records``, ``specs``, ``runs``.
 """
 
 from .table import NO_WEIGHT, LayerRow, ModuleSummary, Shape, SummaryRow
