@@ -45,14 +45,41 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
-def _positive(text: str) -> int:
+def _positive(text: str, option: str = "--input-size") -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"`--input-size` takes positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"`{option}` takes positive integers, got {text!r}")
     return value
+
+
+def _depth(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"`--depth` takes an integer >= 0, got {text!r}")
+    return value
+
+
+class _Kwarg(argparse.Action):
+    """``--kwarg NAME[:DTYPE] N [N ...]``: one keyword input, stored as ``(name, dtype, size)``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[object] | None, option_string: str | None = None) -> None:
+        tokens = [str(v) for v in values or ()]
+        name, _, dtype = tokens[0].partition(":")
+        if not name.isidentifier() or (dtype and dtype not in _DTYPES) or len(tokens) < 2:
+            parser.error(f"argument --kwarg: takes `NAME[:DTYPE] N [N ...]` (DTYPE one of {', '.join(_DTYPES)}), "
+                         f"got {' '.join(tokens)!r}; write e.g. `--kwarg input_ids:int64 2 16`")
+        try:
+            size = [_positive(t, "--kwarg") for t in tokens[1:]]
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"argument --kwarg: {err}")
+        getattr(namespace, self.dest).append((name, dtype or None, size))
 
 
 def _target(text: str) -> str:
@@ -143,13 +170,15 @@ def _summary(args: argparse.Namespace) -> int:
 
     model = _build_model(args.target)
     xb = [_input(model, size, args.dtype) for size in args.input_size]
+    kwargs = {name: _input(model, size, dtype or args.dtype) for name, dtype, size in args.kwarg}
     try:
-        summary = module_summary(model, *xb)
+        summary = module_summary(model, *xb, depth=args.depth, layout=args.layout, **kwargs)
     except Exception as err:  # noqa: BLE001 - the model rejecting the input is a user-facing error
-        sizes = " and ".join(str(tuple(s)) for s in args.input_size)
+        sizes = " and ".join([*(str(tuple(s)) for s in args.input_size),
+                              *(f"{name}={tuple(s)}" for name, _, s in args.kwarg)])
         raise CommandError(
             f"{type(model).__name__} rejected an input of size {sizes}: {_first_line(err)}. "
-            "Pass the size the model expects with `--input-size`"
+            "Pass the size the model expects with `--input-size` or `--kwarg`"
         ) from None
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary)
     return 0
@@ -178,12 +207,25 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("summary", help="print a model's layer table and parameter totals",
-                       description="Build a model from a factory and print fastai's summary table.")
+                       description="Build a model from a factory and print its summary: fastai's table for "
+                       "positional inputs, or the full table (every module down to --depth with input and output "
+                       "shapes, parameters, MACs, FLOPs and memory estimates) with --kwarg, --depth or "
+                       "--layout full. Example for a Hugging Face model: `funhooks summary my_models:tiny_bert "
+                       "--kwarg input_ids:int64 2 16 --kwarg attention_mask:int64 2 16 --depth 2`.")
     p.add_argument("target", metavar="MODULE:FACTORY", type=_target,
                    help="a module (or .py file) and a callable in it returning an nn.Module, or an nn.Module")
-    p.add_argument("--input-size", type=_positive, nargs="+", action="append", required=True, metavar="N",
-                   help="the input's shape, batch first, e.g. `1 3 32 32`; repeat for a model with several inputs")
+    p.add_argument("--input-size", type=_positive, nargs="+", action="append", default=[], metavar="N",
+                   help="a positional input's shape, batch first, e.g. `1 3 32 32`; repeat for a model with several "
+                   "inputs")
+    p.add_argument("--kwarg", action=_Kwarg, nargs="+", default=[], metavar="NAME[:DTYPE] N",
+                   help="a keyword input: its name, optionally its dtype, and its shape, e.g. "
+                   "`--kwarg input_ids:int64 2 16`; repeat for several (integer inputs are zeros)")
     p.add_argument("--dtype", choices=_DTYPES, help="the inputs' dtype (default: the model's; int64 for indices)")
+    p.add_argument("--depth", type=_depth, metavar="N",
+                   help="list modules down to N path segments in the full table (0: the model alone; "
+                   "default: every module); implies --layout full")
+    p.add_argument("--layout", choices=("fastai", "full"),
+                   help="fastai's leaf table, or the full table (default: fastai for positional inputs alone)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     p.set_defaults(run=_summary)
 
@@ -232,7 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         Total non-trainable params: 0
         0
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "summary" and not args.input_size and not args.kwarg:
+        parser.exit(EXIT_USAGE, "funhooks summary: an input is required: pass `--input-size N [N ...]` or "
+                    "`--kwarg NAME N [N ...]`. Run `funhooks summary --help` for usage.\n")
     try:
         return args.run(args)
     except CommandError as err:

@@ -250,9 +250,9 @@ def run(
         "layer_stats": plot_layer_stats(stats, model, len(batches)),
         "color_dim": plot_color_dim(stats, model),
         "loss": curve.plot(epoch_len=len(batches)),
-        "gradients": results["gradients"].plot(),
-        "update_ratio": results["update_ratio"].plot(),
-        "dead_units": results["dead_units"].plot(),
+        "gradients": plot.plot_gradient_stats(results["gradients"], model=model),
+        "update_ratio": plot.plot_update_ratio(results["update_ratio"], model=model),
+        "dead_units": plot.plot_dead_units(results["dead_units"], model=model),
     }
     files = {}
     for name, fig in figures.items():

@@ -35,6 +35,13 @@ MODELS = textwrap.dedent(
         return 3
 
     instance = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 2))
+
+    def tiny_bert():
+        import transformers
+
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=32, max_position_embeddings=16)
+        return transformers.BertModel(cfg)
     """
 )
 
@@ -109,7 +116,7 @@ def test_unknown_attribute(results: dict[str, subprocess.CompletedProcess[str]])
     """A missing factory is named, with the module's public names."""
     assert one_line_error(results["unknown_attribute"], 1) == (
         "funhooks summary: 'fh_cli_models' has no attribute 'cnnn', got target 'fh_cli_models:cnnn'. "
-        "Public names there: ['broken', 'cnn', 'instance', 'nn', 'not_a_model']."
+        "Public names there: ['broken', 'cnn', 'instance', 'nn', 'not_a_model', 'tiny_bert']."
     )
 
 
@@ -124,7 +131,7 @@ def test_input_size_the_model_rejects(results: dict[str, subprocess.CompletedPro
     """An input size the model rejects names the size and the model's own error."""
     line = one_line_error(results["rejected_size"], 1)
     assert line.startswith("funhooks summary: Sequential rejected an input of size (1, 5, 4, 4): RuntimeError: ")
-    assert "3 channels" in line and line.endswith("Pass the size the model expects with `--input-size`.")
+    assert "3 channels" in line and line.endswith("Pass the size the model expects with `--input-size` or `--kwarg`.")
 
 
 def test_demo_fast_mode_writes_the_plots(results: dict[str, subprocess.CompletedProcess[str]], cli_dir: Path) -> None:
@@ -178,6 +185,42 @@ def test_summary_json_with_integer_inputs(in_models_dir: Path, capsys: pytest.Ca
     assert [r["shape"] for r in data["rows"]] == [[5, 7, 16], [5, 7, 2]]
 
 
+def test_summary_with_keyword_inputs_and_depth(in_models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kwarg NAME:DTYPE N...` feeds a Hugging Face model its keyword inputs; `--depth 1` lists
+    the model and its children in the full table."""
+    code, out, err = run_main(["summary", "fh_cli_models:tiny_bert", "--kwarg", "input_ids:int64", "2", "8",
+                               "--kwarg", "attention_mask:int64", "2", "8", "--depth", "1"], capsys)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "BertModel (Input shape: ['input_ids: 2 x 8', 'attention_mask: 2 x 8'])"
+    assert lines[2].split()[:4] == ["Layer", "(type)", "Input", "Shape"]
+    assert [line.split()[0] for line in lines[5:8]] == ["embeddings", "encoder", "pooler"]
+    assert lines[5].split()[2:6] == ["--", "[2,", "8,", "16]"]
+    assert any(line.startswith("Total MACs: ") for line in lines)
+
+
+def test_summary_layout_and_json(in_models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--layout full` prints the full table for positional inputs; with `--json` the layers,
+    FLOPs and memory estimates come as data."""
+    args = ["summary", "fh_cli_models:cnn", "--input-size", "2", "3", "4", "4", "--layout", "full"]
+    code, out, _ = run_main(args, capsys)
+    assert code == 0 and out.splitlines()[5].split()[:2] == ["0", "(Conv2d)"]
+    code, out, _ = run_main([*args, "--json"], capsys)
+    data = json.loads(out)
+    assert [r["path"] for r in data["layers"]] == ["", "0", "1", "2", "3"]
+    assert data["flops"] == 2 * (2 * 16 * 8 * 27 + 2 * 128 * 10) and data["param_bytes"] == 4 * 1514
+
+
+def test_summary_help_documents_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`funhooks summary --help` explains --kwarg, --depth and --layout with an example."""
+    code, out, _ = run_main(["summary", "--help"], capsys)
+    text = " ".join(out.split())
+    assert code == 0
+    for words in ("--kwarg NAME[:DTYPE] N", "--depth N", "--layout {fastai,full}", "--kwarg input_ids:int64 2 16",
+                  "implies --layout full"):
+        assert words in text, words
+
+
 def test_summary_of_a_python_file(in_models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The target may be a .py file path instead of a module name."""
     code, out, _ = run_main(["summary", "fh_cli_models.py:cnn", "--input-size", "1", "3", "4", "4"], capsys)
@@ -198,7 +241,21 @@ def test_summary_of_a_python_file(in_models_dir: Path, capsys: pytest.CaptureFix
          "funhooks summary: argument MODULE:FACTORY: the target is `MODULE:FACTORY`, got 'fh_cli_models'; "
          "write e.g. `mypkg.models:make_model`. Run `funhooks summary --help` for usage."),
         (["summary", "fh_cli_models:cnn"], 2,
-         "funhooks summary: the following arguments are required: --input-size. "
+         "funhooks summary: an input is required: pass `--input-size N [N ...]` or `--kwarg NAME N [N ...]`. "
+         "Run `funhooks summary --help` for usage."),
+        (["summary", "fh_cli_models:cnn", "--kwarg", "input ids", "2"], 2,
+         "funhooks summary: argument --kwarg: takes `NAME[:DTYPE] N [N ...]` (DTYPE one of float32, float64, "
+         "float16, bfloat16, int64), got 'input ids 2'; write e.g. `--kwarg input_ids:int64 2 16`. "
+         "Run `funhooks summary --help` for usage."),
+        (["summary", "fh_cli_models:cnn", "--kwarg", "x:int32", "2"], 2,
+         "funhooks summary: argument --kwarg: takes `NAME[:DTYPE] N [N ...]` (DTYPE one of float32, float64, "
+         "float16, bfloat16, int64), got 'x:int32 2'; write e.g. `--kwarg input_ids:int64 2 16`. "
+         "Run `funhooks summary --help` for usage."),
+        (["summary", "fh_cli_models:cnn", "--kwarg", "x", "2", "0"], 2,
+         "funhooks summary: argument --kwarg: `--kwarg` takes positive integers, got '0'. "
+         "Run `funhooks summary --help` for usage."),
+        (["summary", "fh_cli_models:cnn", "--input-size", "1", "3", "4", "4", "--depth", "-1"], 2,
+         "funhooks summary: argument --depth: `--depth` takes an integer >= 0, got '-1'. "
          "Run `funhooks summary --help` for usage."),
         (["summary", "fh_cli_models:cnn", "--input-size", "1", "-3"], 2,
          "funhooks summary: argument --input-size: `--input-size` takes positive integers, got '-3'. "

@@ -308,15 +308,19 @@ class DeadUnitsResult(red.Steps):
                 out[path] = math.nan  # the unit count changed between steps: no unit is followed throughout
         return out
 
-    def plot(self, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
+    def plot(self, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
         """The dead fraction of every layer over the steps (the ``plot`` extra).
+
+        Args:
+            model: the model folded on, to name each layer's type in the legend (``0 Conv2d``).
+            figsize: the figure's size in inches.
 
         Returns:
             A matplotlib Figure (``fig.savefig("dead.png")`` writes it).
         """
         from . import plot
 
-        return plot.plot_dead_units(self, figsize=figsize)
+        return plot.plot_dead_units(self, model=model, figsize=figsize)
 
     def __repr__(self) -> str:
         return f"DeadUnitsResult({len(self)} steps, paths={list(self.paths)})"

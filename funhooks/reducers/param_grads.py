@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import attrs
 import torch
+from torch import nn
 
 from funhooks import _frozen
 from funhooks.specs.selector import Selector
@@ -186,15 +187,19 @@ class GradientStatsResult(lay.TableResult):
         columns = [self.table.column(idx, k, "layer_stats") for k in range(len(COLUMNS))]
         return columns[0], columns[1], columns[2], columns[3]
 
-    def plot(self, *, figsize: tuple[float, float] = (12, 7)) -> Figure:
+    def plot(self, *, model: nn.Module | None = None, figsize: tuple[float, float] = (12, 7)) -> Figure:
         """Norm, mean, std and share of zeros of every layer over the steps (the ``plot`` extra).
+
+        Args:
+            model: the model folded on, to name each layer's type in the legend (``0 Conv2d``).
+            figsize: the figure's size in inches.
 
         Returns:
             A matplotlib Figure with four Axes (``fig.savefig("grads.png")`` writes it).
         """
         from . import plot
 
-        return plot.plot_gradient_stats(self, figsize=figsize)
+        return plot.plot_gradient_stats(self, model=model, figsize=figsize)
 
     def __repr__(self) -> str:
         return f"GradientStatsResult({len(self)} steps, paths={list(self.paths)})"

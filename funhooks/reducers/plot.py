@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Protocol
 
+from torch import nn
+
+from funhooks import _torch
 from funhooks.errors import ExtraError
 
 from ._shared import HEALTHY_RATIO
@@ -184,6 +187,14 @@ GRADIENT_PANELS = (("norm", "gradient norm", True), ("mean", "mean", False), ("s
                    ("zeros", "% zeros", False))
 
 
+def _labels(paths: tuple[str, ...], model: nn.Module | None) -> list[str]:
+    """The legend entries: each layer's path and, given the model, its type (``0 Conv2d``)."""
+    if model is None:
+        return list(paths)
+    kinds = {p: type(m).__name__ for p, m in _torch.named_modules(model, every_path=True)}
+    return [f"{p} {kinds[p]}".strip() if p in kinds else p for p in paths]
+
+
 def _lines(ax: Axes, iterations: tuple[int, ...], series: list[tuple[str, list[float]]], *, log: bool = False) -> None:
     """One line per layer over the iterations (a dot per step where gaps would hide it)."""
     for i, (label, values) in enumerate(series):
@@ -196,11 +207,13 @@ def _lines(ax: Axes, iterations: tuple[int, ...], series: list[tuple[str, list[f
         ax.legend(fontsize=7, ncol=2)
 
 
-def plot_gradient_stats(result: GradientStatsLike, *, figsize: tuple[float, float] = (12, 7)) -> Figure:
+def plot_gradient_stats(result: GradientStatsLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (12, 7)) -> Figure:
     """Gradient norm, mean, std and share of zeros of every layer over the recorded steps.
 
     Args:
         result: a :class:`~funhooks.GradientStatsResult`.
+        model: the model the result was folded on: legend entries read ``0 Conv2d`` (path and
+            type), not ``0``.
         figsize: the figure size in inches.
 
     Returns:
@@ -222,20 +235,22 @@ def plot_gradient_stats(result: GradientStatsLike, *, figsize: tuple[float, floa
     fig = figure("plot_gradient_stats", figsize)
     axes = fig.subplots(2, 2).flatten()
     columns = [result.layer_stats(i) for i in range(len(result.paths))]
+    labels = _labels(result.paths, model)
     for k, (ax, (_, title, log)) in enumerate(zip(axes, GRADIENT_PANELS)):
         scale = 100.0 if k == 3 else 1.0
-        _lines(ax, result.iterations, [(p, [scale * v for v in c[k]]) for p, c in zip(result.paths, columns)], log=log)
+        _lines(ax, result.iterations, [(p, [scale * v for v in c[k]]) for p, c in zip(labels, columns)], log=log)
         ax.set_title(title)
     fig.suptitle("Gradients per layer, at each optimizer step")
     fig.tight_layout()
     return fig
 
 
-def plot_update_ratio(result: UpdateRatioLike, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
+def plot_update_ratio(result: UpdateRatioLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """log10 of every layer's update-to-parameter ratio over the steps, with the 1e-3 line.
 
     Args:
         result: an :class:`~funhooks.UpdateRatioResult`.
+        model: the model, to name each layer's type in the legend (``0 Conv2d``).
         figsize: the figure size in inches.
 
     Returns:
@@ -258,7 +273,7 @@ def plot_update_ratio(result: UpdateRatioLike, *, figsize: tuple[float, float] =
     fig = figure("plot_update_ratio", figsize)
     ax = fig.subplots()
     logs = result.log10()
-    _lines(ax, result.iterations, [(p, [row[i] for row in logs]) for i, p in enumerate(result.paths)])
+    _lines(ax, result.iterations, [(p, [row[i] for row in logs]) for i, p in enumerate(_labels(result.paths, model))])
     ax.axhline(math.log10(HEALTHY_RATIO), color="grey", linestyle="--", linewidth=1)
     ax.set_ylabel("log10(|update| / |param|)")
     ax.set_title("Update-to-parameter ratio per layer (dashed: 1e-3)")
@@ -266,11 +281,12 @@ def plot_update_ratio(result: UpdateRatioLike, *, figsize: tuple[float, float] =
     return fig
 
 
-def plot_dead_units(result: DeadUnitsLike, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
+def plot_dead_units(result: DeadUnitsLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """The share of dead units of every layer over the steps.
 
     Args:
         result: a :class:`~funhooks.DeadUnitsResult`.
+        model: the model, to name each layer's type in the legend (``0 Conv2d``).
         figsize: the figure size in inches.
 
     Returns:
@@ -292,7 +308,8 @@ def plot_dead_units(result: DeadUnitsLike, *, figsize: tuple[float, float] = (8,
     fig = figure("plot_dead_units", figsize)
     ax = fig.subplots()
     dead = result.dead
-    _lines(ax, result.iterations, [(p, [100 * row[i] for row in dead]) for i, p in enumerate(result.paths)])
+    labels = _labels(result.paths, model)
+    _lines(ax, result.iterations, [(p, [100 * row[i] for row in dead]) for i, p in enumerate(labels)])
     ax.set_ylim(-2, 102)
     ax.set_ylabel("% dead units")
     ax.set_title("Dead units per layer (zero on every example of the batch)")

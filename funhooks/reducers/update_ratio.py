@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 import torch
+from torch import nn
 
 from funhooks import _frozen
 from funhooks.specs.selector import Selector
@@ -157,15 +158,19 @@ class UpdateRatioResult(lay.TableResult):
         """``ratios`` in log10 (``-inf`` for a zero update)."""
         return [[math.log10(r) if r > 0 else -math.inf if r == 0 else math.nan for r in row] for row in self.ratios]
 
-    def plot(self, *, figsize: tuple[float, float] = (8, 4)) -> Figure:
+    def plot(self, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
         """log10 of every layer's ratio over the steps, with the 1e-3 rule of thumb (``plot`` extra).
+
+        Args:
+            model: the model folded on, to name each layer's type in the legend (``0 Conv2d``).
+            figsize: the figure's size in inches.
 
         Returns:
             A matplotlib Figure (``fig.savefig("update.png")`` writes it).
         """
         from . import plot
 
-        return plot.plot_update_ratio(self, figsize=figsize)
+        return plot.plot_update_ratio(self, model=model, figsize=figsize)
 
     def __repr__(self) -> str:
         return f"UpdateRatioResult({len(self)} steps, paths={list(self.paths)})"

@@ -27,8 +27,8 @@ import importlib.util
 import json
 import os
 import pathlib
-from collections.abc import Sequence
 import types
+from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import torch

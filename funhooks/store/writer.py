@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import pathlib
 import platform
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch

@@ -1,16 +1,18 @@
-"""One pass recording each leaf module's output shape and whether fastai's ``_track`` would
-mark it as keeping its input's shape: on the meta device where the model allows it, else one
-real pass under ``torch.no_grad()`` (the rules are in :mod:`funhooks.summary`)."""
+"""One pass recording each selected module's input and output shapes, its output's bytes and
+whether fastai's ``_track`` would mark it as keeping its input's shape, and (when asked) the
+FLOPs ``torch.utils.flop_counter`` counts per module: on the meta device where the model allows
+it, else one real pass under ``torch.no_grad()`` (the rules are in :mod:`funhooks.summary`)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
+from torch.utils import flop_counter
 
 from funhooks import _torch
 from funhooks._modes import in_mode
@@ -18,11 +20,11 @@ from funhooks.records.record import Record
 from funhooks.runs.introspect import isolated
 from funhooks.runs.run import with_hooks
 from funhooks.specs.selector import Where
-from funhooks.specs.spec import observe
+from funhooks.specs.spec import Spec, observe
 
 from .table import ShapeTree, shape_tree
 
-__all__ = ["is_leaf", "last_shape", "last_track", "record_shapes"]
+__all__ = ["Pass", "Track", "is_leaf", "last_shape", "last_track", "nbytes", "record_shapes", "tracks"]
 
 _T = TypeVar("_T")
 
@@ -46,9 +48,33 @@ def _same(args: tuple[object, ...], output: object) -> bool:
     return any(isinstance(a, torch.Tensor) and o is not None and a.shape[1:] == o for a, o in zip(args, outs))
 
 
-def _track(module: nn.Module, args: tuple[object, ...], output: object) -> tuple[ShapeTree, bool]:
-    """What a row needs of one call: the output's shape tree, and fastai's `same`."""
-    return shape_tree(output), _same(args, output)
+class Track(NamedTuple):
+    """What the rows need of one call of a module."""
+
+    shape: ShapeTree  # the output's
+    same: bool  # fastai's "size unchanged"
+    inputs: ShapeTree  # the positional arguments' (keyword arguments are not seen by a forward hook)
+    output_bytes: int  # the bytes of the output's tensors
+
+
+_NOT_RUN = Track(None, False, None, 0)
+
+
+class Pass(NamedTuple):
+    """What :func:`record_shapes` found."""
+
+    record: Record  # a Track per call under "shape", for each selected module
+    output: ShapeTree  # the model's output
+    flops: dict[str, int] | None  # per module path (those that ran), "" the whole pass; None: not counted
+
+
+def nbytes(value: object) -> int:
+    """The bytes of the tensors in `value` (meta tensors included: their size, not their storage)."""
+    return sum(t.numel() * t.element_size() for t in _torch.tensor_leaves(value))
+
+
+def _track(module: nn.Module, args: tuple[object, ...], output: object) -> Track:
+    return Track(shape_tree(output), _same(args, output), shape_tree(args), nbytes(output))
 
 
 def _meta(value: _T) -> _T:
@@ -87,35 +113,60 @@ def _on_meta(model: nn.Module) -> Iterator[None]:
                         del vars(module)[key]
 
 
-def record_shapes(model: nn.Module, where: Where | None, args: tuple[object, ...]) -> tuple[Record, ShapeTree]:
-    """Run `model` on `args` in eval mode, storing the output shape of the modules `where`
-    selects (none when `where` is None). Returns ``(record, output shape)``: on the meta
-    device when it can, else with one real pass. Lazy modules always get the real pass
-    (it initialises them, as users of fastai's ``dummy_eval`` expect)."""
+def _flops_by_path(model: nn.Module, counter: flop_counter.FlopCounterMode) -> dict[str, int]:
+    """The counter's totals keyed by module path. It names a module ``<root class>.<path>`` by
+    the last path it found it under; a shared module is keyed here by its first path."""
+    counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    root = type(model).__name__
+    first = {id(m): p for p, m in _torch.named_modules(model)}
+    flops = {first[id(m)]: counts[f"{root}.{p}"] for p, m in _torch.named_modules(model, every_path=True)
+             if p and f"{root}.{p}" in counts}
+    return {**flops, "": counter.get_total_flops()}
+
+
+def _run(model: nn.Module, specs: tuple[Spec, ...], args: tuple[object, ...], kwargs: dict[str, object],
+         count_flops: bool) -> Pass:
+    counter = flop_counter.FlopCounterMode(display=False) if count_flops else None
+    with with_hooks(model, specs) as run, counter or contextlib.nullcontext():
+        out = model(*args, **kwargs)
+    return Pass(run.record, shape_tree(out), None if counter is None else _flops_by_path(model, counter))
+
+
+def record_shapes(model: nn.Module, where: Where | None, args: tuple[object, ...],
+                  kwargs: dict[str, object] | None = None, *, count_flops: bool = False) -> Pass:
+    """Run `model` on `args` and `kwargs` in eval mode, storing a :class:`Track` per call of the
+    modules `where` selects (none when `where` is None), and counting FLOPs when asked (not on
+    a sharded model). On the meta device when it can, else with one real pass. Lazy modules
+    always get the real pass (it initialises them, as users of fastai's ``dummy_eval`` expect)."""
     model = _torch.unwrap(model)
+    kwargs = kwargs or {}
     specs = () if where is None else (observe(where, _track, name="shape", detach=False),)
     with_hooks(model, specs)  # validates the selector before anything runs
     lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
     # a sharded model (FSDP2) swaps its own parameters in and out around each call: it runs for real
-    meta = not lazy and not _torch.is_sharded(model)
+    sharded = _torch.is_sharded(model)
+    meta = not lazy and not sharded
+    count_flops = count_flops and not sharded
     with in_mode(model, False), torch.no_grad(), isolated(), _torch.sharding_kept(model):  # funhooks' own pass
         if meta:
             try:
-                with _on_meta(model), with_hooks(model, specs) as run:
-                    out = model(*_meta(args))
-                return run.record, shape_tree(out)
+                with _on_meta(model):
+                    return _run(model, specs, _meta(args), _meta(kwargs), count_flops)
             except Exception:  # noqa: BLE001 - no meta kernel, real tensors made in forward, data-dependent ops
                 pass
-        with with_hooks(model, specs) as run:
-            out = model(*args)
-        return run.record, shape_tree(out)
+        return _run(model, specs, args, kwargs, count_flops)
 
 
-def last_track(rec: Record, path: str) -> tuple[ShapeTree, bool]:
-    """``(shape, same)`` of the module's last call; ``(None, False)`` when it did not run."""
-    calls = rec.calls(path, "shape") if path in rec else ()
-    return calls[-1] if calls else (None, False)
+def tracks(rec: Record, path: str) -> tuple[Track, ...]:
+    """A :class:`Track` per call of the module at `path`, in call order."""
+    return rec.calls(path, "shape") if path in rec else ()
+
+
+def last_track(rec: Record, path: str) -> Track:
+    """The module's last call; shape None and `same` False when it did not run."""
+    calls = tracks(rec, path)
+    return calls[-1] if calls else _NOT_RUN
 
 
 def last_shape(rec: Record, path: str) -> ShapeTree:
-    return last_track(rec, path)[0]
+    return last_track(rec, path).shape

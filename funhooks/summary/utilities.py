@@ -33,10 +33,11 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks._modes import in_mode
+from funhooks.records.record import Record
 from funhooks.runs.introspect import isolated
 
-from ._shapes import is_leaf, last_shape, last_track, record_shapes
-from .table import NO_WEIGHT, LayerRow, ModuleSummary, Shape, ShapeTree, shape_tree
+from ._shapes import Pass, is_leaf, last_shape, last_track, nbytes, record_shapes, tracks
+from .table import LAYOUTS, NO_WEIGHT, LayerRow, Layout, ModuleSummary, Shape, ShapeTree, SummaryRow, shape_tree
 
 __all__ = [
     "NO_WEIGHT",
@@ -217,7 +218,7 @@ def model_sizes(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> list[Shape]
     children = list(_torch.unwrap(m).named_children())
     if not children:
         return []
-    rec, _ = record_shapes(m, [c for _, c in children], (x,))
+    rec = record_shapes(m, [c for _, c in children], (x,)).record
     # a Shape per child returning a tensor (fastai's case); a tree, or None, for any other
     return cast("list[Shape]", [last_shape(rec, name) for name, _ in children])
 
@@ -247,7 +248,7 @@ def num_features_model(m: nn.Module) -> int:
     side = _FEATURE_SIZE_FIRST
     while True:
         try:
-            _, out = record_shapes(m, None, (dummy_batch(m, (side,) * dims),))
+            out = record_shapes(m, None, (dummy_batch(m, (side,) * dims),)).output
             break
         except (RuntimeError, ValueError):
             if side >= _FEATURE_SIZE_LAST or dims == 0:
@@ -261,17 +262,16 @@ def num_features_model(m: nn.Module) -> int:
     return out[1]
 
 
-def _row(path: str, module: nn.Module, track: tuple[ShapeTree, bool]) -> LayerRow:
+def _row(path: str, module: nn.Module, rec: Record) -> LayerRow:
     """fastai 2.8's ``_track`` row: parameter count and trainable only for a module with a
     ``weight`` attribute (``hasattr``, so a BatchNorm without affine gives ``0, False``)."""
     params, trainable = total_params(module) if hasattr(module, "weight") else (NO_WEIGHT, NO_WEIGHT)
-    return LayerRow(path, _torch.own_class(module).__name__, params, trainable, *track)
+    track = last_track(rec, path)
+    return LayerRow(path, _torch.own_class(module).__name__, params, trainable, track.shape, track.same)
 
 
-def _rows(model: nn.Module, args: tuple[object, ...]) -> tuple[LayerRow, ...]:
-    rec, _ = record_shapes(model, is_leaf, args)
-    return tuple(_row(path, mod, last_track(rec, path))
-                 for path, mod in _torch.named_modules(_torch.unwrap(model)) if is_leaf(path, mod))
+def _rows(model: nn.Module, rec: Record) -> tuple[LayerRow, ...]:
+    return tuple(_row(path, mod, rec) for path, mod in _torch.named_modules(_torch.unwrap(model)) if is_leaf(path, mod))
 
 
 def _first_example(value: _T) -> _T:
@@ -301,24 +301,69 @@ def layer_info(model: nn.Module, *xb: object) -> list[LayerRow]:
         >>> fh.layer_info(m, torch.randn(16, 1))[:2]
         [LayerRow(path='0', type='Linear', params=100, trainable=True, shape=(1, 50), same=False), LayerRow(path='1', type='ReLU', params='', trainable='', shape=(1, 50), same=True)]
     """
-    return list(_rows(model, _first_example(xb)))
+    return list(_rows(model, record_shapes(model, is_leaf, _first_example(xb)).record))
 
 
-def module_summary(model: nn.Module, *xb: object) -> ModuleSummary:
-    """A summary of `model` on the inputs `xb`: ``print`` it for fastai's table.
+def _depth(path: str) -> int:
+    return path.count(".") + 1 if path else 0
+
+
+def _count(params: Sequence[nn.Parameter]) -> tuple[int, int]:
+    """``(count, trainable count)``, each parameter once."""
+    unique = list({id(p): p for p in params}.values())
+    return sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad)
+
+
+def _layer(path: str, module: nn.Module, found: Pass, root_inputs: ShapeTree) -> SummaryRow:
+    calls = tracks(found.record, path)
+    params, trainable = _count(list(module.parameters()))
+    last = last_track(found.record, path)
+    return SummaryRow(
+        path=path, type=_torch.own_class(module).__name__, depth=_depth(path),
+        input_shape=root_inputs if not path else last.inputs,
+        output_shape=found.output if not path else last.shape,
+        params=params, trainable=trainable, own_params=_count(list(module.parameters(recurse=False)))[0],
+        flops=None if found.flops is None else found.flops.get(path, 0), calls=len(calls),
+    )
+
+
+def _check_options(depth: int | None, layout: Layout | None) -> None:
+    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
+        raise ValueError(f"module_summary: `depth` is None or an int >= 0, got {depth!r}. "
+                         "Pass depth=0 for the model alone.")
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"module_summary: `layout` is 'fastai' or 'full' (or None: 'fastai' for positional inputs "
+                         f"alone), got {layout!r}. Pick one of those.")
+
+
+def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layout: Layout | None = None,
+                   **kwargs: object) -> ModuleSummary:
+    """A summary of `model` on the inputs `xb` and `kwargs`: ``print`` it for the table.
 
     Output shapes are those of the whole batch you pass (computed on the meta device, so a
     big batch costs nothing); fastai ran one example and wrote the batch size in front.
-    Totals count every parameter of the model once, including those of non-leaf modules.
+    Totals count every parameter of the model once, including those of non-leaf modules and
+    weights tied between modules. FLOPs are counted by ``torch.utils.flop_counter`` in the same
+    pass (shapes only on the meta device: no arithmetic is done).
 
     Args:
         model: the model.
-        *xb: the model's inputs.
+        *xb: the model's positional inputs.
+        depth: list the modules down to this many path segments in :attr:`ModuleSummary.layers`
+            (0: the model alone; None: every module).
+        layout: what ``str()`` prints: ``"fastai"`` (fastai's leaf table) or ``"full"`` (every
+            module down to `depth` with input and output shapes, parameters, MACs and FLOPs, and
+            memory estimates). None: ``"fastai"`` when called as fastai's ``module_summary(model,
+            *xb)``, ``"full"`` when `kwargs` or `depth` are given.
+        **kwargs: the model's keyword inputs (``input_ids=...``, ``attention_mask=...``; a
+            tokenizer's output as ``**batch``). A model keyword named ``depth`` or ``layout``
+            cannot be passed here: wrap the model.
 
     Returns:
         A :class:`ModuleSummary`.
 
     Raises:
+        ValueError: for a `depth` or `layout` outside those above, before the model runs.
         Whatever `model` raises on the inputs.
 
     Example:
@@ -328,13 +373,31 @@ def module_summary(model: nn.Module, *xb: object) -> ModuleSummary:
         >>> s = fh.module_summary(m, torch.randn(16, 1))
         >>> s.total, s.trainable, s.rows[-1]
         (251, 251, LayerRow(path='3', type='Linear', params=51, trainable=True, shape=(16, 1), same=False))
+        >>> s.flops, s.macs, s.layout
+        (3200, 1600, 'fastai')
+        >>> [(r.path, r.input_shape, r.output_shape) for r in fh.module_summary(m, torch.randn(16, 1), depth=0).layers]
+        [('', ((16, 1),), (16, 1))]
     """
+    _check_options(depth, layout)
     inner = _torch.unwrap(model)
+    found = record_shapes(model, lambda path, m: is_leaf(path, m) or depth is None or _depth(path) <= depth, xb,
+                          kwargs, count_flops=True)
     params = list(inner.parameters())
+    root_inputs = shape_tree(xb if not kwargs else {**{str(i): x for i, x in enumerate(xb)}, **kwargs})
+    shown = [(p, m) for p, m in _torch.named_modules(inner) if depth is None or _depth(p) <= depth]
+    leaves = [p for p, m in _torch.named_modules(inner) if is_leaf(p, m)]
     return ModuleSummary(
         model=_torch.own_class(inner).__name__,
         input_shapes=tuple(shape_tree(x) for x in xb),
-        rows=_rows(model, xb),
+        rows=_rows(model, found.record),
         total=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
+        kwarg_shapes=tuple((k, shape_tree(v)) for k, v in kwargs.items()),
+        layers=tuple(_layer(p, m, found, root_inputs) for p, m in shown),
+        depth=depth,
+        flops=None if found.flops is None else found.flops[""],
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        input_bytes=nbytes((xb, kwargs)),
+        activation_bytes=sum(t.output_bytes for p in leaves for t in tracks(found.record, p)),
+        layout=layout or ("fastai" if depth is None and not kwargs else "full"),
     )
