@@ -75,7 +75,7 @@ from .specs import (
     select,
     steer,
 )
-from .store import ActivationDataset, ActivationWriter, WriterState, collect
+from .store import ActivationDataset, ActivationWriter, ColumnStats, WriterState, collect
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -127,6 +127,7 @@ __all__ = [
     "arg",
     "capture",
     "collect",
+    "ColumnStats",
     "distributed",
     "dummy_batch",
     "dummy_eval",
