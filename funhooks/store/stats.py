@@ -40,10 +40,10 @@ STATS_CHUNK_ROWS = 1024
 
 
 class Moments(NamedTuple):
-    """Mergeable sums of one column over some rows: count, mean, sum of squared deviations
+    """Mergeable sums of one column over some rows: their number, mean, sum of squared deviations
     from the mean (``m2``, both float64 and flat) and the sum of the rows' L2 norms."""
 
-    count: int
+    rows: int
     mean: torch.Tensor
     m2: torch.Tensor
     norm_sum: float
@@ -51,14 +51,14 @@ class Moments(NamedTuple):
 
 def merge(a: Moments, b: Moments) -> Moments:
     """The moments of `a`'s rows followed by `b`'s (Chan et al.'s pairwise update)."""
-    if not a.count:
+    if not a.rows:
         return b
-    if not b.count:
+    if not b.rows:
         return a
-    n = a.count + b.count
+    n = a.rows + b.rows
     delta = b.mean - a.mean
-    mean = a.mean + delta * (b.count / n)
-    m2 = a.m2 + b.m2 + delta * delta * (a.count * b.count / n)
+    mean = a.mean + delta * (b.rows / n)
+    m2 = a.m2 + b.m2 + delta * delta * (a.rows * b.rows / n)
     return Moments(n, mean, m2, a.norm_sum + b.norm_sum)
 
 
@@ -89,7 +89,7 @@ def shard_moments(read: Callable[[str, int, int], torch.Tensor], columns: Sequen
 
 
 def to_json(moments: Mapping[str, Moments]) -> dict[str, object]:
-    return {name: {"count": m.count, "mean": m.mean.tolist(), "m2": m.m2.tolist(), "norm_sum": m.norm_sum}
+    return {name: {"count": m.rows, "mean": m.mean.tolist(), "m2": m.m2.tolist(), "norm_sum": m.norm_sum}
             for name, m in moments.items()}
 
 
@@ -151,11 +151,11 @@ class ColumnStats:
 
     @classmethod
     def of(cls, moments: Moments, shape: Sequence[int]) -> ColumnStats:
-        if not moments.count:
+        if not moments.rows:
             nan = torch.full(tuple(shape), math.nan, dtype=torch.float64)
             return cls(0, nan, nan.clone(), math.nan, shape)
-        n = moments.count
-        return cls(moments.count, moments.mean.reshape(shape), (moments.m2 / n).reshape(shape),
+        n = moments.rows
+        return cls(moments.rows, moments.mean.reshape(shape), (moments.m2 / n).reshape(shape),
                    moments.norm_sum / n, shape)
 
     @property
