@@ -75,7 +75,7 @@ from .specs import (
     select,
     steer,
 )
-from .store import ActivationDataset, ActivationWriter, ColumnStats, WriterState, collect
+from .store import ActivationDataset, ActivationStream, ActivationWriter, ColumnStats, WriterState, collect
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -122,6 +122,7 @@ __all__ = [
     "ActivationDataset",
     "ActivationStats",
     "ActivationStatsResult",
+    "ActivationStream",
     "ActivationWriter",
     "Arg",
     "arg",

@@ -4,7 +4,7 @@ committed shards back, memory-mapped.
 
 Modules: ``writer`` (``ActivationWriter``, ``WriterState``), ``collecting`` (``collect``),
 ``dataset`` (``ActivationDataset``), ``stats`` (``ColumnStats``, the statistics written with each
-shard), and private ``_shards`` (shard files), ``_manifest`` (the
+shard), ``streaming`` (``ActivationStream``, shuffled, split, resumable reading), and private ``_shards`` (shard files), ``_manifest`` (the
 per-rank JSON Lines manifest), ``_sink`` (one rank open for writing) and ``_rows`` (a Record
 made rows). May import: ``errors``, ``_torch``, ``_frozen``, ``_modes``, ``records``, ``specs``,
 ``runs``, ``training``.
@@ -13,7 +13,8 @@ made rows). May import: ``errors``, ``_torch``, ``_frozen``, ``_modes``, ``recor
 from .collecting import collect
 from .dataset import MAX_OPEN_SHARDS, ActivationDataset
 from .stats import STATS_CHUNK_ROWS, ColumnStats
+from .streaming import BLOCK_ROWS, SHUFFLE_BUFFER_ROWS, ActivationStream
 from .writer import ActivationWriter, WriterState
 
-__all__ = ["MAX_OPEN_SHARDS", "STATS_CHUNK_ROWS", "ActivationDataset", "ActivationWriter", "ColumnStats", "WriterState",
-           "collect"]
+__all__ = ["BLOCK_ROWS", "MAX_OPEN_SHARDS", "SHUFFLE_BUFFER_ROWS", "STATS_CHUNK_ROWS", "ActivationDataset",
+           "ActivationStream", "ActivationWriter", "ColumnStats", "WriterState", "collect"]
