@@ -75,7 +75,16 @@ from .specs import (
     select,
     steer,
 )
-from .store import ActivationDataset, ActivationStream, ActivationWriter, ColumnStats, WriterState, collect
+from .store import (
+    ActivationDataset,
+    ActivationStream,
+    ActivationWriter,
+    ColumnStats,
+    WriterState,
+    collect,
+    from_hf_dataset,
+    to_hf_dataset,
+)
 from .summary import (
     LayerRow,
     ModuleSummary,
@@ -134,6 +143,7 @@ __all__ = [
     "dummy_eval",
     "edit",
     "evaluate",
+    "from_hf_dataset",
     "EVENTS",
     "ExtraError",
     "fit",
@@ -193,6 +203,7 @@ __all__ = [
     "StoreError",
     "testing",
     "total_params",
+    "to_hf_dataset",
     "train",
     "TransformError",
     "with_hooks",
