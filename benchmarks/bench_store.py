@@ -28,6 +28,12 @@ Read: random batches of ``READ_BATCH`` rows from the written store, through ``ds
 and through a ``DataLoader(ds, batch_size=READ_BATCH, shuffle=True)``; rows/s and MB/s
 (the files are in the page cache: they were just written).
 
+Collect (issue 30): a model run over the batches, its hidden layer written, two ways:
+``hooks + save_file``, the hand-written loop (``register_forward_hook`` keeping the output,
+``safetensors.torch.save_file`` per batch, no fsync), and ``fh.collect`` with
+``fsync=False`` (statistics and input fingerprints included). Interleaved rounds; per round
+the ratio collect time / loop time, median and quartiles. Goal: a ratio <= 1.0.
+
 Run: ``python benchmarks/bench_store.py`` (``--quick`` for a smoke run; ``--dir`` for the
 disk to write to, default a temporary directory).
 """
@@ -166,6 +172,48 @@ def time_writes(cases: dict[str, Callable], nbytes: int, rounds: int, root: path
             for n in names}
 
 
+def _collect_cases(batches: list[torch.Tensor], rows_per_shard: int) -> dict[str, Callable[[pathlib.Path], None]]:
+    """name -> a function running a model over every batch and writing its hidden layer into a directory."""
+    width = batches[0].shape[1]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)).eval()
+
+    def by_hand(d: pathlib.Path) -> None:
+        kept: list[torch.Tensor] = []
+        handle = model[1].register_forward_hook(lambda m, args, out: kept.append(out))
+        try:
+            with torch.no_grad():
+                for i, x in enumerate(batches):
+                    model(x)
+                    save_file({"x": kept.pop()}, d / f"{i}.safetensors")
+        finally:
+            handle.remove()
+
+    def by_collect(d: pathlib.Path) -> None:
+        writer = fh.ActivationWriter(model, fh.outputs("1"), d, rows_per_shard=rows_per_shard, fsync=False)
+        fh.collect(writer, batches, progress=False)
+
+    return {"hooks + save_file": by_hand, "fh.collect, fsync=False": by_collect}
+
+
+def time_collect(cases: dict[str, Callable], rounds: int, root: pathlib.Path) -> dict[str, Any]:
+    """Interleaved rounds of both ways; seconds and the ratio collect / hand-written per round."""
+    seconds: dict[str, list[float]] = {n: [] for n in cases}
+    for r in range(rounds):
+        names = list(cases)[r % 2:] + list(cases)[:r % 2]
+        for name in names:
+            d = root / f"collect{r}"
+            d.mkdir()
+            os.sync()
+            start = time.perf_counter()
+            cases[name](d)
+            seconds[name].append(time.perf_counter() - start)
+            shutil.rmtree(d)
+    ratios = [c / h for c, h in zip(seconds["fh.collect, fsync=False"], seconds["hooks + save_file"], strict=True)]
+    return {"seconds": {n: _common.summarise(v) for n, v in seconds.items()},
+            "ratio_collect_to_hand": _common.summarise(ratios)}
+
+
 def rss_child(directory: str, batches: int, batch: int, width: int) -> dict[str, float]:
     """Write `batches` generated batches; peak RSS and the RSS after set-up, in MiB."""
     torch.set_num_threads(1)
@@ -267,6 +315,11 @@ def main() -> None:
             m, q_ = r["MB/s"], r["ratio_to_faster_plain_loop"]
             print(f"  {name:<34} {m['median']:8.0f} MB/s ({m['p25']:.0f}-{m['p75']:.0f})   ratio {q_['median']:.2f} "
                   f"({q_['p25']:.2f}-{q_['p75']:.2f})")
+        collected = time_collect(_collect_cases(batches, rows_per_shard), rounds, root)
+        c = collected["ratio_collect_to_hand"]
+        for name, t in collected["seconds"].items():
+            print(f"  collect: {name:<25} {t['median'] * 1e3:8.1f} ms")
+        print(f"  collect / hand-written loop: {c['median']:.2f} ({c['p25']:.2f}-{c['p75']:.2f})")
         store = root / "read"
         cases["fh.ActivationWriter"](store)
         read = time_reads(store, q.get("read_calls", READ_CALLS), max(3, rounds), min(READ_BATCH, n * batch))
@@ -283,7 +336,7 @@ def main() -> None:
         "quick": args.quick, "conditions": conditions, "correct": correct,
         "data": {"batches": n, "batch": batch, "width": width, "dtype": "float32", "bytes": nbytes,
                  "rows_per_shard": rows_per_shard, "rounds": rounds},
-        "results": {"write": write, "read": read, "rss": rss},
+        "results": {"write": write, "collect": collected, "read": read, "rss": rss},
     })
     print(f"wrote {path}")
 

@@ -28,7 +28,7 @@ import torch
 
 from funhooks.errors import StoreError
 
-from . import _manifest, _shards
+from . import _manifest, _shards, stats
 
 CALLER = "ActivationWriter"
 _T = TypeVar("_T")
@@ -79,6 +79,9 @@ class Sink:
         self.version = 0
         self.closed = False
         self.failed: str | None = None
+        self.inputs: dict[str, object] | None = None
+        """What the rows written so far were made from (``{"batches", "fingerprint"}``), set by
+        ``collect`` before each batch and written on every shard line it commits."""
 
     def _recover(self) -> None:
         path = _manifest.manifest_path(self.directory, self.rank)
@@ -97,6 +100,7 @@ class Sink:
         self.shards = len(manifest.shards)
         self.rows = sum(line["rows"] for line in manifest.shards)
         self.end: tuple[int, int] = tuple(manifest.shards[-1]["end"]) if manifest.shards else (0, 0)
+        self.committed_inputs = manifest.shards[-1].get("inputs") if manifest.shards else None
         self.columns = None if self.header is None else [_shards.Column.from_json(c) for c in self.header["columns"]]
 
     def close(self) -> None:
@@ -161,7 +165,9 @@ class Sink:
                 if self.fsync:
                     _manifest.fsync_directory(self.directory)
                 line = {"shard": self.shards, "file": shard.final.name, "rows": shard.rows, "bytes": finished.bytes,
-                        "end": list(end), "crc32": finished.crc32}
+                        "end": list(end), "crc32": finished.crc32, "stats": self._stats(shard)}
+                if self.inputs is not None:
+                    line["inputs"] = dict(self.inputs)
                 _manifest.append_line(self.manifest_path, line, fsync=self.fsync)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -173,6 +179,15 @@ class Sink:
         self.shards += 1
         self.rows += shard.rows
         self.end = end
+
+    def _stats(self, shard: _shards.ShardFile) -> dict[str, object]:
+        """The statistics of a finished shard, read back from its file as a reader maps it."""
+        from safetensors import safe_open
+
+        assert self.columns is not None
+        with safe_open(shard.final, framework="pt") as f:
+            slices = {c.name: f.get_slice(c.name) for c in self.columns if c.dtype.is_floating_point}
+            return stats.to_json(stats.shard_moments(lambda name, a, b: slices[name][a:b], self.columns, shard.rows))
 
     def _io(self, doing: str, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(*args)``; an OSError discards the unfinished shard and becomes a StoreError."""

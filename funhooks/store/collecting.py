@@ -20,10 +20,12 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 
 from funhooks._modes import in_mode
-from funhooks.errors import LoopError
+from funhooks.errors import LoopError, StoreError
+from funhooks.records.record import Record
 from funhooks.runs.pure import capture
 from funhooks.training import progress as _progress
 
+from . import _fingerprint
 from .dataset import ActivationDataset
 from .writer import ActivationWriter
 
@@ -63,8 +65,59 @@ def _remaining(inputs: Iterable[Batch], start: int) -> Iterator[tuple[int, Batch
     return itertools.islice(enumerate(inputs), start, None)
 
 
+class _Inputs:
+    """The fingerprint of the batches seen so far, checked against the store's record of them."""
+
+    def __init__(self, committed: object, directory: object) -> None:
+        ok = (isinstance(committed, Mapping) and isinstance(committed.get("batches"), int)
+              and isinstance(committed.get("fingerprint"), str))
+        self.recorded: Mapping[str, Any] | None = committed if ok else None  # type: ignore[assignment]
+        self.directory, self.batches, self.fingerprint = directory, 0, _fingerprint.START
+
+    def see(self, index: int, batch: Batch) -> dict[str, object]:
+        """Take batch `index` into the fingerprint (once); refuse inputs the store was not written from."""
+        if index >= self.batches:
+            self.fingerprint, self.batches = _fingerprint.chain(self.fingerprint, batch), index + 1
+            if self.recorded is not None and self.batches == self.recorded["batches"]:
+                self._check(self.fingerprint)
+        return {"batches": self.batches, "fingerprint": self.fingerprint}
+
+    def end(self) -> None:
+        """Refuse inputs that ran out before the batches the store was written from."""
+        if self.recorded is not None and self.batches < self.recorded["batches"]:
+            self._check(f"{self.batches} batches")
+
+    def _check(self, got: str) -> None:
+        want = self.recorded["batches"], self.recorded["fingerprint"]  # type: ignore[index]
+        if got != want[1]:
+            raise StoreError(
+                f"collect: a store is continued with the inputs that wrote it, got {got!r} for the first {want[0]} "
+                f"batches where {str(self.directory)!r} was written from inputs of fingerprint {want[1]!r}. Pass the "
+                "same inputs in the same order, or write to a new directory."
+            )
+
+
+def _budget_mask(record: Record, writer: ActivationWriter, keep: torch.Tensor | None, left: int) -> tuple[
+        torch.Tensor | None, int]:
+    """The mask keeping at most `left` of a batch's rows (its first ones), and how many it keeps."""
+    _, path, name = writer.columns[0]
+    calls = record.calls(path, name) if path in record else ()
+    if not calls or not isinstance(calls[0], torch.Tensor):
+        return keep, 0  # the writer names what is missing
+    lead = tuple(calls[0].shape[:2 if writer.flatten else 1])
+    base = torch.ones(lead, dtype=torch.bool) if keep is None else torch.as_tensor(keep).to("cpu") != 0
+    if tuple(base.shape) != lead:
+        return keep, 0  # the writer names the mismatch
+    rows = int(base.sum())
+    if rows <= left:
+        return keep, rows
+    flat = base.reshape(-1).clone()
+    flat[flat.nonzero().squeeze(1)[left:]] = False
+    return flat.reshape(lead), left
+
+
 def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Mask | None = None,
-            progress: bool | None = None) -> ActivationDataset:
+            max_rows: int | None = None, progress: bool | None = None) -> ActivationDataset:
     """Run ``writer.model`` over `inputs` through :func:`funhooks.capture` and write the activations.
 
     The model runs in eval mode (restored afterwards) under ``torch.no_grad()``. A batch is
@@ -77,14 +130,24 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
         inputs: an iterable of batches, in the same order on every run.
         mask: a key of each dict batch (e.g. ``"attention_mask"``) or ``mask(batch)``,
             giving the rows to keep; None keeps all.
+        max_rows: stop once the store holds this many rows (tokens, with ``flatten=True``
+            and a mask), keeping the first rows of the batch that reaches it; None: all inputs.
         progress: show a progress bar (tqdm); None: in a terminal and not in CI.
 
     Returns:
         The :class:`~funhooks.ActivationDataset` of ``writer.directory``.
 
+    Inputs: each committed shard records how many batches its rows come from and a
+    fingerprint of them (``funhooks.store._fingerprint``). Continuing a store, ``collect``
+    reads those batches again (without running the model) and refuses inputs that differ.
+    A batch cut by `max_rows` counts as consumed: a later call with a larger budget goes on
+    from the next batch.
+
     Raises:
-        LoopError: for a `mask` key missing from a batch, or a writer with its own `mask`.
-        StoreError: as for :class:`ActivationWriter`.
+        LoopError: for a `mask` key missing from a batch, a writer with its own `mask`, or a
+            bad `max_rows`.
+        StoreError: for inputs other than those the store was written from; as for
+            :class:`ActivationWriter`.
 
     Example:
         >>> import tempfile, torch, funhooks as fh
@@ -103,18 +166,34 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
             "collect: the rows to keep are `collect(..., mask=)`, a function of the batch, got a writer with its own "
             "`mask`, a function of Steps. Build the writer without `mask=`."
         )
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
+        raise LoopError(f"collect: `max_rows` is a non-negative int or None, got {max_rows!r}. Pass e.g. 1_000_000.")
     state = writer.init()
+    sink = state.sink
+    seen = _Inputs(sink.committed_inputs, writer.directory)
+    first = 0 if sink.committed_inputs is not None or not sink.rows else state.next_batch
     fn = capture(writer.model, writer.specs)
     model = writer.model
-    total = len(inputs) - state.next_batch if isinstance(inputs, Sized) else None
-    batches = _progress.wrap((b for b in _remaining(inputs, state.next_batch)), total=total, desc="collect",
+    total = len(inputs) - first if isinstance(inputs, Sized) else None
+    batches = _progress.wrap((b for b in _remaining(inputs, first)), total=total, desc="collect",
                              progress=progress)
+    track = sink.committed_inputs is not None or not sink.rows  # a store written without a record keeps none
     try:
         with in_mode(model, False), torch.no_grad():
             for index, batch in batches:
+                if max_rows is not None and state.rows >= max_rows:
+                    break
+                if track:
+                    sink.inputs = seen.see(index, batch)
+                if index < state.next_batch:
+                    continue
                 keep = _mask_of(mask, batch, index)
                 _, record = _call(fn, batch)
+                if max_rows is not None:
+                    keep, _ = _budget_mask(record, writer, keep, max_rows - state.rows)
                 state = writer.write(state, index, record, mask=keep)
+            else:
+                seen.end()
     finally:
         close = getattr(batches, "close", None)
         if close is not None:

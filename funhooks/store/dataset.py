@@ -36,6 +36,7 @@ import torch
 from funhooks.errors import ExtraError, StoreError
 
 from . import _manifest, _shards
+from . import stats as column_stats
 
 __all__ = ["MAX_OPEN_SHARDS", "ActivationDataset"]
 
@@ -60,6 +61,8 @@ class _Listed(NamedTuple):
     rank: int
     shard: int
     crc32: int | None
+    stats: object
+    """The line's ``stats`` (None in stores written before statistics)."""
 
 
 def _as_indices(index: object) -> torch.Tensor:
@@ -161,8 +164,8 @@ class ActivationDataset(torch.utils.data.Dataset):
             error = _manifest.check_listed(m, rank, self.directory, CALLER)
             if error is not None:
                 raise error
-            self._files += [_Listed(self.directory / line["file"], line["rows"], rank, line["shard"], line.get("crc32"))
-                            for line in m.shards]
+            self._files += [_Listed(self.directory / line["file"], line["rows"], rank, line["shard"], line.get("crc32"),
+                                    line.get("stats")) for line in m.shards]
         self._starts = [0]
         for listed in self._files:
             self._starts.append(self._starts[-1] + listed.rows)
@@ -216,7 +219,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         if tensors is not None:
             self._cache.move_to_end(s)
             return tensors
-        path, rows, rank, index, _ = self._files[s]
+        path, rows, rank, index, _, _ = self._files[s]
         problem: str | None
         try:
             with self._safe_open(path, framework="pt") as f:
@@ -279,6 +282,48 @@ class ActivationDataset(torch.utils.data.Dataset):
                     "store again."
                 )
 
+    def stats(self, *, recompute: bool = False) -> dict[str, column_stats.ColumnStats]:
+        """Count, mean, variance and mean norm of each floating-point column, over every row.
+
+        The writer computed each shard's statistics when it committed the shard; they are
+        merged here in store order. Shards of stores written before statistics existed are
+        read now (once per call); ``recompute=True`` reads every shard, a second pass that
+        gives exactly the numbers written (see ``funhooks.store.stats``).
+
+        Raises:
+            StoreError: for a shard line whose ``stats`` field is damaged.
+
+        Example:
+            >>> import tempfile, torch, funhooks as fh
+            >>> from torch import nn
+            >>> writer = fh.ActivationWriter(nn.Sequential(nn.Identity()), fh.outputs("0"), tempfile.mkdtemp(),
+            ...                              rows_per_shard=3)
+            >>> ds = fh.collect(writer, [torch.randn(4, 8) for _ in range(5)])
+            >>> s = ds.stats()["0/output"]
+            >>> s.count, s.mean.shape, torch.allclose(s.var, ds[:]["0/output"].double().var(0, correction=0))
+            (20, torch.Size([8]), True)
+            >>> torch.equal(ds.stats(recompute=True)["0/output"].mean, s.mean)
+            True
+        """
+        columns = [c for c in self._columns if c.dtype.is_floating_point]
+        totals: dict[str, column_stats.Moments] = {}
+        for s, listed in enumerate(self._files):
+            if recompute or not isinstance(listed.stats, dict):
+                tensors = self._open(s)
+                found = column_stats.shard_moments(lambda name, a, b: tensors[name][a:b], columns, listed.rows)
+            else:
+                where = f"shard {listed.shard} of rank {listed.rank} in {str(self.directory)!r}"
+                found = {c.name: column_stats.from_json(listed.stats.get(c.name), c, where, CALLER) for c in columns}
+            totals = {c.name: column_stats.merge(totals[c.name], found[c.name]) if c.name in totals else found[c.name]
+                      for c in columns}
+        empty = column_stats.Moments(0, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0.0)
+        return {c.name: column_stats.ColumnStats.of(totals.get(c.name, empty), c.shape) for c in columns}
+
+    @property
+    def shard_rows(self) -> tuple[int, ...]:
+        """Rows of each shard, in store order (rank, then shard)."""
+        return tuple(listed.rows for listed in self._files)
+
     def _row(self, i: int) -> Row:
         n = len(self)
         if not -n <= i < n:
@@ -308,9 +353,27 @@ class ActivationDataset(torch.utils.data.Dataset):
                 t.view(bits).index_copy_(0, where, tensors[name].view(bits).index_select(0, local))
         return {name: t.reshape(*shape, *t.shape[1:]) for name, t in out.items()}
 
+    def _span(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows ``start:stop`` (in range), read shard by shard as contiguous copies."""
+        parts: dict[str, list[torch.Tensor]] = {c.name: [] for c in self._columns}
+        s = bisect.bisect_right(self._starts, start) - 1
+        while start < stop:
+            tensors = self._open(s)
+            end = min(stop, self._starts[s + 1])
+            for name, got in parts.items():
+                got.append(tensors[name][start - self._starts[s]:end - self._starts[s]])
+            start, s = end, s + 1
+        # joined as same-width ints: float8 and uint have no cat
+        return {c.name: torch.cat([p.view(_BITS[c.dtype.itemsize]) for p in parts[c.name]]).view(c.dtype)
+                if parts[c.name] else torch.empty((0, *c.shape), dtype=c.dtype) for c in self._columns}
+
     def __getitem__(self, index: object) -> Any:
         if isinstance(index, slice):
-            index = range(*index.indices(len(self)))
+            begin, end, step = index.indices(len(self))
+            if step == 1:
+                batch = self._span(begin, max(begin, end))
+                return batch[self._columns[0].name] if self._single else batch
+            index = range(begin, end, step)
         if isinstance(index, int) and not isinstance(index, bool):
             return self._row(index)
         index = _as_indices(list(index) if isinstance(index, range) else index)

@@ -1,0 +1,171 @@
+"""Column statistics of an activation store: count, mean, variance and mean row norm of
+every floating-point column, computed while the store is written.
+
+Each shard's statistics are computed when it is committed, from the shard's own bytes, in
+chunks of :data:`STATS_CHUNK_ROWS` rows from its first row (float32 sums within a chunk,
+``float64`` merges between chunks and shards, Chan's pairwise update), and written on its
+manifest line. :meth:`ActivationDataset.stats <funhooks.ActivationDataset.stats>` merges
+the lines in store order; ``stats(recompute=True)`` reads every shard again and runs the
+same computation, so a second pass gives exactly the numbers written (and both agree with
+a ``float64`` reference over all rows to about 1e-6 relative).
+
+Normalisation for SAE training: :meth:`ColumnStats.norm_scale` is the factor that gives the
+rows a chosen mean L2 norm; SAELens scales the residual stream to a mean norm of
+``sqrt(d)``: ``x * stats.norm_scale(math.sqrt(d))``. Standardising (``(x - mean) / std``)
+uses ``mean`` and ``std``.
+
+Costs: per committed shard, one more read of it from the page cache and about three
+passes of float32 arithmetic over its floating-point columns; per shard line, two numbers
+per element of a row (JSON, exact ``float64`` round trips).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import attrs
+import torch
+
+from funhooks import _frozen
+from funhooks.errors import StoreError
+
+from ._shards import Column, JsonObject
+
+__all__ = ["STATS_CHUNK_ROWS", "ColumnStats"]
+
+STATS_CHUNK_ROWS = 1024
+"""Rows per chunk of the statistics pass (float32 sums inside a chunk, float64 between chunks)."""
+
+
+class Moments(NamedTuple):
+    """Mergeable sums of one column over some rows: their number, mean, sum of squared deviations
+    from the mean (``m2``, both float64 and flat) and the sum of the rows' L2 norms."""
+
+    rows: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+    norm_sum: float
+
+
+def merge(a: Moments, b: Moments) -> Moments:
+    """The moments of `a`'s rows followed by `b`'s (Chan et al.'s pairwise update)."""
+    if not a.rows:
+        return b
+    if not b.rows:
+        return a
+    n = a.rows + b.rows
+    delta = b.mean - a.mean
+    mean = a.mean + delta * (b.rows / n)
+    m2 = a.m2 + b.m2 + delta * delta * (a.rows * b.rows / n)
+    return Moments(n, mean, m2, a.norm_sum + b.norm_sum)
+
+
+def _chunk(x: torch.Tensor) -> Moments:
+    n = x.shape[0]
+    x = x.reshape(n, -1)
+    x = x if x.dtype == torch.float64 else x.float()
+    mean = x.sum(0) / n
+    m2 = (x - mean).square_().sum(0)
+    norm = torch.linalg.vector_norm(x, dim=1).sum()
+    return Moments(n, mean.double(), m2.double(), float(norm))
+
+
+def shard_moments(read: Callable[[str, int, int], torch.Tensor], columns: Sequence[Column],
+                  rows: int) -> dict[str, Moments]:
+    """The moments of every floating-point column of one shard of `rows` rows;
+    ``read(name, start, stop)`` gives rows ``start:stop`` of a column."""
+    out = {}
+    for c in columns:
+        if not c.dtype.is_floating_point:
+            continue
+        width = math.prod(c.shape)
+        total = Moments(0, torch.zeros(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64), 0.0)
+        for start in range(0, rows, STATS_CHUNK_ROWS):
+            total = merge(total, _chunk(read(c.name, start, min(rows, start + STATS_CHUNK_ROWS))))
+        out[c.name] = total
+    return out
+
+
+def to_json(moments: Mapping[str, Moments]) -> dict[str, object]:
+    return {name: {"count": m.rows, "mean": m.mean.tolist(), "m2": m.m2.tolist(), "norm_sum": m.norm_sum}
+            for name, m in moments.items()}
+
+
+def from_json(obj: object, column: Column, where: str, caller: str) -> Moments:
+    """One column's moments from a manifest line; a StoreError for a field that does not fit."""
+    width = math.prod(column.shape)
+    fields = obj if isinstance(obj, Mapping) else {}
+    ok = (isinstance(fields.get("count"), int) and fields["count"] >= 0
+          and all(isinstance(fields.get(k), list) and len(fields[k]) == width for k in ("mean", "m2"))
+          and isinstance(fields.get("norm_sum"), (int, float)))
+    try:
+        mean = torch.tensor(fields["mean"], dtype=torch.float64) if ok else None
+        m2 = torch.tensor(fields["m2"], dtype=torch.float64) if ok else None
+    except (TypeError, ValueError, RuntimeError):
+        mean = m2 = None
+    if mean is None or m2 is None:
+        raise StoreError(
+            f"{caller}: a shard line's `stats` give {column.name!r} a `count` and `mean`, `m2` lists of {width} "
+            f"numbers and a `norm_sum`, got {obj!r:.80} in {where}. Restore the manifest, or read the statistics "
+            "again with `ds.stats(recompute=True)`."
+        )
+    return Moments(int(fields["count"]), mean.reshape(-1), m2.reshape(-1), float(fields["norm_sum"]))
+
+
+def _shape(dims: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dims)
+
+
+@_frozen.frozen
+@attrs.frozen(eq=False)
+class ColumnStats:
+    """The statistics of one floating-point column over every row of a store.
+
+    Attributes:
+        count: rows.
+        mean: per element of a row, float64, the row's shape.
+        var: population variance (divided by `count`) per element, float64.
+        mean_norm: the mean over rows of each row's L2 norm (the row flattened).
+
+    A store without rows has NaN statistics, as ``torch.mean`` of nothing.
+
+    Example:
+        >>> import tempfile, torch, funhooks as fh
+        >>> from torch import nn
+        >>> writer = fh.ActivationWriter(nn.Sequential(nn.Identity()), fh.outputs("0"), tempfile.mkdtemp())
+        >>> ds = fh.collect(writer, [torch.tensor([[3.0, 4.0], [0.0, 0.0]])])
+        >>> s = ds.stats()["0/output"]
+        >>> s.count, s.mean.tolist(), s.var.tolist(), s.mean_norm
+        (2, [1.5, 2.0], [2.25, 4.0], 2.5)
+        >>> s.norm_scale()  # x * 0.4 has a mean norm of 1
+        0.4
+    """
+
+    count: int
+    mean: torch.Tensor
+    var: torch.Tensor
+    mean_norm: float
+    shape: tuple[int, ...] = attrs.field(converter=_shape, repr=False)
+
+    @classmethod
+    def of(cls, moments: Moments, shape: Sequence[int]) -> ColumnStats:
+        if not moments.rows:
+            nan = torch.full(tuple(shape), math.nan, dtype=torch.float64)
+            return cls(0, nan, nan.clone(), math.nan, shape)
+        n = moments.rows
+        return cls(moments.rows, moments.mean.reshape(shape), (moments.m2 / n).reshape(shape),
+                   moments.norm_sum / n, shape)
+
+    @property
+    def std(self) -> torch.Tensor:
+        """Population standard deviation per element, float64."""
+        return self.var.sqrt()
+
+    def norm_scale(self, target: float = 1.0) -> float:
+        """The factor that scales the rows to a mean L2 norm of `target`.
+
+        SAELens's normalisation of a ``d``-wide residual stream is ``norm_scale(math.sqrt(d))``.
+        """
+        return target / self.mean_norm if self.mean_norm else 1.0
