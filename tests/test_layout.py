@@ -344,3 +344,22 @@ def test_any_stays_rare() -> None:
         count += sum(isinstance(n, ast.Name) and n.id == "Any" or isinstance(n, ast.Attribute) and n.attr == "Any"
                      for n in ast.walk(ast.parse(text)))
     assert count * 1000 < MAX_ANY_PER_1000_LINES * lines, f"{count} `Any` in {lines} lines: name the types"
+
+
+def test_each_row_of_the_map_names_exactly_its_units_modules() -> None:
+    """A package's row names every module and subfolder it holds (``writer.py``, ``_core/``)
+    and nothing it does not: the map stays true file by file."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    wrong = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) != 3 or not re.fullmatch(r"`\w+/`", cells[0]):
+            continue
+        folder = PACKAGE / cells[0].strip("`/")
+        named = {n for n in re.findall(r"`([\w/]+?(?:\.py|/))`", cells[1])
+                 if "/" not in n.rstrip("/") and n not in ("__init__.py", cells[0].strip("`"))}
+        held = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+        held |= {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").exists()}
+        wrong += [f"{cells[0]} names {n}, which it does not hold" for n in sorted(named - held)]
+        wrong += [f"{cells[0]} holds {n}, which its row does not name" for n in sorted(held - named)]
+    assert not wrong, "bring docs/architecture.md's rows up to date:\n" + "\n".join(wrong)
