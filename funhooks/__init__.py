@@ -90,8 +90,10 @@ from .summary import (
 )
 from .training import (
     Folding,
+    Logged,
     OptimizerWatch,
     Reducer,
+    Scalars,
     Step,
     evaluate,
     fit,
@@ -153,6 +155,7 @@ __all__ = [
     "InterventionError",
     "layer_info",
     "LayerRow",
+    "Logged",
     "LoopError",
     "merge_across_ranks",
     "model_sizes",
@@ -180,6 +183,7 @@ __all__ = [
     "Run",
     "running",
     "scale",
+    "Scalars",
     "select",
     "Selector",
     "SelectorError",
