@@ -99,8 +99,10 @@ from .summary import (
 )
 from .training import (
     Folding,
+    Logged,
     OptimizerWatch,
     Reducer,
+    Scalars,
     Step,
     evaluate,
     fit,
@@ -165,6 +167,7 @@ __all__ = [
     "InterventionError",
     "layer_info",
     "LayerRow",
+    "Logged",
     "LoopError",
     "merge_across_ranks",
     "model_sizes",
@@ -192,6 +195,7 @@ __all__ = [
     "Run",
     "running",
     "scale",
+    "Scalars",
     "select",
     "Selector",
     "SelectorError",

@@ -158,3 +158,44 @@ def test_the_lightning_callback_in_the_hf_trainer_is_named(tmp_path: pathlib.Pat
     assert str(err.value) == (
         "FoldCallback: `fh.lightning.FoldCallback` is a callback of `lightning.Trainer`, got it in a "
         "`transformers.Trainer`. Pass `fh.hf.FoldCallback(reducers)` to the Hugging Face Trainer.")
+
+
+def test_log_every_goes_through_trainer_log_to_log_history_and_report_to(tmp_path: pathlib.Path) -> None:
+    """With `log_every=2` and the Trainer, every second step's scalars go through `Trainer.log`:
+    into `state.log_history` (at the Trainer's step, one past the Step's iteration) and to the
+    `report_to` integrations (TensorBoard here), equal to `cb.result` at that step."""
+    pytest.importorskip("tensorboard", reason="the `tensorboard` extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=1, learning_rate=1e-3,
+        logging_strategy="no", report_to=["tensorboard"], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_data(16))
+    trainer.remove_callback(transformers.PrinterCallback)
+    reducers = {"grads": fh.GradientStats(), "loss": fh.LossCurve()}
+    with fh.hf.FoldCallback(reducers, log_every=2, trainer=trainer) as cb:
+        trainer.add_callback(cb)
+        trainer.train()
+    res = cb.result
+    assert len(res["loss"]) == 4
+    logged = [h for h in trainer.state.log_history if "funhooks/loss/ema" in h]
+    assert [h["step"] for h in logged] == [1, 3]
+    for h in logged:
+        k = h["step"] - 1
+        assert h["funhooks/loss/ema"] == res["loss"].ema[k] and h["funhooks/loss/loss"] == res["loss"].losses[k]
+        assert h["funhooks/grads/lm_head/norm"] == res["grads"].stats[k][res["grads"].paths.index("lm_head")]["norm"]
+    (events,) = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    written = [(e.step, e.value) for e in acc.Scalars("train/funhooks/loss/ema")]  # the integrations' prefix
+    assert written == [(h["step"], pytest.approx(h["funhooks/loss/ema"], rel=1e-6)) for h in logged]
+
+
+def test_log_every_needs_the_trainer() -> None:
+    """Logging goes through `Trainer.log`, which a callback cannot reach by itself: without
+    `trainer=`, `log_every` is refused at construction, with the fix."""
+    with pytest.raises(fh.LoopError) as err:
+        fh.hf.FoldCallback({"loss": fh.LossCurve()}, log_every=10)
+    assert str(err.value) == (
+        "FoldCallback: `log_every` logs through `Trainer.log`, got no `trainer`. Make the Trainer first, then "
+        "`cb = fh.hf.FoldCallback(reducers, log_every=10, trainer=trainer)` and `trainer.add_callback(cb)`.")

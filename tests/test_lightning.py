@@ -57,9 +57,9 @@ def _data(n: int = 32) -> torch.utils.data.TensorDataset:
 
 
 def _trainer(cb: Any, **kwargs: Any) -> Any:
-    return lightning.Trainer(callbacks=[cb], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    return lightning.Trainer(callbacks=[cb], accelerator="cpu", devices=1, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             **{"max_epochs": EPOCHS, **kwargs})
+                             **{"max_epochs": EPOCHS, "logger": False, **kwargs})
 
 
 def _reducers() -> dict:
@@ -179,3 +179,51 @@ def test_the_hf_callback_in_a_lightning_trainer_is_named() -> None:
         "FoldCallback: `fh.hf.FoldCallback` is a callback of `transformers.Trainer`, got it in a "
         "`lightning.Trainer`. Pass `fh.lightning.FoldCallback(reducers)` to the Lightning Trainer.")
     fh.testing.assert_no_hooks(module)
+
+
+def _csv_rows(log_dir: pathlib.Path) -> list[dict[str, str]]:
+    import csv
+
+    rows: list[dict[str, str]] = []
+    for path in log_dir.rglob("metrics.csv"):
+        with path.open() as f:
+            rows += csv.DictReader(f)
+    return rows
+
+
+def test_log_every_sends_the_results_to_the_trainers_loggers(tmp_path: pathlib.Path) -> None:
+    """With `log_every=2`, every second step's scalars reach Lightning's CSVLogger, named
+    funhooks/<key>/<layer>/<statistic> and equal to `cb.result` at that step."""
+    reducers = {"activations": fh.ActivationStats(), "grads": fh.GradientStats(), "loss": fh.LossCurve()}
+    cb = fh.lightning.FoldCallback(reducers, log_every=2)
+    logger = lightning.pytorch.loggers.CSVLogger(tmp_path)
+    _trainer(cb, logger=logger, max_epochs=1, log_every_n_steps=1).fit(Regressor(), torch.utils.data.DataLoader(_data(), batch_size=BATCH))
+    rows = [r for r in _csv_rows(tmp_path) if r.get("funhooks/loss/ema")]
+    res = cb.result
+    assert len(res["loss"]) == 4
+    assert [int(r["step"]) for r in rows] == [0, 2]
+    for r in rows:
+        k = int(r["step"])
+        assert float(r["funhooks/loss/ema"]) == res["loss"].ema[k]
+        assert float(r["funhooks/activations/net.2/std"]) == res["activations"].stats[k][1]["std"]
+        assert float(r["funhooks/grads/net.4/norm"]) == res["grads"].stats[k][2]["norm"]
+    assert "funhooks/activations/net.1/std" not in rows[0]  # the default layers: leaves with parameters
+
+
+def test_logging_is_off_by_default(tmp_path: pathlib.Path) -> None:
+    """Without `log_every`, nothing of funhooks reaches the logger (this module logs nothing itself: no file)."""
+    cb = fh.lightning.FoldCallback({"loss": fh.LossCurve()})
+    logger = lightning.pytorch.loggers.CSVLogger(tmp_path)
+    _trainer(cb, logger=logger, max_epochs=1, log_every_n_steps=1).fit(
+        Regressor(), torch.utils.data.DataLoader(_data(), batch_size=BATCH))
+    rows = _csv_rows(tmp_path)
+    assert not any(name.startswith("funhooks/") for r in rows for name in r)
+    assert len(cb.result["loss"]) == 4
+
+
+def test_log_every_is_a_positive_int() -> None:
+    """A bad `log_every` is refused at construction, with the fix."""
+    with pytest.raises(fh.LoopError) as err:
+        fh.lightning.FoldCallback({"loss": fh.LossCurve()}, log_every=0)
+    assert str(err.value) == ("FoldCallback: `log_every` is a positive int (log every that many steps) or None "
+                              "(do not log), got 0. Pass e.g. log_every=50.")

@@ -15,6 +15,17 @@ never recorded. A Step's ``epoch`` and ``iteration`` are the Trainer's epoch and
 ``train(resume_from_checkpoint=...)`` numbers its steps on from the checkpoint's (and its
 states merge with the first run's). ``cb.result`` holds the results in the shape of `reducers`.
 
+With ``log_every=k`` and ``trainer=`` the callback also logs the reducers' scalars (see
+:mod:`funhooks.training.logged`) after every step whose iteration is a multiple of `k`, through
+``trainer.log``: so they land in ``state.log_history`` and reach every ``report_to`` integration
+(TensorBoard, W&B, ...) at the Trainer's step (its ``global_step`` after the update, one past
+the Step's iteration), named ``funhooks/<key>/<layer>/<statistic>`` (which the integrations,
+as for every training log, put under ``train/``). The Trainer hands its
+callbacks no Trainer, hence ``trainer=`` (make the Trainer first, then ``trainer.add_callback(cb)``).
+Off by default: each log reads the statistics to the host (a CUDA sync), and a large model
+puts several series per layer on the dashboard; choose the reducers, their keys and `k`, then
+turn it on.
+
 The Trainer calls no callback when training raises, so a step open at that moment stays
 attached until the callback is closed: use it as a context manager (``with
 fh.hf.FoldCallback(...) as cb:``) or call ``cb.close()``; the next ``trainer.train()`` closes
@@ -35,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from funhooks.errors import ExtraError
+from funhooks.errors import ExtraError, LoopError
 from funhooks.specs.spec import inputs, observe
 from funhooks.training.folds import Reducers
 from funhooks.training.recorder import Recorder
@@ -67,6 +78,9 @@ class FoldCallback(Results, transformers.TrainerCallback):
 
     Args:
         reducers: a dict or a list of reducers (a single reducer gives its result).
+        log_every: log the reducers' scalars through ``trainer.log`` every that many steps;
+            None (the default): do not log.
+        trainer: the ``transformers.Trainer`` this callback is added to (needed by `log_every`).
 
     Attributes:
         result: the reducers' results in the shape of `reducers`, over the steps trained so
@@ -75,6 +89,8 @@ class FoldCallback(Results, transformers.TrainerCallback):
 
     Raises:
         ReducerError: at construction, for an entry that lacks the reducer protocol.
+        LoopError: at construction, for a `log_every` that is not a positive int or None, or
+            one without `trainer`.
         SpecError, SelectorError: when training starts, for specs or watches that do not fit
             the model.
 
@@ -97,8 +113,16 @@ class FoldCallback(Results, transformers.TrainerCallback):
         (8, ('transformer.wte', 'transformer.wpe'))
     """
 
-    def __init__(self, reducers: Reducers) -> None:
-        self._fold = Stepwise(reducers, "FoldCallback")
+    def __init__(self, reducers: Reducers, *, log_every: int | None = None,
+                 trainer: transformers.Trainer | None = None) -> None:
+        self._fold = Stepwise(reducers, "FoldCallback", log_every)
+        if log_every is not None and trainer is None:
+            raise LoopError(
+                "FoldCallback: `log_every` logs through `Trainer.log`, got no `trainer`. Make the Trainer first, then "
+                f"`cb = fh.hf.FoldCallback(reducers, log_every={log_every}, trainer=trainer)` and "
+                "`trainer.add_callback(cb)`."
+            )
+        self._trainer = trainer
         self._losses: Recorder | None = None
         self._losses_open = False
         self._epoch = 0
@@ -143,7 +167,8 @@ class FoldCallback(Results, transformers.TrainerCallback):
 
     def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                     control: transformers.TrainerControl, **kwargs: object) -> None:
-        """After the optimizer's update the step ends, with the mean of the model's losses."""
+        """After the optimizer's update the step ends, with the mean of the model's losses (and,
+        on a logging step, its scalars go to ``trainer.log``)."""
         if self._losses_open and self._losses is not None:
             self._losses_open = False
             record = self._losses.close()
@@ -152,7 +177,9 @@ class FoldCallback(Results, transformers.TrainerCallback):
                 summed = any("num_items_in_batch" in kwargs for _, kwargs in record.calls("", "input"))
                 if losses:
                     self._fold.add(torch.stack(losses).sum() if summed else torch.stack(losses).mean())
-        self._fold.end()
+        metrics = self._fold.scalars(self._fold.end())
+        if metrics and self._trainer is not None:
+            self._trainer.log(metrics)
 
     def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                      control: transformers.TrainerControl, **kwargs: object) -> None:

@@ -12,6 +12,14 @@ sanity checks run outside those steps and are never recorded. A Step's ``epoch``
 run resumed with ``fit(ckpt_path=...)`` numbers its steps on from the checkpoint's (and its
 states merge with the first run's). ``cb.result`` holds the results in the shape of `reducers`.
 
+With ``log_every=k`` the callback also logs the reducers' scalars (see
+:mod:`funhooks.training.logged`) after every step whose ``global_step`` is a multiple of `k`,
+to each of ``trainer.loggers`` (``log_metrics(..., step=global_step)``: TensorBoard, W&B, CSV),
+named ``funhooks/<key>/<layer>/<statistic>`` (``funhooks/activations/net.0/std``). The
+interval is the callback's, not ``log_every_n_steps``. Off by default: each log reads the
+statistics to the host (a CUDA sync), and a large model puts several series per layer on the
+dashboard; choose the reducers, their keys and `k`, then turn it on.
+
 Needs the ``lightning`` extra (``pip install 'funhooks[lightning]'``); ``import funhooks``
 never imports Lightning.
 
@@ -48,6 +56,8 @@ class FoldCallback(Results, pl.Callback):
 
     Args:
         reducers: a dict or a list of reducers (a single reducer gives its result).
+        log_every: log the reducers' scalars to the trainer's loggers every that many steps;
+            None (the default): do not log.
 
     Attributes:
         result: the reducers' results in the shape of `reducers`, over the steps trained so
@@ -56,6 +66,7 @@ class FoldCallback(Results, pl.Callback):
 
     Raises:
         ReducerError: at construction, for an entry that lacks the reducer protocol.
+        LoopError: at construction, for a `log_every` that is not a positive int or None.
         SpecError, SelectorError: when training starts, for specs or watches that do not fit
             the LightningModule (paths are those of the LightningModule).
 
@@ -81,9 +92,9 @@ class FoldCallback(Results, pl.Callback):
         (('net.0', 'net.2'), 8)
     """
 
-    def __init__(self, reducers: Reducers) -> None:
+    def __init__(self, reducers: Reducers, *, log_every: int | None = None) -> None:
         super().__init__()
-        self._fold = Stepwise(reducers, "FoldCallback")
+        self._fold = Stepwise(reducers, "FoldCallback", log_every)
         self._global_step = 0
         self._normalize = 1
 
@@ -106,7 +117,8 @@ class FoldCallback(Results, pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any,
                            batch_idx: int) -> None:
-        """Add the micro-batch's loss; after the optimizer stepped, the step ends."""
+        """Add the micro-batch's loss; after the optimizer stepped, the step ends (and, on a
+        logging step, its scalars go to the trainer's loggers)."""
         if isinstance(outputs, Mapping):
             loss, metrics = outputs.get("loss"), {k: v for k, v in outputs.items() if k != "loss"}
         else:
@@ -115,7 +127,12 @@ class FoldCallback(Results, pl.Callback):
             loss = loss * self._normalize  # Lightning hands back the loss divided by the accumulation
         self._fold.add(loss, metrics)
         if trainer.global_step != self._global_step:
-            self._fold.end()
+            step = self._fold.end()
+            metrics = self._fold.scalars(step)
+            if metrics and step is not None:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step.iteration)
+                    logger.save()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A step left open (training stopped mid-accumulation) is dropped."""

@@ -26,7 +26,7 @@ from funhooks.training.step import Step
 
 from . import _shared as red
 
-__all__ = ["Entry", "Reducer", "Table", "TableResult", "add_step", "index", "merge", "table"]
+__all__ = ["Entry", "Reducer", "Table", "TableResult", "add_step", "index", "merge", "scalars", "table"]
 
 
 class Entry(NamedTuple):
@@ -64,6 +64,18 @@ def table(state: State, reducer: str, name: str, finish: Callable[[torch.Tensor]
             "`watches=reducer.watches` and the optimizer (fh.fit does), or check that the optimizer stepped."
         )
     return Table(entries, finish)
+
+
+def scalars(state: State, since: int, finish: Callable[[torch.Tensor], torch.Tensor],
+            columns: Sequence[str]) -> dict[str, float]:
+    """A reducer's ``scalars``: ``{"<layer>/<column>": value}`` of the newest recorded step when
+    its iteration is `since` or later (else ``{}``), the values its result gives for that step
+    (rows made values by `finish`), read to the host in one copy."""
+    last = red.newest(state, since)
+    if not last or not last[1].paths:
+        return {}
+    (rows,) = Table([last[1]], finish).rows()
+    return red.layer_scalars(rows, columns)
 
 
 def stacked(values: list[torch.Tensor]) -> torch.Tensor:

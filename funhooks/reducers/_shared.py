@@ -28,17 +28,21 @@ from funhooks.specs.selector import Selector, Where, select
 from .layers import LeafModules
 
 __all__ = [
-    "HEALTHY_RATIO", "Cons", "Steps", "Validator", "as_tensor", "entry_paths", "module_order", "roll", "settled",
-    "unroll"]
+    "HEALTHY_RATIO", "ROOT", "Cons", "Steps", "Validator", "as_tensor", "entry_paths", "layer_scalars", "module_order",
+    "newest", "roll", "settled", "unroll"]
 
 T = TypeVar("T")
 E = TypeVar("E")
+K = TypeVar("K", bound="Dated")
 
 Cons: TypeAlias = "tuple[()] | tuple[Cons[E], E]"
 """A cons-list state: ``()``, or ``(rest, entry)`` with the newest entry on top."""
 
 HEALTHY_RATIO = 1e-3
 """The rule of thumb for a healthy update-to-parameter ratio (Karpathy's), drawn on its plot."""
+
+ROOT = "(root)"
+"""The layer name of the model itself (path ``""``) in the names ``scalars`` gives."""
 
 
 def where(modules: Where | None, include_paramless: bool) -> Selector:
@@ -109,11 +113,15 @@ def last_calls(record: Record, name: str, caller: str) -> list[Any]:
     return out
 
 
-class StepEntry(Protocol):
-    """What every reducer's entry for one recorded step has."""
+class Dated(Protocol):
+    """What every reducer's entry for one step has: the step's iteration."""
 
     @property
     def iteration(self) -> int: ...
+
+
+class StepEntry(Dated, Protocol):
+    """What every per-layer reducer's entry for one recorded step has."""
 
     @property
     def paths(self) -> tuple[str, ...]: ...
@@ -156,6 +164,20 @@ def roll(entries: Sequence[E]) -> Cons[E]:
     for entry in entries:
         state = (state, entry)
     return state
+
+
+def newest(state: Cons[K], since: int) -> Cons[K]:
+    """A state holding only the newest entry of `state`, when its ``iteration`` is `since` or
+    later; else the empty state. O(1): what a reducer's ``scalars`` reads."""
+    if state and state[1].iteration >= since:
+        return ((), state[1])
+    return ()
+
+
+def layer_scalars(rows: dict[str, list[float]], columns: Sequence[str]) -> dict[str, float]:
+    """``{"<layer>/<column>": value}`` of one step's rows (``{path: values in column order}``),
+    the names ``scalars`` gives (the model itself named :data:`ROOT`)."""
+    return {f"{path or ROOT}/{column}": value for path, row in rows.items() for column, value in zip(columns, row)}
 
 
 def settled(value: torch.Tensor) -> Any:

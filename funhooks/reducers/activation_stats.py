@@ -220,6 +220,17 @@ class ActivationStats:
             by_iteration[entry.iteration] = entry if seen is None else ex.combine(seen, entry)
         return red.roll([by_iteration[k] for k in sorted(by_iteration)])
 
+    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+        """``{"<layer>/mean", "<layer>/std", "<layer>/near_zero": value}`` of each module at the
+        newest recorded step, when its iteration is `since` or later (else ``{}``): the numbers
+        ``result().stats`` gives for that step (no histogram), read to the host in one copy."""
+        last = red.newest(state, since)
+        if not last:
+            return {}
+        res = ActivationStatsResult((last[1],), False)
+        rows = {p: [s["mean"], s["std"], s["near_zero"]] for p, s in zip(res.paths, res.stats[0]) if s is not None}
+        return red.layer_scalars(rows, ("mean", "std", "near_zero"))
+
     def result(self, state: State) -> ActivationStatsResult:
         """The statistics of every recorded step.
 

@@ -237,6 +237,16 @@ class DeadUnits:
         ordered = tuple(masks[p] for p in paths)
         return _Entry(a.iteration, paths, ordered, _fractions(ordered))
 
+    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+        """``{"<layer>/dead": fraction}`` of each module at the newest recorded step, when its
+        iteration is `since` or later (else ``{}``): the numbers ``result().dead`` gives for
+        that step."""
+        last = red.newest(state, since)
+        if not last:
+            return {}
+        res = DeadUnitsResult((last[1],))
+        return red.layer_scalars({p: [d] for p, d in zip(res.paths, res.dead[0])}, ("dead",))
+
     def result(self, state: State) -> DeadUnitsResult:
         """The dead fractions of every recorded step.
 

@@ -13,10 +13,12 @@ Cost: whatever ``hook`` costs, per selected module call; the state keeps its ret
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import attrs
+import torch
 
 from funhooks import _frozen
 from funhooks.errors import ReducerError
@@ -134,7 +136,22 @@ class HookCallback:
         """The state of two disjoint chunks of steps, in iteration order."""
         return red.roll(sorted(red.unroll(a) + red.unroll(b), key=lambda entry: entry.iteration))
 
+    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+        """``{"<i>/<record name>": value}`` of the newest recorded step, when its iteration is
+        `since` or later (else ``{}``): each hook value that is a real number or a one-element
+        tensor, `i` its module's index (as in ``result``); other values are left out."""
+        last = red.newest(state, since)
+        if not last:
+            return {}
+        return {f"{i}/{self.record_name}": float(v) for i, v in enumerate(last[1].values) if _is_scalar(v)}
+
     def result(self, state: State) -> tuple[list[Any], ...]:
         """One list of hook values per recorded step."""
         return tuple(entry.values for entry in red.unroll(state))
 
+
+def _is_scalar(value: object) -> bool:
+    """A hook value ``scalars`` gives: a real number (not a bool) or a one-element tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

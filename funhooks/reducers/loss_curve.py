@@ -104,6 +104,16 @@ class LossCurve:
             by_iteration[entry.iteration] = entry
         return red.roll([by_iteration[k] for k in sorted(by_iteration)])
 
+    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+        """``{"loss": ..., "ema": ...}`` at the newest train step, when its iteration is `since` or
+        later (else ``{}``): the last of ``result().losses`` and of ``result().ema``. The moving
+        average depends on every loss so far, so a read copies them all to the host (a float per
+        step so far)."""
+        if not red.newest(state, since):
+            return {}
+        res = self.result(state)
+        return {"loss": res.losses[-1], "ema": res.ema[-1]}
+
     def result(self, state: State) -> LossCurveResult:
         """The losses in step order and their moving average (one copy to the host)."""
         entries = red.unroll(state)

@@ -82,6 +82,11 @@ class OutputMeans:
             merged[path] = self._add(path, merged.get(path), part)
         return merged
 
+    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+        """None (``{}``): its statistics are mean activations, tensors for ablation, not numbers
+        to watch per step."""
+        return {}
+
     def result(self, state: State) -> Record:
         """A Record of the means, ``(1, ...)``-shaped, under ``"output"``."""
         return Record({path: {"output": ((total / n).float(),)} for path, (total, n) in state.items()})

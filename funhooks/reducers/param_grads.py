@@ -140,6 +140,12 @@ class GradientStats(lay.Reducer):
         where = OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _GradientRows(), name=NAME),)
 
+    def scalars(self, state: lay.State, *, since: int = 0) -> dict[str, float]:
+        """``{"<layer>/<name>": value}``: each layer's gradient statistics (``norm``, ``mean``, ``std``, ``zeros``) at the newest
+        recorded step, when its iteration is `since` or later (else ``{}``); the numbers ``result``
+        gives for that step, read to the host in one copy."""
+        return lay.scalars(state, since, finish, COLUMNS)
+
     def result(self, state: lay.State) -> GradientStatsResult:
         """The statistics of every recorded step.
 

@@ -114,6 +114,12 @@ class UpdateRatio(lay.Reducer):
         where = OwnParams() if self.modules is None else self.modules
         return (OptimizerWatch(where, _Before(), _After(), name=NAME),)
 
+    def scalars(self, state: lay.State, *, since: int = 0) -> dict[str, float]:
+        """``{"<layer>/<name>": value}``: each layer's ratio (``ratio``) at the newest
+        recorded step, when its iteration is `since` or later (else ``{}``); the numbers ``result``
+        gives for that step, read to the host in one copy."""
+        return lay.scalars(state, since, finish, ("ratio",))
+
     def result(self, state: lay.State) -> UpdateRatioResult:
         """The ratios of every recorded step.
 

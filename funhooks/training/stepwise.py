@@ -6,7 +6,10 @@ epoch and global step: a resumed run numbers its steps on from the checkpoint's)
 has ended (after the optimizer's update); :class:`Stepwise` opens a :class:`~funhooks.training.recorder.Recorder`
 at the first (when some reducer reads the step), closes it at the second, builds the Step with
 the micro-batches' mean loss and advances every reducer's state. Between steps nothing is
-attached. A step that raises is aborted: everything detached, nothing read.
+attached. A step that raises is aborted: everything detached, nothing read. With
+``log_every=k``, :meth:`Stepwise.scalars` gives the reducers' scalars (see
+:mod:`funhooks.training.logged`) after every step whose iteration is a multiple of `k`, for the
+callback to hand to its trainer's loggers.
 
 Cost: per step, what :class:`~funhooks.training.recorder.Recorder` costs (nothing on steps no reducer
 records), one Step and each reducer's ``step``.
@@ -24,6 +27,7 @@ from funhooks.errors import LoopError
 from . import _one_step as _work
 from ._one_step import Optimizers
 from .folds import Reducers, as_items, records_of, watches_of
+from .logged import check_log_every, group_names, scalars_of
 from .recorder import Recorder
 from .step import EMPTY_RECORD, Metrics, Step
 
@@ -44,9 +48,11 @@ def misplaced(ours: str, theirs: str) -> LoopError:
 class Stepwise:
     """Reducers folded over the optimizer steps a framework brackets."""
 
-    def __init__(self, reducers: Reducers, caller: str) -> None:
+    def __init__(self, reducers: Reducers, caller: str, log_every: int | None = None) -> None:
         self.caller = caller
         self.shape, self.items = as_items(reducers, caller)
+        self.log_every = check_log_every(log_every, caller, "log_every")
+        self.names = group_names(reducers)
         self.specs = tuple(dict.fromkeys(s for r in self.items for s in r.specs))
         self.watches = tuple(dict.fromkeys(w for r in self.items for w in watches_of(r)))
         self.records = records_of(self.items)
@@ -109,6 +115,14 @@ class Stepwise:
         step = Step(self.epoch, self.iteration, loss, record, True, self.metrics)
         self.states = [r.step(s, step) for r, s in zip(self.items, self.states)]
         return step
+
+    def scalars(self, step: Step | None) -> dict[str, float]:
+        """The reducers' scalars to log after `step` (``funhooks/<group>/<layer>/<statistic>``,
+        of their steps since the last logging step); ``{}`` on other steps and without
+        ``log_every``."""
+        if step is None or self.log_every is None or step.iteration % self.log_every:
+            return {}
+        return scalars_of(self.names, self.items, self.states, step.iteration - self.log_every + 1)
 
     def abort(self) -> None:
         """Drop an open step (training raised or stopped mid-step): everything detached."""
