@@ -1,4 +1,5 @@
-"""Per-step values on the CPU are kept without a tensor per step, so a long CPU run's memory
+"""Per-step values on the CPU are kept without a tensor per step (ActivationStats too: its exact
+statistics are checked against fastai's in test_stats*.py on this path), so a long CPU run's memory
 stays flat (tiny tensors kept per step pin freed heap pages)."""
 
 from __future__ import annotations
@@ -33,18 +34,21 @@ def state_after(reducer: Any, n: int) -> Any:
     return state
 
 
-@pytest.mark.parametrize("reducer", [fh.LossCurve(), fh.UpdateRatio(), fh.GradientStats(), fh.DeadUnits()],
-                         ids=lambda r: type(r).__name__)
+REDUCERS = [fh.LossCurve(), fh.UpdateRatio(), fh.GradientStats(), fh.DeadUnits(), fh.ActivationStats(),
+            fh.ActivationStats(with_hist=True)]
+
+
+@pytest.mark.parametrize("reducer", REDUCERS, ids=lambda r: repr(r)[:40])
 def test_cpu_state_holds_no_tensor_per_step(reducer: Any) -> None:
     """After many CPU steps the state holds as many tensors as after a few (none)."""
     few, many = state_after(reducer, 2), state_after(reducer, 12)
     assert tensors_in(many) == tensors_in(few) == 0
 
 
-@pytest.mark.parametrize("reducer", [fh.LossCurve(), fh.UpdateRatio(), fh.GradientStats(), fh.DeadUnits()],
-                         ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("reducer", REDUCERS, ids=lambda r: repr(r)[:40])
 def test_cpu_values_merge_and_read_as_before(reducer: Any) -> None:
     """States kept as host values still merge (two ranks' halves, chunks) and give results."""
     state = state_after(reducer, 3)
     merged = reducer.merge(state, state)
     assert repr(reducer.result(merged)) == repr(reducer.result(state))
+

@@ -211,6 +211,52 @@ def batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
     return torch.zeros(x.shape[0], bins, dtype=x.dtype, device=x.device).scatter_add_(1, pos, inside.to(x.dtype))
 
 
+class Settled(NamedTuple):
+    """A small CPU tensor of a state kept as Python numbers: one tensor kept per step pins
+    freed heap pages, so a long CPU run's memory would grow with its steps (issue 26, item 8).
+    :func:`live` gives the tensor back, bit for bit (values, dtype and shape)."""
+
+    values: list[Any]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class Kept(NamedTuple):
+    """An :class:`Entry` as a CPU state keeps it: rows and histograms as :class:`Settled`."""
+
+    iteration: int
+    paths: tuple[str, ...]
+    ns: tuple[int, ...]
+    order: tuple[int, ...]
+    rows: Settled
+    hist: Settled | None
+
+
+def settled(entry: Entry) -> Entry | Kept:
+    """`entry` as a state keeps it: on the CPU its rows and histograms as :class:`Settled`
+    (read there with no sync); on another device unchanged (nothing read)."""
+    if entry.rows.device.type != "cpu":
+        return entry
+    hist = None if entry.hist is None else _settle(entry.hist)
+    return Kept(entry.iteration, entry.paths, entry.ns, entry.order, _settle(entry.rows), hist)
+
+
+def _settle(t: Tensor) -> Settled:
+    return Settled(t.tolist(), t.dtype, tuple(t.shape))
+
+
+def live(entry: Entry | Kept) -> Entry:
+    """`entry` with tensors again, as :func:`settled` took them, bit for bit."""
+    if isinstance(entry, Entry):
+        return entry
+    hist = None if entry.hist is None else _tensor(entry.hist)
+    return Entry(entry.iteration, entry.paths, entry.ns, entry.order, _tensor(entry.rows), hist)
+
+
+def _tensor(s: Settled) -> Tensor:
+    return torch.tensor(s.values, dtype=s.dtype).reshape(s.shape)
+
+
 class Entry(NamedTuple):
     """One recorded step: the paths of the modules that ran (module order), their output
     sizes, and per-row statistics.

@@ -81,7 +81,7 @@ Tensor = torch.Tensor
 
 T = TypeVar("T")
 
-State: TypeAlias = "red.Cons[ex.Entry]"
+State: TypeAlias = "red.Cons[ex.Entry | ex.Kept]"
 """One :class:`~funhooks.reducers._exact.Entry` per recorded step, newest on top."""
 
 
@@ -208,17 +208,18 @@ class ActivationStats:
             return state
         calls = step.record.calls_by_path(self.record_name)
         if not calls:
-            return (state, ex.empty_entry(step.iteration, self._snapshot))
-        return (state, ex.reduce_calls(calls, self._snapshot, step.iteration))
+            return (state, ex.settled(ex.empty_entry(step.iteration, self._snapshot)))
+        return (state, ex.settled(ex.reduce_calls(calls, self._snapshot, step.iteration)))
 
     def merge(self, a: State, b: State) -> State:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
         the same iteration in both (two ranks) is combined by module path as one larger batch."""
         by_iteration: dict[int, ex.Entry] = {}
-        for entry in red.unroll(a) + red.unroll(b):
+        for kept in red.unroll(a) + red.unroll(b):
+            entry = ex.live(kept)
             seen = by_iteration.get(entry.iteration)
             by_iteration[entry.iteration] = entry if seen is None else ex.combine(seen, entry)
-        return red.roll([by_iteration[k] for k in sorted(by_iteration)])
+        return red.roll([ex.settled(by_iteration[k]) for k in sorted(by_iteration)])
 
     def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/mean", "<layer>/std", "<layer>/near_zero": value}`` of each module at the
@@ -227,7 +228,7 @@ class ActivationStats:
         last = red.newest(state, since)
         if not last:
             return {}
-        res = ActivationStatsResult((last[1],), False)
+        res = ActivationStatsResult((ex.live(last[1]),), False)
         rows = {p: [s["mean"], s["std"], s["near_zero"]] for p, s in zip(res.paths, res.stats[0]) if s is not None}
         return red.layer_scalars(rows, ("mean", "std", "near_zero"))
 
@@ -238,7 +239,7 @@ class ActivationStats:
             ReducerError: when steps were recorded and none of them holds this reducer's
                 values (steps run without its specs, or no selected module ever ran).
         """
-        entries = tuple(red.unroll(state))
+        entries = tuple(ex.live(e) for e in red.unroll(state))
         if entries and not any(e.paths for e in entries):
             raise ReducerError(
                 f"ActivationStats: a recorded train step holds the records of the reducer's specs, got "
