@@ -19,17 +19,6 @@ from . import _torch
 __all__ = ["in_mode", "modes_kept"]
 
 
-def _modules(model: nn.Module) -> list[nn.Module]:
-    """``model.modules()``, by a plain walk (no generators, no path strings: it runs per step)."""
-    found, seen = [model], {id(model)}
-    for module in found:  # grows while it is walked
-        for child in _torch.children(module).values():
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                found.append(child)
-    return found
-
-
 @contextlib.contextmanager
 def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """Inside the block `model` is in train (or eval) mode; after it, every module's flag is
@@ -47,7 +36,7 @@ def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
         >>> model.training, model[0].training, model[1].training
         (False, False, True)
     """
-    modes = [(m, m.training) for m in _modules(model)]
+    modes = [(m, m.training) for m in _torch.walk(model)]
     if all(flag == training for _, flag in modes):
         yield
         return
@@ -71,7 +60,7 @@ def modes_kept(model: nn.Module) -> Iterator[None]:
         >>> model.training, model[0].training
         (False, False)
     """
-    modes = [(m, m.training) for m in _modules(model)]
+    modes = [(m, m.training) for m in _torch.walk(model)]
     try:
         yield
     finally:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "call_impl",
     "children",
+    "walk",
     "is_functorch_active",
     "own_buffers",
     "own_parameters",
@@ -53,6 +54,18 @@ tree_leaves = pytree.tree_leaves
 def children(module: nn.Module) -> dict[str, nn.Module | None]:
     """`module`'s own children by name, ``None`` entries included (``module._modules``)."""
     return module._modules
+
+
+def walk(model: nn.Module) -> list[nn.Module]:
+    """``model.modules()`` (each module once, `model` first), by a plain walk of the children
+    tables: no generators, no path strings, for walks made per step."""
+    found, seen = [model], {id(model)}
+    for module in found:  # grows while it is walked
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+    return found
 
 
 def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
