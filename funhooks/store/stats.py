@@ -96,13 +96,13 @@ class Accumulator:
     Rows are cut into the chunks :func:`shard_moments` reads (``STATS_CHUNK_ROWS`` rows from
     the shard's first row), so the result is bit-equal to that pass over the finished file.
     A chunk inside one batch is used in place; a chunk's rows that come in several batches
-    are gathered in `buffers` (one ``STATS_CHUNK_ROWS``-row tensor per column, made on first
+    are gathered in `chunks` (one ``STATS_CHUNK_ROWS``-row tensor per column, made on first
     use and kept in the dict given, so that the next shard reuses them).
     """
 
-    def __init__(self, columns: Sequence[Column], buffers: dict[str, torch.Tensor]) -> None:
+    def __init__(self, columns: Sequence[Column], chunks: dict[str, torch.Tensor]) -> None:
         self.columns = [c for c in columns if c.dtype.is_floating_point]
-        self._buffers, self._held = buffers, 0
+        self._chunks, self._held = chunks, 0
         self.totals = {c.name: Moments(0, torch.zeros(math.prod(c.shape), dtype=torch.float64),
                                        torch.zeros(math.prod(c.shape), dtype=torch.float64), 0.0)
                        for c in self.columns}
@@ -118,25 +118,25 @@ class Accumulator:
         for c in self.columns:
             x, held, at = rows[c.name], self._held, 0
             if held:
-                buffer = self._buffers[c.name]
+                chunk = self._chunks[c.name]
                 at = min(n, STATS_CHUNK_ROWS - held)
-                buffer[held:held + at].copy_(x[:at])
+                chunk[held:held + at].copy_(x[:at])
                 if held + at == STATS_CHUNK_ROWS:
-                    self._add(c.name, buffer)
+                    self._add(c.name, chunk)
             while n - at >= STATS_CHUNK_ROWS:
                 self._add(c.name, x[at:at + STATS_CHUNK_ROWS])
                 at += STATS_CHUNK_ROWS
             if at < n:
-                if c.name not in self._buffers:
-                    self._buffers[c.name] = torch.empty((STATS_CHUNK_ROWS, *c.shape), dtype=c.dtype)
-                self._buffers[c.name][:n - at].copy_(x[at:])
+                if c.name not in self._chunks:
+                    self._chunks[c.name] = torch.empty((STATS_CHUNK_ROWS, *c.shape), dtype=c.dtype)
+                self._chunks[c.name][:n - at].copy_(x[at:])
         self._held = (self._held + n) % STATS_CHUNK_ROWS
 
     def moments(self) -> dict[str, Moments]:
         """The moments of every row added (the last, partial chunk included)."""
         if self._held:
             for c in self.columns:
-                self._add(c.name, self._buffers[c.name][:self._held])
+                self._add(c.name, self._chunks[c.name][:self._held])
             self._held = 0
         return self.totals
 
