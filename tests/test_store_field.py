@@ -137,26 +137,69 @@ def test_swapped_shards_are_refused_when_read_and_by_verify(tmp_path):
         assert str(info.value) == message
 
 
+def _regions(path: pathlib.Path) -> dict[str, int]:
+    """The CRC-32 of each region of a shard file, read from its safetensors header."""
+    data = path.read_bytes()
+    size = 8 + int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:size])
+    return {"header": zlib.crc32(data[:size]),
+            **{name: zlib.crc32(data[size + t["data_offsets"][0]:size + t["data_offsets"][1]])
+               for name, t in header.items() if name != "__metadata__"}}
+
+
 def test_bit_rot_inside_a_shard_is_found_by_verify(tmp_path):
-    """Each manifest line records the CRC-32 of its shard's bytes; `verify()` reads every
-    shard and names one whose bytes changed (opening stays cheap and does not read them)."""
+    """Each manifest line records the CRC-32 of each region of its shard (header, then each
+    column's bytes), taken while writing; `verify()` reads every shard and names the one
+    whose bytes changed, and the column (opening stays cheap and does not read them)."""
     stream = _store(tmp_path)
     for line in _lines(tmp_path)[1:]:
-        assert line["crc32"] == zlib.crc32((tmp_path / line["file"]).read_bytes())
+        assert line["crc32s"] == _regions(tmp_path / line["file"]) and "crc32" not in line
     assert fh.ActivationDataset(tmp_path).verify() is None
     shard = tmp_path / "shard.rank0.000001.safetensors"
     data = bytearray(shard.read_bytes())
-    data[-1] ^= 0x10  # one bit of the last row's int64 column
+    data[-1] ^= 0x10  # one bit of the last row of the float32 column, last in the file (widest dtypes first)
     shard.write_bytes(bytes(data))
     ds = fh.ActivationDataset(tmp_path)
     assert len(ds) == len(expected_rows(stream)["a/output"])
     with pytest.raises(fh.StoreError) as info:
         ds.verify()
-    want, got = _lines(tmp_path)[2]["crc32"], zlib.crc32(bytes(data))
+    want, got = _lines(tmp_path)[2]["crc32s"]["a/output"], _regions(shard)["a/output"]
     assert str(info.value) == (
         f"ActivationDataset: a shard's bytes have the CRC-32 its manifest line records, got "
-        f"shard.rank0.000001.safetensors with {got:#010x} where the manifest says {want:#010x}. Restore the file, "
-        "or write the store again."
+        f"shard.rank0.000001.safetensors (column 'a/output') with {got:#010x} where the manifest says {want:#010x}. "
+        "Restore the file, or write the store again."
+    )
+
+
+def test_a_shorter_last_shard_has_the_crc32s_of_its_compacted_regions(tmp_path):
+    """The last shard of a run holds fewer rows than `rows_per_shard`, so its columns move
+    and its header shrinks when it is finished: its checksums are still those of its bytes."""
+    stream = {**_stream(3), "rows_per_shard": 4}
+    ds = feed(writer_for(tmp_path, stream), stream)
+    lines = _lines(tmp_path)[1:]
+    assert [line["rows"] for line in lines] == [4, 2]
+    assert [line["crc32s"] for line in lines] == [_regions(tmp_path / line["file"]) for line in lines]
+    assert ds.verify() is None
+
+
+def test_stores_with_one_whole_file_crc32_still_verify(tmp_path):
+    """Stores written with one `crc32` per shard line (the whole file's) verify as before."""
+    _store(tmp_path)
+    lines = _lines(tmp_path)
+    old = [{**{k: v for k, v in line.items() if k != "crc32s"}, "crc32": zlib.crc32((tmp_path / line["file"]).read_bytes())}
+           for line in lines[1:]]
+    _rewrite(tmp_path, [lines[0], *old])
+    assert fh.ActivationDataset(tmp_path).verify() is None
+    shard = tmp_path / "shard.rank0.000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(fh.StoreError) as info:
+        fh.ActivationDataset(tmp_path).verify()
+    assert str(info.value) == (
+        f"ActivationDataset: a shard's bytes have the CRC-32 its manifest line records, got "
+        f"shard.rank0.000001.safetensors with {zlib.crc32(bytes(data)):#010x} where the manifest says "
+        f"{old[1]['crc32']:#010x}. Restore the file, or write the store again."
     )
 
 
@@ -164,7 +207,7 @@ def test_manifests_without_checksums_still_open_read_and_verify(tmp_path):
     """Stores written before checksums: they open and read; `verify()` checks their layout."""
     stream = _store(tmp_path)
     lines = _lines(tmp_path)
-    _rewrite(tmp_path, [lines[0], *({k: v for k, v in line.items() if k != "crc32"} for line in lines[1:])])
+    _rewrite(tmp_path, [lines[0], *({k: v for k, v in line.items() if k != "crc32s"} for line in lines[1:])])
     ds = fh.ActivationDataset(tmp_path)
     assert ds.verify() is None
     assert same_rows(ds[:], expected_rows(stream))
@@ -203,6 +246,9 @@ DAMAGE = [
      "`end` [1] on line 2")),
     (2, lambda s: s.update(crc32=-1), ("each shard line gives its `crc32`, if any, as an int in range(2**32), got "
      "`crc32` -1 on line 2")),
+    (2, lambda s: s["crc32s"].pop("header"), ("each shard line gives its `crc32s`, if any, as an int in range(2**32) "
+     "for each of ['header', 'a/output', 'b/output'], got `crc32s` {")),
+    (3, lambda s: s["crc32s"].update(header=1 << 32), "got `crc32s` {'header': 4294967296"),
 ]
 
 

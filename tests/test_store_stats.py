@@ -108,3 +108,19 @@ def test_a_selected_column_has_stats_and_int_columns_have_none(tmp_path):
     ds = fh.collect(writer, [torch.randint(0, 10, (5,))])
     assert list(ds.stats()) == ["0/output"]
     assert fh.ActivationDataset(tmp_path, columns="0/ids").stats() == {}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_stats_of_batches_that_cross_chunks_and_shards_equal_a_second_pass(tmp_path, dtype):
+    """Statistics are computed while writing, in `STATS_CHUNK_ROWS`-row chunks from each shard's
+    first row: batches that end inside a chunk, hold several whole chunks, or cross a shard give
+    exactly the numbers of reading every shard again."""
+    chunk = fh.store.STATS_CHUNK_ROWS
+    gen = torch.Generator().manual_seed(1)
+    sizes = [chunk - 300, 200, 2 * chunk + 150, 3, chunk, 700]
+    writer = fh.ActivationWriter(nn.Sequential(nn.Identity()), fh.outputs("0"), tmp_path, dtype=dtype,
+                                 rows_per_shard=3 * chunk + 10, fsync=False)
+    ds = fh.collect(writer, [1 + torch.randn(n, 5, generator=gen) for n in sizes])
+    got, again = ds.stats()["0/output"], ds.stats(recompute=True)["0/output"]
+    assert (got.count, ds.shards) == (sum(sizes), 2)
+    assert torch.equal(got.mean, again.mean) and torch.equal(got.var, again.var) and got.mean_norm == again.mean_norm

@@ -5,9 +5,12 @@ A store is a directory; rank ``r`` owns these files in it:
 - ``manifest.rank{r}.jsonl`` (JSON Lines). Line 1 is the header: format name and version,
   the columns (dtype and shape of one row), specs, model class, module paths, options and
   library versions. Each further line commits one shard: ``{"shard", "file", "rows",
-  "bytes", "end", "crc32"}``, where ``end = [b, r]`` says that the rows committed so far are
-  those of every batch before ``b`` plus the first ``r`` rows of batch ``b``, and ``crc32``
-  is the checksum of the shard's bytes (absent from stores written before it existed).
+  "bytes", "end", "crc32s", "stats"}``, where ``end = [b, r]`` says that the rows committed
+  so far are those of every batch before ``b`` plus the first ``r`` rows of batch ``b``, and
+  ``crc32s`` holds the CRC-32 of each region of the shard's file: ``"header"`` (its first
+  ``8 + header size`` bytes) and each column's tensor bytes, by column name (column names
+  always hold a ``/``). Stores written before it have ``crc32``, the checksum of the whole
+  file, or, older still, no checksum.
   ``file`` is exactly the shard's own name below: a line naming anything else (a path out
   of the directory) is refused, and a listed shard that is a symbolic link too.
 - ``shard.rank{r}.{k:06d}.safetensors``, the shards (``_shards.py``).
@@ -46,7 +49,7 @@ import torch
 from funhooks import _frozen
 from funhooks.errors import StoreError
 
-from ._shards import SHARD, TEMP_SUFFIX, Column, JsonObject, is_storable
+from ._shards import HEADER, SHARD, TEMP_SUFFIX, Column, JsonObject, is_storable
 
 FORMAT = "funhooks.activations"
 FORMAT_VERSION = 1
@@ -201,6 +204,12 @@ def _check_line(line: JsonObject, k: int, rank: int, columns: list[Column], path
         raise field.error("end", "each shard line gives its `end`, [batch, row] as two non-negative ints")
     if "crc32" in line and not _is_int(line["crc32"], 0, 1 << 32):
         raise field.error("crc32", "each shard line gives its `crc32`, if any, as an int in range(2**32)")
+    crcs = line.get("crc32s")
+    regions = [HEADER, *(c.name for c in columns)]
+    if "crc32s" in line and (not isinstance(crcs, dict) or sorted(crcs) != sorted(regions)
+                             or not all(_is_int(v, 0, 1 << 32) for v in crcs.values())):
+        raise field.error("crc32s", f"each shard line gives its `crc32s`, if any, as an int in range(2**32) for "
+                                    f"each of {regions}")
 
 
 def check_header_format(header: JsonObject, path: pathlib.Path, caller: str) -> None:

@@ -15,9 +15,11 @@ layout, and the tests read them with ``safetensors.torch.load_file`` too.
 
 Costs: per batch one ``seek`` and ``write`` per column; the last, shorter shard of a run is
 compacted once, moving its columns to close the space left for rows that never came (at
-most one shard's bytes, copied ``COPY_CHUNK_BYTES`` at a time). A finished shard is read
-back once for its CRC-32 (from the page cache, just written; ``zlib.crc32`` runs at
-gigabytes per second).
+most one shard's bytes, copied ``COPY_CHUNK_BYTES`` at a time). Checksums are never read
+back: each column's region keeps a running CRC-32 of the bytes written into it
+(``zlib.crc32`` on the batch's own buffer, at gigabytes per second, the GIL released),
+and the header's is taken when it is written at the end. Compaction moves a region
+whole, so its CRC-32 stays that of its bytes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from funhooks.errors import StoreError
 SHARD = "shard.rank{rank}.{index:06d}.safetensors"
 TEMP_SUFFIX = ".tmp"
 COPY_CHUNK_BYTES = 1 << 24
-"""Compaction of a last, shorter shard copies, and a checksum reads, at most this many bytes at a time."""
+"""Compaction of a last, shorter shard copies, and ``verify`` reads, at most this many bytes at a time."""
 
 JsonObject: TypeAlias = "Mapping[str, Any]"
 """A JSON object as ``json.loads`` reads it: its values are whatever the file holds, so every
@@ -110,19 +112,34 @@ class Column:
         return f"{dtype_name(self.dtype)} rows of shape {self.shape}"
 
 
+HEADER = "header"
+"""The key of a shard's header region (its 8-byte size and JSON header) in a manifest line's ``crc32s``."""
+
+
 class Finished(NamedTuple):
-    """A finished shard file: its size in bytes and the CRC-32 of those bytes."""
+    """A finished shard file: its size in bytes and the CRC-32 of each region: ``HEADER``
+    (bytes ``0:8 + header size``) and every column's tensor bytes, by column name."""
 
     bytes: int
-    crc32: int
+    crc32s: dict[str, int]
 
 
-def crc32_of(f: BinaryIO) -> int:
-    """The CRC-32 of what is left in `f`, read ``COPY_CHUNK_BYTES`` at a time."""
+def crc32_of(f: BinaryIO, size: int | None = None) -> int:
+    """The CRC-32 of the next `size` bytes of `f` (all that is left if None; fewer if
+    the file ends first), read ``COPY_CHUNK_BYTES`` at a time."""
     crc = 0
-    while chunk := f.read(COPY_CHUNK_BYTES):
+    while size is None or size > 0:
+        chunk = f.read(COPY_CHUNK_BYTES if size is None else min(size, COPY_CHUNK_BYTES))
+        if not chunk:
+            break
         crc = zlib.crc32(chunk, crc)
+        size = None if size is None else size - len(chunk)
     return crc
+
+
+def region_sizes(columns: Sequence[Column], rows: int) -> list[tuple[str, int]]:
+    """(column name, bytes) of each column region of a shard of `rows` rows, in file order."""
+    return [(c.name, rows * c.row_bytes) for c in in_layout_order(columns)]
 
 
 def rank_files(directory: pathlib.Path, rank: int) -> list[pathlib.Path]:
@@ -176,9 +193,11 @@ class ShardFile:
         header = _header(self.columns, capacity, self._meta)
         self._reserve, self._data = len(header), 8 + len(header)
         self._begin = {name: b for name, (b, _) in _layout(self.columns, capacity).items()}
+        self._crc32s = dict.fromkeys(self._begin, 0)
+        self._head = struct.pack("<Q", len(header)) + header
         self._file = open(self.temp, "xb+")  # noqa: SIM115 - closed by finish() or discard()
         try:
-            self._file.write(struct.pack("<Q", len(header)) + header)
+            self._file.write(self._head)
         except BaseException:
             self.discard()
             raise
@@ -191,20 +210,21 @@ class ShardFile:
             n = t.shape[0]
             if n:
                 self._file.seek(self._data + self._begin[c.name] + self.rows * c.row_bytes)
-                self._file.write(_buffer(t))
+                data = _buffer(t)
+                self._file.write(data)
+                self._crc32s[c.name] = zlib.crc32(data, self._crc32s[c.name])
         self.rows += n
 
     def finish(self, *, fsync: bool) -> Finished:
-        """Finish the file (compacted when it holds fewer than `capacity` rows); its size and checksum."""
+        """Finish the file (compacted when it holds fewer than `capacity` rows); its size and checksums."""
         if self.rows < self.capacity:
             self._compact()
         self._file.flush()
         if fsync:
             os.fsync(self._file.fileno())
-        self._file.seek(0)
-        crc = crc32_of(self._file)
         self._file.close()
-        return Finished(self._data + sum(self.rows * c.row_bytes for c in self.columns), crc)
+        return Finished(self._data + sum(self.rows * c.row_bytes for c in self.columns),
+                        {HEADER: zlib.crc32(self._head), **self._crc32s})
 
     def _compact(self) -> None:
         header = _header(self.columns, self.rows, self._meta, reserve=self._reserve)
@@ -220,6 +240,7 @@ class ShardFile:
                 src, dst, left = src + len(chunk), dst + len(chunk), left - len(chunk)
         self._file.seek(8)
         self._file.write(header)
+        self._head = self._head[:8] + header
         self._file.truncate(self._data + sum(self.rows * c.row_bytes for c in self.columns))
 
     def discard(self) -> None:

@@ -10,8 +10,10 @@ In one process, opening a rank again (a restart after an exception) closes the s
 had it, whose state then refuses further steps. A sink dropped without a flush deletes
 its temporary and releases its lock when it is garbage collected.
 
-Costs: memory holds no rows (they go from the activation to the file); see ``_shards.py``
-for the per-batch and per-shard I/O.
+Costs: memory holds no rows (they go from the activation to the file) beyond one
+statistics chunk per floating-point column (``stats.Accumulator``); see ``_shards.py`` for
+the per-batch and per-shard I/O. No shard is read back: its checksums and statistics are
+computed from the rows as they are written.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class Sink:
         if earlier is not None:
             earlier.close()
         self._held = _Held(_manifest.RankLock(directory, rank, CALLER))
+        self._moments: stats.Accumulator | None = None
+        self._chunks: dict[str, torch.Tensor] = {}
+        """The statistics' chunk buffers, kept from shard to shard."""
         self._finalizer = weakref.finalize(self, _Held.close, self._held)
         try:
             self._recover()
@@ -135,6 +140,8 @@ class Sink:
             take = min(n - done, shard.capacity - shard.rows)
             piece = {k: v[done:done + take] for k, v in rows.items()}
             self._io("writing", shard.write, piece)
+            assert self._moments is not None
+            self._moments.add(piece)
             done += take
             if shard.rows == shard.capacity:
                 self._commit((batch, first_row + done) if done < n else (batch + 1, 0))
@@ -152,11 +159,12 @@ class Sink:
         meta = {"format": "pt", "funhooks": json.dumps(about)}
         assert self.columns is not None
         shard = self._held.shard = _shards.ShardFile(self.directory, self.rank, self.shards, self.columns, self.capacity, meta)
+        self._moments = stats.Accumulator(self.columns, self._chunks)
         return shard
 
     def _commit(self, end: tuple[int, int]) -> None:
-        shard = self._held.shard
-        assert shard is not None
+        shard, moments = self._held.shard, self._moments
+        assert shard is not None and moments is not None
 
         def commit() -> None:
             finished = shard.finish(fsync=self.fsync)
@@ -165,7 +173,7 @@ class Sink:
                 if self.fsync:
                     _manifest.fsync_directory(self.directory)
                 line = {"shard": self.shards, "file": shard.final.name, "rows": shard.rows, "bytes": finished.bytes,
-                        "end": list(end), "crc32": finished.crc32, "stats": self._stats(shard)}
+                        "end": list(end), "crc32s": finished.crc32s, "stats": stats.to_json(moments.moments())}
                 if self.inputs is not None:
                     line["inputs"] = dict(self.inputs)
                 _manifest.append_line(self.manifest_path, line, fsync=self.fsync)
@@ -179,15 +187,6 @@ class Sink:
         self.shards += 1
         self.rows += shard.rows
         self.end = end
-
-    def _stats(self, shard: _shards.ShardFile) -> dict[str, object]:
-        """The statistics of a finished shard, read back from its file as a reader maps it."""
-        from safetensors import safe_open
-
-        assert self.columns is not None
-        with safe_open(shard.final, framework="pt") as f:
-            slices = {c.name: f.get_slice(c.name) for c in self.columns if c.dtype.is_floating_point}
-            return stats.to_json(stats.shard_moments(lambda name, a, b: slices[name][a:b], self.columns, shard.rows))
 
     def _io(self, doing: str, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(*args)``; an OSError discards the unfinished shard and becomes a StoreError."""

@@ -11,7 +11,8 @@ Trust: the manifests are checked field by field, and a shard is read only under 
 name the writer gave it in the store's directory, never through a link. A shard's own
 metadata (rank and index) is checked when it is first mapped, so swapped files are refused
 before a row of them is returned; :meth:`ActivationDataset.verify` reads every byte against
-the CRC-32 each manifest line records.
+the CRC-32s each manifest line records (one per region of the file: the header and each
+column; the whole file's for stores written before regions had their own).
 
 Costs: opening the dataset reads the manifests and ``stat``s every shard (no data). One row
 (``ds[i]``) costs a bisection and one small copy per column; a batch (``ds[indices]``, or a
@@ -61,6 +62,9 @@ class _Listed(NamedTuple):
     rank: int
     shard: int
     crc32: int | None
+    """The whole file's CRC-32 (stores written before ``crc32s``), or None."""
+    crc32s: dict[str, int] | None
+    """The CRC-32 of each region (``_shards.HEADER`` and each column), or None."""
     stats: object
     """The line's ``stats`` (None in stores written before statistics)."""
 
@@ -165,7 +169,7 @@ class ActivationDataset(torch.utils.data.Dataset):
             if error is not None:
                 raise error
             self._files += [_Listed(self.directory / line["file"], line["rows"], rank, line["shard"], line.get("crc32"),
-                                    line.get("stats")) for line in m.shards]
+                                    line.get("crc32s"), line.get("stats")) for line in m.shards]
         self._starts = [0]
         for listed in self._files:
             self._starts.append(self._starts[-1] + listed.rows)
@@ -174,6 +178,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         """The header of the first rank (format, columns, specs, model, module paths, options,
         versions), plus ``"ranks"``."""
         every = [_shards.Column.from_json(c) for c in first.header["columns"]]  # type: ignore[index]
+        self._every = every
         self._columns, self._single = self._select(every, columns)
         self._cache: collections.OrderedDict[int, dict[str, torch.Tensor]] = collections.OrderedDict()
         self._pid = os.getpid()
@@ -219,7 +224,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         if tensors is not None:
             self._cache.move_to_end(s)
             return tensors
-        path, rows, rank, index, _, _ = self._files[s]
+        path, rows, rank, index, *_ = self._files[s]
         problem: str | None
         try:
             with self._safe_open(path, framework="pt") as f:
@@ -271,16 +276,26 @@ class ActivationDataset(torch.utils.data.Dataset):
         """
         for s, listed in enumerate(self._files):
             self._open(s)
-            if listed.crc32 is None:
-                continue
-            with open(listed.path, "rb") as f:
-                crc = _shards.crc32_of(f)
-            if crc != listed.crc32:
-                raise StoreError(
-                    f"{CALLER}: a shard's bytes have the CRC-32 its manifest line records, got {listed.path.name} "
-                    f"with {crc:#010x} where the manifest says {listed.crc32:#010x}. Restore the file, or write the "
-                    "store again."
-                )
+            if listed.crc32s is not None:
+                with open(listed.path, "rb") as f:
+                    head = f.read(8)
+                    size = 8 + int.from_bytes(head, "little") if len(head) == 8 else 0
+                    f.seek(0)
+                    regions = [(_shards.HEADER, size), *_shards.region_sizes(self._every, listed.rows)]
+                    for name, size in regions:
+                        self._check_crc(listed.path, _shards.crc32_of(f, size), listed.crc32s[name],
+                                        " (header)" if name == _shards.HEADER else f" (column {name!r})")
+            elif listed.crc32 is not None:
+                with open(listed.path, "rb") as f:
+                    self._check_crc(listed.path, _shards.crc32_of(f), listed.crc32, "")
+
+    @staticmethod
+    def _check_crc(path: pathlib.Path, crc: int, want: int, where: str) -> None:
+        if crc != want:
+            raise StoreError(
+                f"{CALLER}: a shard's bytes have the CRC-32 its manifest line records, got {path.name}{where} "
+                f"with {crc:#010x} where the manifest says {want:#010x}. Restore the file, or write the store again."
+            )
 
     def stats(self, *, recompute: bool = False) -> dict[str, column_stats.ColumnStats]:
         """Count, mean, variance and mean norm of each floating-point column, over every row.

@@ -1,10 +1,10 @@
 """Column statistics of an activation store: count, mean, variance and mean row norm of
 every floating-point column, computed while the store is written.
 
-Each shard's statistics are computed when it is committed, from the shard's own bytes, in
-chunks of :data:`STATS_CHUNK_ROWS` rows from its first row (float32 sums within a chunk,
-``float64`` merges between chunks and shards, Chan's pairwise update), and written on its
-manifest line. :meth:`ActivationDataset.stats <funhooks.ActivationDataset.stats>` merges
+Each shard's statistics are computed while it is written, from the rows going into it
+(exactly the bytes the file gets), in chunks of :data:`STATS_CHUNK_ROWS` rows from its
+first row (float32 sums within a chunk, ``float64`` merges between chunks and shards,
+Chan's pairwise update), and written on its manifest line when it is committed. :meth:`ActivationDataset.stats <funhooks.ActivationDataset.stats>` merges
 the lines in store order; ``stats(recompute=True)`` reads every shard again and runs the
 same computation, so a second pass gives exactly the numbers written (and both agree with
 a ``float64`` reference over all rows to about 1e-6 relative).
@@ -14,9 +14,11 @@ rows a chosen mean L2 norm; SAELens scales the residual stream to a mean norm of
 ``sqrt(d)``: ``x * stats.norm_scale(math.sqrt(d))``. Standardising (``(x - mean) / std``)
 uses ``mean`` and ``std``.
 
-Costs: per committed shard, one more read of it from the page cache and about three
-passes of float32 arithmetic over its floating-point columns; per shard line, two numbers
-per element of a row (JSON, exact ``float64`` round trips).
+Costs: nothing is read back. Per written row, about three passes of float32 arithmetic
+over its floating-point columns; rows of a chunk that come in several batches are first
+copied into one chunk buffer per column (at most ``STATS_CHUNK_ROWS`` rows each, kept by
+the writer), chunks that lie inside one batch are used in place. Per shard line, two
+numbers per element of a row (JSON, exact ``float64`` round trips).
 """
 
 from __future__ import annotations
@@ -86,6 +88,57 @@ def shard_moments(read: Callable[[str, int, int], torch.Tensor], columns: Sequen
             total = merge(total, _chunk(read(c.name, start, min(rows, start + STATS_CHUNK_ROWS))))
         out[c.name] = total
     return out
+
+
+class Accumulator:
+    """The moments of the floating-point columns of one shard, fed its rows as they are written.
+
+    Rows are cut into the chunks :func:`shard_moments` reads (``STATS_CHUNK_ROWS`` rows from
+    the shard's first row), so the result is bit-equal to that pass over the finished file.
+    A chunk inside one batch is used in place; a chunk's rows that come in several batches
+    are gathered in `chunks` (one ``STATS_CHUNK_ROWS``-row tensor per column, made on first
+    use and kept in the dict given, so that the next shard reuses them).
+    """
+
+    def __init__(self, columns: Sequence[Column], chunks: dict[str, torch.Tensor]) -> None:
+        self.columns = [c for c in columns if c.dtype.is_floating_point]
+        self._chunks, self._held = chunks, 0
+        self.totals = {c.name: Moments(0, torch.zeros(math.prod(c.shape), dtype=torch.float64),
+                                       torch.zeros(math.prod(c.shape), dtype=torch.float64), 0.0)
+                       for c in self.columns}
+
+    def _add(self, name: str, x: torch.Tensor) -> None:
+        self.totals[name] = merge(self.totals[name], _chunk(x))
+
+    def add(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """The next rows of the shard (same length in every column)."""
+        if not self.columns:
+            return
+        n = rows[self.columns[0].name].shape[0]
+        for c in self.columns:
+            x, held, at = rows[c.name], self._held, 0
+            if held:
+                chunk = self._chunks[c.name]
+                at = min(n, STATS_CHUNK_ROWS - held)
+                chunk[held:held + at].copy_(x[:at])
+                if held + at == STATS_CHUNK_ROWS:
+                    self._add(c.name, chunk)
+            while n - at >= STATS_CHUNK_ROWS:
+                self._add(c.name, x[at:at + STATS_CHUNK_ROWS])
+                at += STATS_CHUNK_ROWS
+            if at < n:
+                if c.name not in self._chunks:
+                    self._chunks[c.name] = torch.empty((STATS_CHUNK_ROWS, *c.shape), dtype=c.dtype)
+                self._chunks[c.name][:n - at].copy_(x[at:])
+        self._held = (self._held + n) % STATS_CHUNK_ROWS
+
+    def moments(self) -> dict[str, Moments]:
+        """The moments of every row added (the last, partial chunk included)."""
+        if self._held:
+            for c in self.columns:
+                self._add(c.name, self._chunks[c.name][:self._held])
+            self._held = 0
+        return self.totals
 
 
 def to_json(moments: Mapping[str, Moments]) -> dict[str, object]:
