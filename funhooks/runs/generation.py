@@ -4,7 +4,7 @@
 a run and cuts the run's Record at every decode step: step 0 is the prompt pass (it predicts
 new token 0), step k the forward that predicts new token k. Interventions whose ``index`` is
 ``fh.steps(...)`` edit only the positions of the steps asked for, the same with and without
-the KV cache (see :mod:`funhooks.specs.steps`). ``fh.iter_generate`` yields each step as it
+the KV cache (see :mod:`funhooks.specs.decoding`). ``fh.iter_generate`` yields each step as it
 is made.
 
 **A Record per step**, not one Record with a step axis: the prompt pass sees the whole
@@ -40,7 +40,7 @@ from funhooks import _frozen
 from funhooks.errors import ExtraError, SpecError
 from funhooks.records.record import Record
 from funhooks.specs.spec import Spec
-from funhooks.specs.steps import DECODING, Decoding
+from funhooks.specs.decoding import DECODING, Decoding
 
 from ._core import Attached, Frame, Plan, scope
 from .run import as_specs, check_model
@@ -55,6 +55,15 @@ class GenerationStep:
 
     ``step`` 0 is the prompt pass; ``token`` has shape ``(batch,)``; ``prompt`` is the
     prompt's length.
+
+    Example:
+        >>> import torch, transformers, funhooks as fh
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=16)
+        >>> model = transformers.GPT2LMHeadModel(config).eval()
+        >>> gen = fh.generate(model, fh.outputs("transformer.h.0"), torch.tensor([[1, 2, 3]]),
+        ...                   max_new_tokens=2, do_sample=False, pad_token_id=0, use_cache=False)
+        >>> [tuple(s.new()["transformer.h.0"]["output"].shape) for s in gen.steps]
+        [(1, 3, 8), (1, 1, 8)]
     """
 
     step: int
@@ -88,7 +97,17 @@ class GenerationStep:
 @attrs.frozen(eq=False)
 class Generation:
     """What ``fh.generate`` returns: ``output`` (what ``model.generate`` returned) and
-    ``steps``, one :class:`GenerationStep` per decode step."""
+    ``steps``, one :class:`GenerationStep` per decode step.
+
+    Example:
+        >>> import torch, transformers, funhooks as fh
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=16)
+        >>> model = transformers.GPT2LMHeadModel(config).eval()
+        >>> gen = fh.generate(model, fh.outputs("transformer.h.0"), torch.tensor([[1, 2, 3]]),
+        ...                   max_new_tokens=2, do_sample=False, pad_token_id=0, use_cache=False)
+        >>> gen.tokens.shape, len(gen.records)
+        (torch.Size([1, 2]), 2)
+    """
 
     output: Any
     steps: tuple[GenerationStep, ...]

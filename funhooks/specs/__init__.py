@@ -5,7 +5,7 @@ Modules: ``selector`` (every spelling of "where" normalised into a frozen ``Sele
 ``spec`` (``Spec`` and ``outputs``/``inputs``/``grads``/``observe``/``edit``), ``fastai``
 (``Hook``, ``Hooks``, ``hook_output``, ``hook_outputs``), ``ops`` (specs on the torch ops a
 module's forward calls, and how ops are named), ``interventions`` (``patch``, ``steer``,
-``scale``, ``ablate``, ``arg``), ``editing`` (what an intervention does to each value), ``steps`` (``steps``: decode steps as
+``scale``, ``ablate``, ``arg``), ``editing`` (what an intervention does to each value), ``decoding`` (``steps``: decode steps as
 positions).
 Specs are plain values: nothing here touches a model. May import: ``errors``, ``_torch``,
 ``_frozen``, ``records``.
@@ -16,7 +16,7 @@ from .interventions import Arg, ablate, arg, patch, scale, steer
 from .ops import Op, op, op_edit, op_inputs, op_outputs
 from .selector import Selector, select
 from .spec import EVENTS, Spec, edit, grads, inputs, observe, outputs
-from .steps import Steps, steps
+from .decoding import Steps, steps
 
 __all__ = [
     "EVENTS", "Arg", "Hook", "Hooks", "Op", "Selector", "Spec", "ablate", "arg", "edit", "grads",

@@ -28,7 +28,7 @@ from funhooks.records.record import Record
 
 from .selector import path_label
 from .spec import Spec
-from .steps import DECODING, Decoding, Steps
+from .decoding import DECODING, Decoding, Steps
 
 __all__ = ["Arg", "Index", "Intervention", "Nth", "Operand", "Source"]
 

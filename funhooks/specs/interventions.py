@@ -46,7 +46,7 @@ from .editing import Arg, Index, Intervention, Nth, Operand, Source, is_number, 
 from .ops import OpLike, around_spec, as_op
 from .selector import Where, select
 from .spec import Spec
-from .steps import Steps
+from .decoding import Steps
 
 __all__ = ["Arg", "Intervention", "ablate", "arg", "patch", "scale", "steer"]
 

@@ -41,7 +41,13 @@ class Decoding(NamedTuple):
 @_frozen.frozen
 @attrs.frozen(repr=False)
 class Steps:
-    """Positions given by the decode steps they belong to (see :func:`steps`)."""
+    """Positions given by the decode steps they belong to (see :func:`steps`).
+
+    Example:
+        >>> import funhooks as fh
+        >>> fh.steps(1, None).start, fh.steps(1, None).stop
+        (1, None)
+    """
 
     start: int
     stop: int | None
@@ -69,7 +75,7 @@ def steps(start: int, stop: int | None = ..., *, last: bool = False) -> Steps:  
 
     ``fh.steps(0)`` is the prompt pass, ``fh.steps(k)`` step k alone, ``fh.steps(k, None)``
     steps k on, ``fh.steps(1, None)`` the generated tokens and not the prompt. The same spec
-    edits the same positions with and without the KV cache (see :mod:`funhooks.specs.steps`).
+    edits the same positions with and without the KV cache (see :mod:`funhooks.specs.decoding`).
 
     Args:
         start: the first step, >= 0.
