@@ -49,6 +49,7 @@ from .reducers import (
     plot,
 )
 from .runs import Run, activation_grads, capture, functional, with_hooks
+from .runs import Generation, GenerationStep, generate, iter_generate
 from .specs import (
     EVENTS,
     Arg,
@@ -75,6 +76,7 @@ from .specs import (
     select,
     steer,
 )
+from .specs import Steps, steps
 from .store import (
     ActivationDataset,
     ActivationStream,
@@ -128,6 +130,12 @@ _INTEGRATIONS = ("lightning", "hf")
 
 
 __all__ = [
+    "generate",
+    "Generation",
+    "GenerationStep",
+    "iter_generate",
+    "steps",
+    "Steps",
     "ablate",
     "activation_grads",
     "ActivationDataset",

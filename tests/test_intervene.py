@@ -346,7 +346,8 @@ def test_per_call_values_are_refused_where_no_call_gives_them() -> None:
     (lambda: fh.steer("0", fh.Record()),
      "steer: `vector` is a tensor, a number or `fh.arg(name)`, got <Record of 0 modules>. Pass one of those."),
     (lambda: fh.scale("0", 2.0, index="a"),
-     ("scale: `index` is None, an int, a sequence of ints, a tensor or `fh.arg(name)`, got 'a'. Pass the positions "
+     ("scale: `index` is None, an int, a sequence of ints, a tensor, `fh.arg(name)` or `fh.steps(...)`, got 'a'. "
+      "Pass the positions "
       "to edit along `dim`.")),
     (lambda: fh.ablate("0", nth=-1),
      ("ablate: `nth` is None, an int >= 0, a tensor or `fh.arg(name)`, got -1. Pass the index of the module to edit "

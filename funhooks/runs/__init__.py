@@ -3,14 +3,17 @@
 zero probes).
 
 Modules: ``run`` (``with_hooks``, ``Run``), ``pure`` (``capture``, ``functional``),
-``zero_probes`` (``activation_grads``), ``introspect`` (what other packages may ask about a
+``zero_probes`` (``activation_grads``), ``generation`` (``generate``, ``iter_generate``: a
+Record per decode step of a Hugging Face ``generate``), ``introspect`` (what other packages may ask about a
 run's traces on a model), and ``_core/``, the run core, private to this package: the only code
 that attaches anything to a model. May import: ``errors``, ``_torch``, ``_frozen``,
 ``distributed``, ``records``, ``specs``.
 """
 
+from .generation import Generation, GenerationStep, generate, iter_generate
 from .pure import capture, functional
 from .run import Run, with_hooks
 from .zero_probes import activation_grads
 
-__all__ = ["Run", "activation_grads", "capture", "functional", "with_hooks"]
+__all__ = ["Generation", "GenerationStep", "Run", "activation_grads", "capture", "functional", "generate",
+           "iter_generate", "with_hooks"]

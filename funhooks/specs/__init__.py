@@ -5,7 +5,8 @@ Modules: ``selector`` (every spelling of "where" normalised into a frozen ``Sele
 ``spec`` (``Spec`` and ``outputs``/``inputs``/``grads``/``observe``/``edit``), ``fastai``
 (``Hook``, ``Hooks``, ``hook_output``, ``hook_outputs``), ``ops`` (specs on the torch ops a
 module's forward calls, and how ops are named), ``interventions`` (``patch``, ``steer``,
-``scale``, ``ablate``, ``arg``), ``editing`` (what an intervention does to each value).
+``scale``, ``ablate``, ``arg``), ``editing`` (what an intervention does to each value), ``decoding`` (``steps``: decode steps as
+positions).
 Specs are plain values: nothing here touches a model. May import: ``errors``, ``_torch``,
 ``_frozen``, ``records``.
 """
@@ -15,9 +16,10 @@ from .interventions import Arg, ablate, arg, patch, scale, steer
 from .ops import Op, op, op_edit, op_inputs, op_outputs
 from .selector import Selector, select
 from .spec import EVENTS, Spec, edit, grads, inputs, observe, outputs
+from .decoding import Steps, steps
 
 __all__ = [
     "EVENTS", "Arg", "Hook", "Hooks", "Op", "Selector", "Spec", "ablate", "arg", "edit", "grads",
     "hook_output", "hook_outputs", "inputs", "observe", "op", "op_edit", "op_inputs", "op_outputs",
-    "outputs", "patch", "scale", "select", "steer",
+    "outputs", "patch", "scale", "select", "steer", "steps", "Steps",
 ]

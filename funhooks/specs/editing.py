@@ -28,6 +28,7 @@ from funhooks.records.record import Record
 
 from .selector import path_label
 from .spec import Spec
+from .decoding import DECODING, Decoding, Steps
 
 __all__ = ["Arg", "Index", "Intervention", "Nth", "Operand", "Source"]
 
@@ -51,7 +52,7 @@ class Arg:
         return f"fh.arg({self.name!r})"
 
 
-Index: TypeAlias = "int | Sequence[int] | Tensor | Arg | None"
+Index: TypeAlias = "int | Sequence[int] | Tensor | Arg | Steps | None"
 """The positions an intervention edits along its `dim` (None: all of them)."""
 Nth: TypeAlias = "int | Tensor | Arg | None"
 """Which of the modules a selector matched an intervention edits (None: every one)."""
@@ -207,6 +208,8 @@ class Intervention:
                            "Pass the dimension that holds the positions")
         dim = self.dim % ndim
         size = target.shape[dim]
+        if isinstance(index, Steps):
+            return self._steps(index, size, values, at, target.device).reshape((size,) + (1,) * (ndim - dim - 1))
         positions = torch.arange(size, device=target.device)
         if not _is_positions(index):
             raise at.error(f"`index` is an int, ints, a bool mask or an integer tensor, got {show(index)}",
@@ -228,6 +231,19 @@ class Intervention:
                 index = torch.where(index < 0, index + size, index)
                 mask = positions == index if index.ndim == 0 else (positions[:, None] == index.reshape(1, -1)).any(-1)
         return mask.reshape((size,) + (1,) * (ndim - dim - 1))
+
+
+    def _steps(self, index: Steps, size: int, values: PerCall, at: _At, device: torch.device) -> Tensor:
+        """The mask of ``index=fh.steps(...)`` over a call's `size` positions."""
+        decoding = values.get(DECODING)
+        if not isinstance(decoding, Decoding):
+            raise at.error(f"`index={index!r}` addresses the decode steps of `fh.generate` or `fh.iter_generate`, "
+                           "got a call outside one", "Generate through `fh.generate(model, specs, input_ids, ...)`")
+        if size > decoding.prompt + decoding.step:
+            raise at.error(f"`index={index!r}` reads positions along dim {self.dim}, which holds at most the "
+                           f"{decoding.prompt + decoding.step} tokens of step {decoding.step}, got {size}",
+                           "Pass the `dim` of the positions")
+        return index.mask(size, decoding, device)
 
 
 _ROLES = {"patch": "value", "steer": "vector", "scale": "factor", "ablate": "mean"}

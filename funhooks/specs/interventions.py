@@ -8,7 +8,8 @@ built on ``edit``: composable in lists, usable in ``with_hooks``, ``capture`` an
 edited value). Options shared by all of them:
 
 - ``index`` / ``dim``: edit only these positions along `dim` (default 1, the position of a
-  ``(batch, position, ...)`` activation); an int, ints, a bool mask or a tensor;
+  ``(batch, position, ...)`` activation); an int, ints, a bool mask or a tensor, or during
+  ``fh.generate`` the positions of some decode steps, ``fh.steps(k, None)``;
 - ``nth``: edit only the `nth` module the selector matched (in module order), so one spec
   over ``"h.*"`` can patch a different layer per call;
 - ``element``: for a module returning a tuple, list or dict, the item edited (default 0);
@@ -45,6 +46,7 @@ from .editing import Arg, Index, Intervention, Nth, Operand, Source, is_number, 
 from .ops import OpLike, around_spec, as_op
 from .selector import Where, select
 from .spec import Spec
+from .decoding import Steps
 
 __all__ = ["Arg", "Intervention", "ablate", "arg", "patch", "scale", "steer"]
 
@@ -82,8 +84,9 @@ def arg(name: str) -> Arg:
 def _checked(label: str, *, index: object, dim: object, nth: object, element: object, name: object) -> None:
     ints = isinstance(index, Sequence) and not isinstance(index, str) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in index)
-    if not (index is None or ints or isinstance(index, (Tensor, Arg)) or (isinstance(index, int) and not isinstance(index, bool))):
-        raise SpecError(f"{label}: `index` is None, an int, a sequence of ints, a tensor or `fh.arg(name)`, got "
+    if not (index is None or ints or isinstance(index, (Tensor, Arg, Steps)) or (isinstance(index, int) and not isinstance(index, bool))):
+        raise SpecError(f"{label}: `index` is None, an int, a sequence of ints, a tensor, `fh.arg(name)` or "
+                        f"`fh.steps(...)`, got "
                         f"{index!r}. Pass the positions to edit along `dim`.")
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise SpecError(f"{label}: `dim` is an int, got {dim!r}. Pass the dimension holding the positions.")
