@@ -49,6 +49,7 @@ from .reducers import (
     plot,
 )
 from .runs import Run, activation_grads, capture, functional, with_hooks
+from .runs import Attribution, attribution_patching
 from .specs import (
     EVENTS,
     Arg,
@@ -137,6 +138,8 @@ __all__ = [
     "ActivationWriter",
     "Arg",
     "arg",
+    "Attribution",
+    "attribution_patching",
     "capture",
     "collect",
     "ColumnStats",
