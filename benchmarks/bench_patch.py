@@ -71,8 +71,9 @@ def logit_diff(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
-                positions: int) -> dict[str, Callable[[], torch.Tensor]]:
-    """name -> a call of no arguments returning the ``(layers, positions)`` table."""
+                positions: int, *, peers: bool = True) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> a call of no arguments returning the ``(layers, positions)`` table (the peers'
+    only with `peers`)."""
     _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
     f = fh.capture(model, fh.patch(RESID_PRE, rec, nth=fh.arg("layer"), index=fh.arg("pos")))
 
@@ -89,7 +90,7 @@ def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tens
         return swept(*pairs).reshape(layers, positions)
 
     cases = {"python loop": loop, "fh vmap": vmapped}
-    for name, (module, build) in PEERS.items():
+    for name, (module, build) in (PEERS if peers else {}).items():
         if importlib.util.find_spec(module) is None:
             continue
         try:

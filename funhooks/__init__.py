@@ -48,8 +48,19 @@ from .reducers import (
     UpdateRatioResult,
     plot,
 )
-from .runs import Run, activation_grads, capture, functional, with_hooks
-from .runs import Generation, GenerationStep, generate, iter_generate
+from .runs import (
+    Attribution,
+    Generation,
+    GenerationStep,
+    Run,
+    activation_grads,
+    attribution_patching,
+    capture,
+    functional,
+    generate,
+    iter_generate,
+    with_hooks,
+)
 from .specs import (
     EVENTS,
     Arg,
@@ -58,6 +69,7 @@ from .specs import (
     Op,
     Selector,
     Spec,
+    Steps,
     ablate,
     arg,
     edit,
@@ -75,8 +87,8 @@ from .specs import (
     scale,
     select,
     steer,
+    steps,
 )
-from .specs import Steps, steps
 from .store import (
     ActivationDataset,
     ActivationStream,
@@ -145,6 +157,8 @@ __all__ = [
     "ActivationWriter",
     "Arg",
     "arg",
+    "Attribution",
+    "attribution_patching",
     "capture",
     "collect",
     "ColumnStats",

@@ -68,7 +68,9 @@ class InterventionError(ValueError):
     at a module call as asked: a value whose shape does not broadcast to what it edits (a
     batch size that differs, a value still batched outside ``vmap``), a Record without the
     module it patches, an ``index`` past the positions, a per-call value not given. The run
-    stops and its hooks are removed: the model is left as it was."""
+    stops and its hooks are removed: the model is left as it was. ``attribution_patching``
+    raises it too, for a clean and a corrupted input of different shapes, or an ``element``,
+    ``dim`` or ``heads`` that does not fit a point's value."""
 
 
 class TransformError(RuntimeError):

@@ -143,6 +143,20 @@ def test_patch_smoke(tmp_path: pathlib.Path) -> None:
     assert set(result["results"]["unselected"]["cases"]) == {"mlp of block 0, bare", "mlp of block 0, inside an open op run"}
 
 
+def test_atp_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_atp's sweep equals the loop, attribution patching correlates with it, and its
+    cost is timed in forward passes with every point and with one."""
+    proc, result = run_quick("bench_atp.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "atp")
+    assert result["correct"] is True
+    sweep = result["results"]["sweep"]
+    assert set(sweep["cases"]) == {"python loop", "fh vmap", "fh attribution_patching"}
+    assert 0 < sweep["correlation"] <= 1
+    passes = result["results"]["forward_passes"]
+    assert {"bare forward (corrupted)", "fh attribution_patching, 1 point"} <= set(passes["cases"])
+
+
 def test_train_smoke(tmp_path: pathlib.Path) -> None:
     """bench_train's folds equal the fastai-style hooks and the hand loop; the trainer cases run."""
     proc, result = run_quick("bench_train.py", tmp_path)

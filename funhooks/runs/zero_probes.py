@@ -41,8 +41,9 @@ _NO_TIES = {"strict": False, "tie_weights": False}
 class _Pass:
     """One forward pass's probe state: discovered outputs, or the probes to add."""
 
-    def __init__(self, probes: list[torch.Tensor] | None, layout: dict[str, list[list[int | None]]] | None) -> None:
-        self.probes, self.layout = probes, layout
+    def __init__(self, probes: list[torch.Tensor] | None, layout: dict[str, list[list[int | None]]] | None,
+                 caller: str) -> None:
+        self.probes, self.layout, self.caller = probes, layout, caller
         self.outputs: dict[str, list[object]] = {}
         self.slots: dict[str, list[list[int | None]]] = {}  # discovery: probe index per leaf
 
@@ -58,26 +59,35 @@ class _Pass:
         layout = self.layout.get(path, []) if self.layout is not None else []
         if len(calls) > len(layout) or len(layout[len(calls) - 1]) != len(leaves):
             raise TransformError(
-                f"{_CALLER}: every selected module runs the same way in both forward passes, got module "
+                f"{self.caller}: every selected module runs the same way in both forward passes, got module "
                 f"{path!r} called {len(calls)} time(s) with {len(leaves)} output(s) where the first pass "
                 f"saw {[len(c) for c in layout]}. Make the model's control flow deterministic."
             )
         slots = layout[len(calls) - 1]
+        for t, i in zip(leaves, slots):
+            if i is not None and t.shape != self.probes[i].shape:
+                raise TransformError(
+                    f"{self.caller}: every selected module runs the same way in both forward passes, got module "
+                    f"{path!r} giving a value of shape {tuple(t.shape)} where the first pass saw "
+                    f"{tuple(self.probes[i].shape)}. Pass inputs of the same shape to both passes."
+                )
         new = [t if i is None else t + self.probes[i] for t, i in zip(leaves, slots)]
         return _torch.pytree.tree_unflatten(new, treespec)
 
 
 class _Prober:
-    """The edit spec's function: routes each selected module's output to the current pass."""
+    """The edit spec's function: routes each selected module's output (or, as a ``forward_pre``
+    editor, its positional arguments) to the current pass."""
 
-    def __init__(self, paths: dict[int, str]) -> None:
-        self.paths = paths
+    def __init__(self, paths: dict[int, str], caller: str) -> None:
+        self.paths, self.caller = paths, caller
         self.passes: list[_Pass] = []
 
-    def __call__(self, module: nn.Module, args: tuple, output: object) -> object:
+    def __call__(self, module: nn.Module, args: tuple, *output: object) -> object:
+        value = output[0] if output else args
         if not self.passes:
-            return output
-        return self.passes[-1].visit(self.paths[id(module)], output)
+            return value
+        return self.passes[-1].visit(self.paths[id(module)], value)
 
 
 def _copies(tree: V) -> V:
@@ -89,6 +99,94 @@ def _copies(tree: V) -> V:
 def _buffer_copies(model: nn.Module) -> dict[str, torch.Tensor]:
     # one name per buffer slot: `functional_call` would swap a shared module's slot twice
     return {n: b.clone() for n, b in model.named_buffers()}
+
+
+class Probes:
+    """Zero probes on the outputs (or, with ``event="forward_pre"``, the positional inputs) of
+    the modules `where` selects.
+
+    ``discover`` runs a forward without gradients and finds what to probe (the values it saw
+    are kept); ``differentiate`` runs a forward with probes of those shapes added and
+    differentiates ``loss_fn`` of the model's output with respect to them. ``activation_grads``
+    runs both on the same arguments; attribution patching runs the first on the clean input
+    and the second on the corrupted one.
+    """
+
+    def __init__(self, model: nn.Module, where: Where, loss_fn: Callable[[Any], torch.Tensor], caller: str,
+                 *, event: str = "forward") -> None:
+        model = check_model(model, caller)
+        self.inner = _torch.unwrap(model)
+        selector = select(where)
+        paths = {id(m): p for p, m in resolve(selector, self.inner, caller=caller)}
+        self.prober = _Prober(paths, caller)
+        self.recorder = CaptureFunction(model, (edit(selector, self.prober, event=event, name="probe"),), caller)
+        self.order = list(dict.fromkeys(paths.values()))
+        self.loss_fn = loss_fn
+        self.name = "input" if event == "forward_pre" else "output"
+
+    def discover(self, args: tuple, kwargs: dict) -> tuple[object, _Pass]:
+        """The model's output and the values to probe, from a forward without gradients on
+        copies of the buffers, with the random state restored afterwards."""
+        devices = sorted({t.device.index or 0 for t in _torch.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        found = _Pass(None, None, self.prober.caller)
+        self.prober.passes.append(found)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                copies = _buffer_copies(self.inner)
+                out, _ = self.recorder(torch.func.functional_call, (self.inner, copies, *_copies((args, kwargs))),
+                                       _NO_TIES)
+        finally:
+            self.prober.passes.pop()
+        return out, found
+
+    def differentiate(self, found: _Pass, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Record]:
+        """``(loss, Record)`` of a forward on `args` with zero probes shaped like `found`'s values
+        added; the Record holds the probed values (``"output"``, or ``"input"``: the positional
+        arguments) and their gradients (``"grad"``)."""
+        inner, recorder, prober, loss_fn = self.inner, self.recorder, self.prober, self.loss_fn
+        probes: list[torch.Tensor] = []
+        layout: dict[str, list[list[int | None]]] = {}
+        for path, calls in found.outputs.items():
+            for output, slots in zip(calls, found.slots[path]):
+                leaves = _torch.tree_leaves(output)
+                row: list[int | None] = []
+                for leaf, slot in zip(leaves, slots):
+                    if slot is None:
+                        row.append(None)
+                    else:
+                        row.append(len(probes))
+                        probes.append(torch.zeros_like(leaf))
+                layout.setdefault(path, []).append(row)
+
+        def probed(flat: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, dict, dict]]:
+            current = _Pass(flat, layout, prober.caller)
+            prober.passes.append(current)
+            # buffers updated in place (batch norm) must be made inside the transform
+            buffers = _buffer_copies(inner)
+            try:
+                out, _ = recorder(torch.func.functional_call, (inner, buffers, *_copies((args, kwargs))), _NO_TIES)
+            finally:
+                prober.passes.pop()
+            loss = loss_fn(out)
+            return loss, (loss, current.outputs, buffers)
+
+        grads, (loss, outputs, buffers) = torch.func.grad(probed, has_aux=True)(probes)
+        if buffers and not _torch.is_functorch_active():
+            with torch.no_grad():
+                for name, buffer in inner.named_buffers():
+                    if buffers[name] is not buffer:
+                        buffer.copy_(buffers[name])
+        data: dict[str, dict[str, tuple[object, ...]]] = {}
+        for path in self.order:
+            if path not in outputs:
+                continue
+            outs, grad_calls = outputs[path], []
+            for output, row in zip(outs, layout[path]):
+                leaves, treespec = _torch.pytree.tree_flatten(output)
+                grad_calls.append(_torch.pytree.tree_unflatten([None if i is None else grads[i] for i in row], treespec))
+            data[path] = {self.name: tuple(outs), "grad": tuple(grad_calls)}
+        return loss, Record(data)
 
 
 def activation_grads(
@@ -121,70 +219,10 @@ def activation_grads(
         >>> loss.shape, rec["0"]["grad"].shape
         (torch.Size([8]), torch.Size([8, 4]))
     """
-    model = check_model(model, _CALLER)
-    inner = _torch.unwrap(model)
-    selector = select(where)
-    paths = {id(m): p for p, m in resolve(selector, inner, caller=_CALLER)}
-    prober = _Prober(paths)
-    recorder = CaptureFunction(model, (edit(selector, prober, name="probe"),), _CALLER)
-    order = list(dict.fromkeys(paths.values()))
-
-    def discover(args: tuple, kwargs: dict) -> _Pass:
-        devices = sorted({t.device.index or 0 for t in _torch.tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-        found = _Pass(None, None)
-        prober.passes.append(found)
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                copies = _buffer_copies(inner)
-                recorder(torch.func.functional_call, (inner, copies, *_copies((args, kwargs))), _NO_TIES)
-        finally:
-            prober.passes.pop()
-        return found
+    probes = Probes(model, where, loss_fn, _CALLER)
 
     def differentiated(*args: object, **kwargs: object) -> tuple[torch.Tensor, Record]:
-        found = discover(args, kwargs)
-        probes: list[torch.Tensor] = []
-        layout: dict[str, list[list[int | None]]] = {}
-        for path, calls in found.outputs.items():
-            for output, slots in zip(calls, found.slots[path]):
-                leaves = _torch.tree_leaves(output)
-                row: list[int | None] = []
-                for leaf, slot in zip(leaves, slots):
-                    if slot is None:
-                        row.append(None)
-                    else:
-                        row.append(len(probes))
-                        probes.append(torch.zeros_like(leaf))
-                layout.setdefault(path, []).append(row)
-
-        def probed(flat: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, dict, dict]]:
-            current = _Pass(flat, layout)
-            prober.passes.append(current)
-            # buffers updated in place (batch norm) must be made inside the transform
-            buffers = _buffer_copies(inner)
-            try:
-                out, _ = recorder(torch.func.functional_call, (inner, buffers, *_copies((args, kwargs))), _NO_TIES)
-            finally:
-                prober.passes.pop()
-            loss = loss_fn(out)
-            return loss, (loss, current.outputs, buffers)
-
-        grads, (loss, outputs, buffers) = torch.func.grad(probed, has_aux=True)(probes)
-        if buffers and not _torch.is_functorch_active():
-            with torch.no_grad():
-                for name, buffer in inner.named_buffers():
-                    if buffers[name] is not buffer:
-                        buffer.copy_(buffers[name])
-        data: dict[str, dict[str, tuple[object, ...]]] = {}
-        for path in order:
-            if path not in outputs:
-                continue
-            outs, grad_calls = outputs[path], []
-            for output, row in zip(outs, layout[path]):
-                leaves, treespec = _torch.pytree.tree_flatten(output)
-                grad_calls.append(_torch.pytree.tree_unflatten([None if i is None else grads[i] for i in row], treespec))
-            data[path] = {"output": tuple(outs), "grad": tuple(grad_calls)}
-        return loss, Record(data)
+        _, found = probes.discover(args, kwargs)
+        return probes.differentiate(found, args, kwargs)
 
     return differentiated

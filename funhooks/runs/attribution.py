@@ -1,0 +1,183 @@
+"""Attribution patching (AtP): every point and position of a patching sweep, estimated at once.
+
+Activation patching runs the corrupted input once per (point, position), with the clean
+activation put in place, and reads a metric. Attribution patching estimates all of those
+changes at once, to first order: for each point, ``(clean - corrupt) · d metric / d
+activation`` (the gradient taken on the corrupted run), summed over everything but the
+position axis (and, with ``heads=``, the head axis). The table has the sweep's shape: one row
+per point (a selected module's output, or its positional input with ``inputs=True``; one row
+per call), one column per position.
+
+Cost: one forward on the clean input (without gradients: ``activation_grads``' first pass),
+one forward and one backward on the corrupted input, whatever the number of points and
+positions; memory: the clean and corrupted values of every point, and their gradients.
+Built on :class:`~funhooks.runs.zero_probes.Probes` (zero probes differentiated with
+``torch.func.grad``), so nothing is registered on the model, no ``.grad`` of a parameter is
+touched, and in-place ops after a point are fine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from funhooks import _frozen
+from funhooks.errors import InterventionError
+from funhooks.specs.selector import Where
+
+from .zero_probes import Probes
+
+__all__ = ["Attribution", "attribution_patching"]
+
+_CALLER = "attribution_patching"
+
+
+@_frozen.frozen
+@attrs.frozen(eq=False)
+class Attribution:
+    """What :func:`attribution_patching` returns for one (clean, corrupt) pair.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        >>> atp = fh.attribution_patching(model, ["0", "1"], lambda out: out.sum())
+        >>> result = atp(torch.randn(1, 5, 3), torch.randn(1, 5, 3))
+        >>> result.points, tuple(result.table.shape)
+        (('0', '1'), (2, 5))
+    """
+
+    table: torch.Tensor
+    """``(points, positions)``, or ``(points, positions, heads)`` with ``heads=``: the estimated
+    change of the metric when that point's value at that position (and head) is patched from
+    the clean run into the corrupted one: the sweep's table minus ``corrupt``."""
+    points: tuple[str, ...]
+    """The module path of each row, in module order (a module called k times gives k rows)."""
+    clean: torch.Tensor
+    """The metric on the clean input."""
+    corrupt: torch.Tensor
+    """The metric on the corrupted input."""
+
+
+def attribution_patching(
+    model: nn.Module, where: Where, metric: Callable[[Any], torch.Tensor], *, inputs: bool = False,
+    element: int | str = 0, dim: int = 1, heads: int | None = None,
+) -> Callable[..., Attribution]:
+    """Attribution patching: the linear estimate of every patch of a sweep, in about 3 passes.
+
+    Args:
+        model: the model (wrappers are looked through for paths).
+        where: a selector for the points: the modules whose outputs (or inputs) are patched.
+        metric: ``metric(model_output) -> tensor``; its sum is differentiated (a per-example
+            metric gives the estimate for the batch's total, which is what a sweep patching
+            every example at once changes).
+        inputs: the points are the selected modules' positional inputs instead of their
+            outputs (e.g. GPT-2's ``attn.c_proj`` input: the heads' outputs before the
+            projection, TransformerLens' ``z``).
+        element: the item of a tuple, list or dict value that is the point (for ``inputs``,
+            the positional argument); a plain tensor is taken whole.
+        dim: the position axis of the point's value (``(batch, position, ...)``: 1).
+        heads: split the last axis into ``heads`` equal parts and keep one column per head.
+
+    Returns:
+        ``f(clean, corrupt, **kwargs) -> Attribution`` calling ``model(clean, **kwargs)``
+        without gradients and ``model(corrupt, **kwargs)`` with a backward pass; `clean` and
+        `corrupt` must have the same shape.
+
+    Raises:
+        SelectorError: when `where` matches no module.
+        InterventionError: (when called) for `clean` and `corrupt` of different shapes, or an
+            `element`, `dim` or `heads` that does not fit a point's value.
+        TransformError: (when called) when a point's value has another shape, or its module
+            runs another number of times, on the corrupted input than on the clean one.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        >>> atp = fh.attribution_patching(model, "1", lambda out: out.sum())
+        >>> clean, corrupt = torch.randn(2, 5, 3), torch.randn(2, 5, 3)
+        >>> result = atp(clean, corrupt)
+        >>> with torch.no_grad():       # the estimate is exact where the metric is linear in the point
+        ...     patched = model[2](model[1](model[0](clean))).sum() - result.corrupt
+        >>> torch.allclose(result.table.sum(), patched, atol=1e-5)
+        True
+    """
+    probes = Probes(model, where, lambda out: metric(out).sum(), _CALLER,
+                    event="forward_pre" if inputs else "forward")
+
+    def attribute(clean: object, corrupt: object, **kwargs: object) -> Attribution:
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (clean, corrupt)]
+        if shapes[0] != shapes[1]:
+            raise InterventionError(
+                f"{_CALLER}: `clean` and `corrupt` have the same shape, got {shapes[0]} and {shapes[1]}. Pad or "
+                "truncate the prompts to one length."
+            )
+        out, found = probes.discover((clean,), kwargs)
+        with torch.no_grad():  # torch.func.grad ignores it; the corrupted forward builds no outer graph
+            corrupt_metric, rec = probes.differentiate(found, (corrupt,), kwargs)
+            rows: list[torch.Tensor] = []
+            points: list[str] = []
+            for path in rec:
+                for before, after, grad in zip(found.outputs[path], rec.calls(path, probes.name),
+                                               rec.calls(path, "grad")):
+                    value = _point(before, element, path)
+                    rows.append(_estimate(value, _point(after, element, path), _point(grad, element, path),
+                                          dim=dim, heads=heads, path=path))
+                    points.append(path)
+            _same_positions(rows, points, dim)
+            return Attribution(torch.stack(rows), tuple(points), metric(out).sum(), corrupt_metric.detach())
+
+    return attribute
+
+
+def _point(value: object, element: int | str, path: str) -> torch.Tensor:
+    """The point's tensor in a module's value: the value itself, or its item `element`."""
+    item = value
+    if not isinstance(value, torch.Tensor):
+        try:
+            item = value[element]  # type: ignore[index]
+        except (TypeError, KeyError, IndexError):
+            item = None
+    if not isinstance(item, torch.Tensor) or not item.is_floating_point():
+        raise InterventionError(
+            f"{_CALLER}: a point is a floating tensor, or the item `element` of a tuple, list or dict, got "
+            f"{type(value).__name__} with element={element!r} at module {path!r}. Pass the `element` of the "
+            "value to attribute."
+        )
+    return item
+
+
+def _estimate(clean: torch.Tensor, corrupt: torch.Tensor, grad: torch.Tensor, *, dim: int, heads: int | None,
+              path: str) -> torch.Tensor:
+    """``(clean - corrupt) * grad`` summed over every axis but `dim` (and the heads)."""
+    if not -clean.ndim <= dim < clean.ndim or (heads is not None and dim % clean.ndim == clean.ndim - 1):
+        raise InterventionError(
+            f"{_CALLER}: `dim` is an axis of the point's value other than the one split into heads, got "
+            f"dim={dim} for a value of shape {tuple(clean.shape)} at module {path!r}. Pass the position axis."
+        )
+    terms = (clean - corrupt) * grad
+    position = dim % clean.ndim
+    if heads is None:
+        return terms.sum(tuple(d for d in range(terms.ndim) if d != position))
+    if heads < 1 or clean.shape[-1] % heads:
+        raise InterventionError(
+            f"{_CALLER}: `heads` divides the last axis of the point's value, got heads={heads} for a value of "
+            f"shape {tuple(clean.shape)} at module {path!r}. Pass the number of heads concatenated there."
+        )
+    terms = terms.unflatten(-1, (heads, clean.shape[-1] // heads))
+    return terms.sum(tuple(d for d in range(terms.ndim) if d not in (position, terms.ndim - 2)))
+
+
+def _same_positions(rows: list[torch.Tensor], points: list[str], dim: int) -> None:
+    sizes = {tuple(r.shape) for r in rows}
+    if len(sizes) > 1:
+        raise InterventionError(
+            f"{_CALLER}: every point has the same size along `dim` (and the same heads), got "
+            f"{dict(zip(points, (tuple(r.shape) for r in rows)))} for dim={dim}. Select points of one kind "
+            "per call."
+        )
