@@ -23,7 +23,7 @@ from funhooks._frozen import Frozen
 from funhooks.errors import RecordKeyError
 
 from . import _compare
-from . import _file as _recordfile
+from . import _file
 from . import node as _node
 from .node import Calls, Notes, RecordData, RecordNode, StoredValue
 
@@ -261,7 +261,7 @@ class Record(Frozen):
             >>> type(back).__name__, back._fields, type(back.b) is torch.return_types.max
             ('Pair', ('a', 'b'), True)
         """
-        _recordfile.write(self._data, os.fsdecode(path))
+        _file.write(self._data, os.fsdecode(path))
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, map_location: torch.serialization.MAP_LOCATION = None) -> Record:
@@ -287,7 +287,7 @@ class Record(Frozen):
             >>> back.equal(rec)
             True
         """
-        return cls._trusted(_recordfile.read(os.fsdecode(path), map_location))
+        return cls._trusted(_file.read(os.fsdecode(path), map_location))
 
     def __repr__(self) -> str:
         lines = [f"  {p!r}: {{" + ", ".join(f"{n!r}: [{', '.join(_node.summarise(v) for v in vs)}]"

@@ -15,7 +15,7 @@ ops it called: the model needs no change, and a wrong guess is said.
 
 Cost: nothing for modules no op spec selects. While a selected module's forward runs,
 every torch function it calls passes through one Python ``__torch_function__`` (about 1.5 µs
-each here); see ``funhooks/_core/ops.py``.
+each here); see ``funhooks/runs/_core/op_mode.py``.
 """
 
 from __future__ import annotations

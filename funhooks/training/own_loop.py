@@ -28,7 +28,7 @@ from torch import nn
 
 from funhooks.errors import LoopError
 
-from . import _one_step as _work
+from . import _one_step
 from ._one_step import Optimizers
 from .folds import Reducers, as_items, records_of, watches_of
 from .recorder import Recorder
@@ -55,7 +55,7 @@ class Folding:
                  start_iteration: int = 0, caller: str = "folding") -> None:
         if not isinstance(model, nn.Module):
             raise LoopError(f"{caller}: `model` is an nn.Module, got {type(model).__name__}. Pass the model you train.")
-        _work.check_start(start_iteration, caller)
+        _one_step.check_start(start_iteration, caller)
         self._shape, self._items = as_items(reducers, caller)
         specs = tuple(dict.fromkeys(s for r in self._items for s in r.specs))
         watches = tuple(dict.fromkeys(w for r in self._items for w in watches_of(r)))
@@ -113,7 +113,7 @@ class Folding:
                             "got a call outside it. Mark iterations inside the block.")
         if epoch is not None:
             self._epoch = epoch
-        loss, metrics = _work.outcome(loss, self._caller)
+        loss, metrics = _one_step.outcome(loss, self._caller)
         record = EMPTY_RECORD if self._recorder.paused is not None else self._recorder.take()
         iteration = self._iteration if training else self._evaluated
         step = Step(self._epoch, iteration, loss, record, training, metrics)

@@ -24,7 +24,7 @@ from torch import nn
 
 from funhooks.errors import LoopError
 
-from . import _one_step as _work
+from . import _one_step
 from ._one_step import Optimizers
 from .folds import Reducers, as_items, records_of, watches_of
 from .logged import check_log_every, group_names, scalars_of
@@ -88,7 +88,7 @@ class Stepwise:
         """One micro-batch's loss (and other outputs) of the open step."""
         if not self.open:
             return
-        loss, extra = _work.outcome(loss, self.caller)
+        loss, extra = _one_step.outcome(loss, self.caller)
         if loss is not None:
             self.losses.append(loss)
         self.metrics.update(extra or {})
