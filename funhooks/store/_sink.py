@@ -84,7 +84,7 @@ class Sink:
         self.version = 0
         self.closed = False
         self.failed: str | None = None
-        self.inputs: dict[str, object] | None = None
+        self.inputs: Mapping[str, object] | None = None
         """What the rows written so far were made from (``{"batches", "fingerprint"}``), set by
         ``collect`` before each batch and written on every shard line it commits."""
 

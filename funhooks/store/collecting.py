@@ -13,6 +13,7 @@ writer; nothing is kept between batches.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, TypeAlias, TypeVar
@@ -66,26 +67,52 @@ def _remaining(inputs: Iterable[Batch], start: int) -> Iterator[tuple[int, Batch
 
 
 class _Inputs:
-    """The fingerprint of the batches seen so far, checked against the store's record of them."""
+    """The fingerprint of the batches seen so far, checked against the store's record of them.
+
+    Batches the store already holds are digested at once (a resumed run is refused before it
+    writes anything); later ones on a worker thread, in order, while the model runs (the digest
+    releases the GIL), so fingerprinting costs ``collect`` no time on a machine with a second
+    core. A shard's manifest line waits for the digest of its last batch when it is committed.
+    """
 
     def __init__(self, committed: object, directory: object) -> None:
         ok = (isinstance(committed, Mapping) and isinstance(committed.get("batches"), int)
               and isinstance(committed.get("fingerprint"), str))
         self.recorded: Mapping[str, Any] | None = committed if ok else None  # type: ignore[assignment]
         self.directory, self.batches, self.fingerprint = directory, 0, _fingerprint.START
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def see(self, index: int, batch: Batch) -> dict[str, object]:
+    def see(self, index: int, batch: Batch) -> Mapping[str, object]:
         """Take batch `index` into the fingerprint (once); refuse inputs the store was not written from."""
-        if index >= self.batches:
-            self.fingerprint, self.batches = _fingerprint.chain(self.fingerprint, batch), index + 1
-            if self.recorded is not None and self.batches == self.recorded["batches"]:
+        if index < self.batches:
+            return _Seen(self.batches, self._last)
+        self.batches = index + 1
+        if self.recorded is not None and self.batches <= self.recorded["batches"]:
+            self.fingerprint = _fingerprint.chain(self.fingerprint, batch)
+            if self.batches == self.recorded["batches"]:
                 self._check(self.fingerprint)
-        return {"batches": self.batches, "fingerprint": self.fingerprint}
+            self._last = _done(self.fingerprint)
+        else:
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-collect")
+            self._last = self._worker.submit(self._chain, batch)  # one worker: digests run in batch order
+        return _Seen(self.batches, self._last)
+
+    def _chain(self, batch: Batch) -> str:
+        self.fingerprint = _fingerprint.chain(self.fingerprint, batch)  # only the worker writes it now
+        return self.fingerprint
+
+    def close(self) -> None:
+        """Wait for the digests under way (their errors surface when a manifest line reads them)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
 
     def end(self) -> None:
         """Refuse inputs that ran out before the batches the store was written from."""
         if self.recorded is not None and self.batches < self.recorded["batches"]:
             self._check(f"{self.batches} batches")
+
+    _last: concurrent.futures.Future[str]
 
     def _check(self, got: str) -> None:
         want = self.recorded["batches"], self.recorded["fingerprint"]  # type: ignore[index]
@@ -96,6 +123,32 @@ class _Inputs:
                 "same inputs in the same order, or write to a new directory."
             )
 
+
+class _Seen(Mapping[str, object]):
+    """``{"batches", "fingerprint"}`` of the batches seen so far; the fingerprint is read (and
+    waited for) only when a manifest line is written."""
+
+    def __init__(self, batches: int, fingerprint: concurrent.futures.Future[str]) -> None:
+        self._batches, self._fingerprint = batches, fingerprint
+
+    def __getitem__(self, key: str) -> object:
+        if key == "batches":
+            return self._batches
+        if key == "fingerprint":
+            return self._fingerprint.result()
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("batches", "fingerprint"))
+
+    def __len__(self) -> int:
+        return 2
+
+
+def _done(value: str) -> concurrent.futures.Future[str]:
+    future: concurrent.futures.Future[str] = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 def _budget_mask(record: Record, writer: ActivationWriter, keep: torch.Tensor | None, left: int) -> tuple[
         torch.Tensor | None, int]:
@@ -198,5 +251,6 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
         close = getattr(batches, "close", None)
         if close is not None:
             close()
+        seen.close()
     return writer.result(state)
 
