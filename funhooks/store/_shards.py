@@ -202,9 +202,12 @@ class ShardFile:
             self.discard()
             raise
 
-    def write(self, rows: Mapping[str, torch.Tensor]) -> None:
-        """Write the next rows: each column's tensor is contiguous, on the CPU, same length."""
+    def write(self, rows: Mapping[str, torch.Tensor]) -> list[tuple[str, memoryview]]:
+        """Write the next rows: each column's tensor is contiguous, on the CPU, same length.
+        Returns each column's bytes as written, for :meth:`digest` (called in the same order,
+        before :meth:`finish`; the caller keeps `rows` alive until then)."""
         n = 0
+        written = []
         for c in self.columns:
             t = rows[c.name]
             n = t.shape[0]
@@ -212,8 +215,15 @@ class ShardFile:
                 self._file.seek(self._data + self._begin[c.name] + self.rows * c.row_bytes)
                 data = _buffer(t)
                 self._file.write(data)
-                self._crc32s[c.name] = zlib.crc32(data, self._crc32s[c.name])
+                written.append((c.name, data))
         self.rows += n
+        return written
+
+    def digest(self, written: list[tuple[str, memoryview]]) -> None:
+        """Add bytes :meth:`write` wrote to their columns' running CRC-32s (``zlib.crc32``
+        releases the GIL: another thread may do this while the next rows are made)."""
+        for name, data in written:
+            self._crc32s[name] = zlib.crc32(data, self._crc32s[name])
 
     def finish(self, *, fsync: bool) -> Finished:
         """Finish the file (compacted when it holds fewer than `capacity` rows); its size and checksums."""

@@ -11,13 +11,16 @@ had it, whose state then refuses further steps. A sink dropped without a flush d
 its temporary and releases its lock when it is garbage collected.
 
 Costs: memory holds no rows (they go from the activation to the file) beyond one
-statistics chunk per floating-point column (``stats.Accumulator``); see ``_shards.py`` for
-the per-batch and per-shard I/O. No shard is read back: its checksums and statistics are
-computed from the rows as they are written.
+statistics chunk per floating-point column (``stats.Accumulator``) and at most
+``MAX_PENDING`` pieces a worker thread has yet to digest; see ``_shards.py`` for the
+per-batch and per-shard I/O. No shard is read back: its checksums and statistics are
+computed from the rows as they are written, on that worker (``zlib.crc32`` and torch's
+reductions release the GIL), and a shard is committed once they are done.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -72,6 +75,10 @@ class Sink:
             earlier.close()
         self._held = _Held(_manifest.RankLock(directory, rank, CALLER))
         self._moments: stats.Accumulator | None = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker_pid = 0
+        self._pending: list[concurrent.futures.Future[None]] = []
+        """Checksums and statistics of written rows, made on a worker thread in write order."""
         self._chunks: dict[str, torch.Tensor] = {}
         """The statistics' chunk buffers, kept from shard to shard."""
         self._finalizer = weakref.finalize(self, _Held.close, self._held)
@@ -111,6 +118,8 @@ class Sink:
     def close(self) -> None:
         """Give back the lock and delete the unfinished shard; later steps are refused."""
         self.closed = True
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self._finalizer()
 
     # -- writing ----------------------------------------------------------------------------
@@ -139,9 +148,13 @@ class Sink:
                 shard = self._io("opening", self._open_shard)
             take = min(n - done, shard.capacity - shard.rows)
             piece = {k: v[done:done + take] for k, v in rows.items()}
-            self._io("writing", shard.write, piece)
+            written = self._io("writing", shard.write, piece)
             assert self._moments is not None
-            self._moments.add(piece)
+            if self._worker is None or self._worker_pid != os.getpid():  # a forked child has no thread of it
+                self._worker, self._worker_pid = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-store"), os.getpid()
+            self._pending.append(self._worker.submit(_digest, shard, written, self._moments, piece))
+            if len(self._pending) > MAX_PENDING:  # the worker holds the rows it has not digested: keep them few
+                self._pending.pop(0).result()
             done += take
             if shard.rows == shard.capacity:
                 self._commit((batch, first_row + done) if done < n else (batch + 1, 0))
@@ -153,7 +166,14 @@ class Sink:
         if shard is not None and shard.rows:
             self._commit((next_batch, 0))
 
+    def _settle(self) -> None:
+        """Wait for the checksums and statistics of every row written so far (their errors raise here)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
     def _open_shard(self) -> _shards.ShardFile:
+        self._settle()  # the statistics' chunk buffers pass from shard to shard
         about = {"format": _manifest.FORMAT, "version": _manifest.FORMAT_VERSION, "rank": self.rank,
                  "shard": self.shards}
         meta = {"format": "pt", "funhooks": json.dumps(about)}
@@ -165,6 +185,7 @@ class Sink:
     def _commit(self, end: tuple[int, int]) -> None:
         shard, moments = self._held.shard, self._moments
         assert shard is not None and moments is not None
+        self._settle()
 
         def commit() -> None:
             finished = shard.finish(fsync=self.fsync)
@@ -204,3 +225,15 @@ class Sink:
                 f"committed shards of rank {self.rank} are kept and writing resumes at batch {self.end[0]}."
             )
             raise StoreError(self.failed) from e
+
+
+MAX_PENDING = 2
+"""Pieces of rows the worker may have left to digest before a write waits for it (memory stays
+flat however fast rows come)."""
+
+
+def _digest(shard: _shards.ShardFile, written: list[tuple[str, memoryview]], moments: stats.Accumulator,
+            rows: Mapping[str, torch.Tensor]) -> None:
+    """One piece's checksums and statistics (on the sink's worker thread, in write order)."""
+    shard.digest(written)
+    moments.add(rows)
