@@ -93,3 +93,23 @@ def test_a_bad_budget_is_refused(tmp_path):
     with pytest.raises(fh.LoopError) as e:
         _collect(tmp_path, _batches(), max_rows=-1)
     assert str(e.value) == "collect: `max_rows` is a non-negative int or None, got -1. Pass e.g. 1_000_000."
+
+
+def test_collect_leaves_no_thread_behind_and_fingerprints_as_one_thread_would(tmp_path):
+    """The input digests and the shards' checksums and statistics run on worker threads while
+    the model runs; when `collect` returns none is left, and each shard line's fingerprint is
+    the chain of its batches computed in order."""
+    import threading
+
+    from funhooks.store import _fingerprint
+
+    batches = _batches(n=5)
+    ds = _collect(tmp_path / "a", batches)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("funhooks")] == []
+    lines = [json.loads(line) for line in (tmp_path / "a").glob("*.jsonl").__next__().read_text().splitlines()[1:]]
+    for line in lines:
+        want = _fingerprint.START
+        for batch in batches[: line["inputs"]["batches"]]:
+            want = _fingerprint.chain(want, batch)
+        assert line["inputs"]["fingerprint"] == want
+    assert len(ds) == sum(int((b["input"] != 0).sum()) for b in batches)

@@ -161,10 +161,15 @@ class Sink:
         self.version += 1
 
     def flush(self, next_batch: int) -> None:
-        """Commit the unfinished shard, if it holds rows; its end is batch `next_batch`."""
+        """Commit the unfinished shard, if it holds rows; its end is batch `next_batch`. The
+        worker thread ends here too (a later append starts another)."""
         shard = self._held.shard
         if shard is not None and shard.rows:
             self._commit((next_batch, 0))
+        self._settle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def _settle(self) -> None:
         """Wait for the checksums and statistics of every row written so far (their errors raise here)."""
