@@ -150,15 +150,21 @@ class Sink:
             piece = {k: v[done:done + take] for k, v in rows.items()}
             written = self._io("writing", shard.write, piece)
             assert self._moments is not None
-            if self._worker is None or self._worker_pid != os.getpid():  # a forked child has no thread of it
-                self._worker, self._worker_pid = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-store"), os.getpid()
-            self._pending.append(self._worker.submit(_digest, shard, written, self._moments, piece))
+            self._pending.append(self.background(_digest, shard, written, self._moments, piece))
             if len(self._pending) > MAX_PENDING:  # the worker holds the rows it has not digested: keep them few
                 self._pending.pop(0).result()
             done += take
             if shard.rows == shard.capacity:
                 self._commit((batch, first_row + done) if done < n else (batch + 1, 0))
         self.version += 1
+
+    def background(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
+        """``fn(*args)`` on the sink's worker thread, after everything submitted before it (the
+        shards' checksums and statistics, ``collect``'s input fingerprints)."""
+        if self._worker is None or self._worker_pid != os.getpid():  # a forked child has no thread of it
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-store")
+            self._worker_pid = os.getpid()
+        return self._worker.submit(fn, *args)
 
     def flush(self, next_batch: int) -> None:
         """Commit the unfinished shard, if it holds rows; its end is batch `next_batch`. The

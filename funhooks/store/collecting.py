@@ -27,6 +27,7 @@ from funhooks.runs.pure import capture
 from funhooks.training import progress as _progress
 
 from . import _fingerprint
+from ._sink import Sink
 from .dataset import ActivationDataset
 from .writer import ActivationWriter
 
@@ -70,17 +71,19 @@ class _Inputs:
     """The fingerprint of the batches seen so far, checked against the store's record of them.
 
     Batches the store already holds are digested at once (a resumed run is refused before it
-    writes anything); later ones on a worker thread, in order, while the model runs (the digest
-    releases the GIL), so fingerprinting costs ``collect`` no time on a machine with a second
-    core. A shard's manifest line waits for the digest of its last batch when it is committed.
+    writes anything); later ones on the sink's worker thread, in order, while the model runs
+    (the digest releases the GIL), so fingerprinting costs ``collect`` no time on a machine with
+    a second core. A shard's manifest line waits for the digest of its last batch when it is
+    committed.
     """
 
-    def __init__(self, committed: object, directory: object) -> None:
+    def __init__(self, sink: Sink, directory: object) -> None:
+        committed = sink.committed_inputs
         ok = (isinstance(committed, Mapping) and isinstance(committed.get("batches"), int)
               and isinstance(committed.get("fingerprint"), str))
-        self.recorded: Mapping[str, Any] | None = committed if ok else None  # type: ignore[assignment]
+        self.recorded: Mapping[str, Any] | None = committed if ok else None
         self.directory, self.batches, self.fingerprint = directory, 0, _fingerprint.START
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.sink = sink
 
     def see(self, index: int, batch: Batch) -> Mapping[str, object]:
         """Take batch `index` into the fingerprint (once); refuse inputs the store was not written from."""
@@ -93,19 +96,12 @@ class _Inputs:
                 self._check(self.fingerprint)
             self._last = _done(self.fingerprint)
         else:
-            if self._worker is None:
-                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-collect")
-            self._last = self._worker.submit(self._chain, batch)  # one worker: digests run in batch order
+            self._last = self.sink.background(self._chain, batch)  # one worker: digests run in batch order
         return _Seen(self.batches, self._last)
 
     def _chain(self, batch: Batch) -> str:
         self.fingerprint = _fingerprint.chain(self.fingerprint, batch)  # only the worker writes it now
         return self.fingerprint
-
-    def close(self) -> None:
-        """Wait for the digests under way (their errors surface when a manifest line reads them)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
 
     def end(self) -> None:
         """Refuse inputs that ran out before the batches the store was written from."""
@@ -223,7 +219,7 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
         raise LoopError(f"collect: `max_rows` is a non-negative int or None, got {max_rows!r}. Pass e.g. 1_000_000.")
     state = writer.init()
     sink = state.sink
-    seen = _Inputs(sink.committed_inputs, writer.directory)
+    seen = _Inputs(sink, writer.directory)
     first = 0 if sink.committed_inputs is not None or not sink.rows else state.next_batch
     fn = capture(writer.model, writer.specs)
     model = writer.model
@@ -251,6 +247,5 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
         close = getattr(batches, "close", None)
         if close is not None:
             close()
-        seen.close()
     return writer.result(state)
 

@@ -33,7 +33,7 @@ import torch
 from funhooks import _frozen
 from funhooks.errors import StoreError
 
-from ._shards import Column, JsonObject
+from ._shards import Column
 
 __all__ = ["STATS_CHUNK_ROWS", "ColumnStats"]
 
