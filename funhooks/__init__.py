@@ -14,7 +14,7 @@ Example:
     [(3, 8), (3, 2)]
 """
 
-from . import distributed, testing
+from . import distributed, testing, transformer
 from ._version import __version__
 from .distributed import merge_across_ranks
 from .errors import (
@@ -228,6 +228,7 @@ __all__ = [
     "Step",
     "StoreError",
     "testing",
+    "transformer",
     "total_params",
     "to_hf_dataset",
     "train",
