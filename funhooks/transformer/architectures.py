@@ -119,7 +119,7 @@ def architecture(model: nn.Module | str) -> Architecture:
     """The :class:`Architecture` of a Hugging Face model (by ``config.model_type``) or of a
     family name; a :class:`~funhooks.SelectorError` listing the known ones otherwise."""
     kind = model if isinstance(model, str) else getattr(getattr(model, "config", None), "model_type", None)
-    found = _TABLE.get(_ALIASES.get(kind, kind)) if isinstance(kind, str) else None  # type: ignore[arg-type]
+    found = _TABLE.get(_ALIASES.get(kind, kind)) if isinstance(kind, str) else None
     if found is None:
         what = f"model type {kind!r}" if kind is not None else f"a {type(model).__name__} without a `config.model_type`"
         raise SelectorError(
