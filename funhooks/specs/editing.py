@@ -14,6 +14,7 @@ position mask; a Record source is a dict lookup.
 
 from __future__ import annotations
 
+import abc
 import copy
 from collections.abc import Mapping, Sequence
 from typing import Literal, TypeAlias, TypeGuard, cast
@@ -30,7 +31,7 @@ from .selector import path_label
 from .spec import Spec
 from .decoding import DECODING, Decoding, Steps
 
-__all__ = ["Arg", "Index", "Intervention", "Nth", "Operand", "Source"]
+__all__ = ["Arg", "Index", "Intervention", "Nth", "Operand", "Source", "View"]
 
 Tensor = torch.Tensor
 
@@ -50,6 +51,20 @@ class Arg:
 
     def __repr__(self) -> str:
         return f"fh.arg({self.name!r})"
+
+
+class View(abc.ABC):
+    """A tensor seen another way (heads split off, one third of a fused projection): what an
+    intervention on a standard point edits, written back into the tensor it was read from.
+    Both directions are plain tensor ops (no in-place write), so edits stay ``vmap``-able."""
+
+    @abc.abstractmethod
+    def get(self, tensor: Tensor) -> Tensor:
+        """The view of `tensor`."""
+
+    @abc.abstractmethod
+    def put(self, tensor: Tensor, new: Tensor) -> Tensor:
+        """`tensor` with its view replaced by `new` (a new tensor)."""
 
 
 Index: TypeAlias = "int | Sequence[int] | Tensor | Arg | Steps | None"
@@ -103,6 +118,8 @@ class Intervention:
     element: int | str = 0
     name: str = "output"
     coef: Operand = 1.0
+    view: View | None = None
+    """Edit this view of the value (a standard point's), written back through it."""
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -131,15 +148,18 @@ class Intervention:
         if isinstance(output, Tensor) and self.element != 0:
             raise at.error(f"`element` picks an item of a tuple, list or dict output, got element {self.element!r} of "
                            "a Tensor", "Leave `element` out for a module returning a tensor")
-        target = output if isinstance(output, Tensor) else _item(output, self.element, at)
+        whole = output if isinstance(output, Tensor) else _item(output, self.element, at)
+        target = whole if self.view is None else self.view.get(whole)
         new, fresh = self._new(target, values, count, at)
         mask = self._mask(target, values, at)
         if gate is not None:
             mask = gate if mask is None else mask & gate
         if mask is not None:
             new = torch.where(mask, new, target)
-        elif not fresh:  # never hand the model a tensor a Record or the caller still holds
+        elif not fresh and self.view is None:  # never hand the model a tensor a Record or the caller holds
             new = new.clone()
+        if self.view is not None:  # `put` makes a new tensor
+            new = self.view.put(whole, new)
         return new if isinstance(output, Tensor) else _replace(output, self.element, new)
 
     def _get(self, x: object, values: PerCall, at: _At, role: str = "index") -> object:

@@ -45,7 +45,7 @@ from funhooks.records.record import Record
 from .editing import Arg, Index, Intervention, Nth, Operand, Source, is_number, show
 from .ops import OpLike, around_spec, as_op
 from .selector import Where, select
-from .spec import Spec
+from .spec import Located, Spec
 from .decoding import Steps
 
 __all__ = ["Arg", "Intervention", "ablate", "arg", "patch", "scale", "steer"]
@@ -108,7 +108,9 @@ def _checked_value(label: str, arg_name: str, value: _V, *, record: bool = True,
     raise SpecError(f"{label}: `{arg_name}` is {what}, got {show(value)}. Pass one of those.")
 
 
-def _spec(label: str, where: Where, intervention: Intervention, op: OpLike | None) -> Spec:
+def _spec(label: str, where: Where | Located, intervention: Intervention, op: OpLike | None) -> Spec:
+    if isinstance(where, Located):
+        return where.spec(label, intervention=intervention, op=op)
     if op is None:
         return Spec(select(where), "forward", "intervene", None, intervention, is_edit=True, label=label)
     return around_spec(label, where, op, "intervene", intervention)
@@ -121,7 +123,7 @@ def _named(name: str | None, op: OpLike | None) -> str:
     return "output" if op is None else as_op("patch", op).name
 
 
-def patch(where: Where, value: Source, *, index: Index = None, dim: int = 1, nth: Nth = None, element: int | str = 0,
+def patch(where: Where | Located, value: Source, *, index: Index = None, dim: int = 1, nth: Nth = None, element: int | str = 0,
           name: str | None = None, op: OpLike | None = None) -> Spec:
     """Replace each selected module's output (or `op`'s result inside it) with `value`.
 
@@ -162,7 +164,7 @@ def patch(where: Where, value: Source, *, index: Index = None, dim: int = 1, nth
     return _spec("patch", where, Intervention("patch", value, index, dim, nth, element, _named(name, op)), op)
 
 
-def steer(where: Where, vector: Operand, *, scale: Operand = 1.0, index: Index = None, dim: int = 1,
+def steer(where: Where | Located, vector: Operand, *, scale: Operand = 1.0, index: Index = None, dim: int = 1,
           nth: Nth = None, element: int | str = 0, op: OpLike | None = None) -> Spec:
     """Add ``scale * vector`` to each selected module's output (a steering vector).
 
@@ -192,7 +194,7 @@ def steer(where: Where, vector: Operand, *, scale: Operand = 1.0, index: Index =
     return _spec("steer", where, Intervention("steer", vector, index, dim, nth, element, "output", scale), op)
 
 
-def scale(where: Where, factor: Operand, *, index: Index = None, dim: int = 1, nth: Nth = None,
+def scale(where: Where | Located, factor: Operand, *, index: Index = None, dim: int = 1, nth: Nth = None,
           element: int | str = 0, op: OpLike | None = None) -> Spec:
     """Multiply each selected module's output by `factor`.
 
@@ -219,7 +221,7 @@ def scale(where: Where, factor: Operand, *, index: Index = None, dim: int = 1, n
     return _spec("scale", where, Intervention("scale", factor, index, dim, nth, element), op)
 
 
-def ablate(where: Where, *, mean: Source | None = None, index: Index = None, dim: int = 1,
+def ablate(where: Where | Located, *, mean: Source | None = None, index: Index = None, dim: int = 1,
            nth: Nth = None, element: int | str = 0, name: str | None = None, op: OpLike | None = None) -> Spec:
     """Zero each selected module's output, or with `mean` put a mean in its place.
 

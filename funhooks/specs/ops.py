@@ -30,7 +30,7 @@ from funhooks.errors import SpecError
 
 from .editing import Intervention, Nth
 from .selector import Where, select
-from .spec import Spec, check_flags, check_fn
+from .spec import Located, Spec, check_flags, check_fn
 
 __all__ = ["PROPERTY_READS", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
 
@@ -175,11 +175,13 @@ class OpAction:
         return str(self.op)
 
 
-def around_spec(label: str, where: Where, op_: OpLike, kind: str,
+def around_spec(label: str, where: Where | Located, op_: OpLike, kind: str,
                 fn: Callable[..., object] | Intervention | None = None, *, name: str | None = None,
                 **flags: bool) -> Spec:
     """An op spec: `kind` (``output``, ``input``, ``edit``, ``intervene``) on `op_` in the
     modules `where` selects."""
+    if isinstance(where, Located):
+        return where.spec(label, op=op_)
     action = OpAction(as_op(label, op_), kind, fn)
     stores = kind in ("output", "input")
     if name is not None and (not isinstance(name, str) or not name):
@@ -189,7 +191,7 @@ def around_spec(label: str, where: Where, op_: OpLike, kind: str,
                 **check_flags(label, **flags))
 
 
-def op_outputs(where: Where, op: OpLike, *, name: str | None = None, detach: bool = True,
+def op_outputs(where: Where | Located, op: OpLike, *, name: str | None = None, detach: bool = True,
                cpu: bool = False, clone: bool = False) -> Spec:
     """Store the result of each call of `op` made by the selected modules, under `name`
     (default: the op's name), one value per op call.
@@ -218,7 +220,7 @@ def op_outputs(where: Where, op: OpLike, *, name: str | None = None, detach: boo
     return around_spec("op_outputs", where, op, "output", name=name, detach=detach, cpu=cpu, clone=clone)
 
 
-def op_inputs(where: Where, op: OpLike, *, name: str | None = None, detach: bool = True,
+def op_inputs(where: Where | Located, op: OpLike, *, name: str | None = None, detach: bool = True,
               cpu: bool = False, clone: bool = False) -> Spec:
     """Store the positional arguments of each call of `op` made by the selected modules, as
     a tuple, under `name` (default ``"<op>.input"``); keyword arguments are not stored.
@@ -245,7 +247,7 @@ def op_inputs(where: Where, op: OpLike, *, name: str | None = None, detach: bool
     return around_spec("op_inputs", where, op, "input", name=name, detach=detach, cpu=cpu, clone=clone)
 
 
-def op_edit(where: Where, op: OpLike, fn: Callable[..., object], *,
+def op_edit(where: Where | Located, op: OpLike, fn: Callable[..., object], *,
             name: str | None = None) -> Spec:
     """Replace the result of each call of `op` made by the selected modules with
     ``fn(module, args, kwargs, output)`` (``None`` leaves it as it was); the rest of the

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import abc
+
 import attrs
 import torch
 
@@ -21,6 +23,7 @@ from .selector import Selector, Where, select
 
 __all__ = [
     "EVENTS",
+    "Located",
     "Spec",
     "edit",
     "grads",
@@ -81,6 +84,11 @@ class Spec:
     gather: bool = False
     clone: bool = False
     label: str = "observe"  # the constructor's name, for repr and messages only
+    labels: tuple[tuple[str, str], ...] = ()
+    """``(module path, Record path)`` pairs: the values of those modules are stored (and a
+    Record source read) under the Record path instead (a standard point's ``blocks.3.resid_pre``)."""
+    shown: str | None = None
+    """How repr shows `where` (a standard point's name), None for the selector's repr."""
     hook: str = attrs.field(init=False)
     """How a run reaches this spec (see :data:`HOOKS`), derived from `event` and `role`."""
 
@@ -108,9 +116,9 @@ class Spec:
         return self.hook in _BACKWARD_HOOKS
 
     def __repr__(self) -> str:
-        parts = [repr(self.where)]
-        if self.role == "call":
-            parts.append(getattr(self.fn, "__name__", repr(self.fn)))
+        parts = [repr(self.where) if self.shown is None else self.shown]
+        if self.role == "call" and (fn_name := getattr(self.fn, "__name__", repr(self.fn))):  # "": a point's read
+            parts.append(fn_name)
             if self.event != "forward":
                 parts.append(f"event={self.event!r}")
             if self.name is not None and self.name != getattr(self.fn, "__name__", None):
@@ -135,6 +143,18 @@ class Spec:
 
     def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
         return None
+
+
+class Located(abc.ABC):
+    """A where-value that makes the spec a constructor asks for itself, instead of being
+    selected as modules are: ``fh.transformer``'s standard points (a module's output, its input,
+    a view of either, or an op inside it, stored under the point's own Record path)."""
+
+    @abc.abstractmethod
+    def spec(self, label: str, **options: Any) -> Spec:
+        """The spec constructor `label` makes at this place, with its `options` (the flags of
+        a store, ``intervention=`` and ``op=`` of an intervention); a ``SpecError`` when the
+        place has no such spec."""
 
 
 _SHOWN_PATHS = 8
@@ -201,7 +221,7 @@ def record_name(label: str, fn: Callable[..., object], name: str | None) -> str:
     return name
 
 
-def outputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+def outputs(where: Where | Located, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
     """Store each selected module's output under the record name ``"output"``.
 
     Args:
@@ -225,10 +245,12 @@ def outputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: boo
         torch.Size([1, 2])
     """
     flags = check_flags("outputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    if isinstance(where, Located):
+        return where.spec("outputs", **flags)
     return Spec(select(where), "forward", "output", "output", label="outputs", **flags)
 
 
-def inputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+def inputs(where: Where | Located, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
     """Store each selected module's inputs as ``(args, kwargs)`` under ``"input"``.
 
     Inputs are taken before the module runs, so a module that changes its input in place
@@ -252,10 +274,12 @@ def inputs(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool
         (torch.Size([1, 3]), {})
     """
     flags = check_flags("inputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    if isinstance(where, Located):
+        return where.spec("inputs", **flags)
     return Spec(select(where), "forward_pre", "input", "input", label="inputs", **flags)
 
 
-def grads(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
+def grads(where: Where | Located, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
     """Store the gradient with respect to each selected module's output under ``"grad"``.
 
     The value has the structure of the output (a tensor for a tensor output). It is taken
@@ -279,11 +303,13 @@ def grads(where: Where, *, detach: bool = True, cpu: bool = False, gather: bool 
         tensor([[1., 1.]])
     """
     flags = check_flags("grads", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    if isinstance(where, Located):
+        return where.spec("grads", **flags)
     return Spec(select(where), "backward_pre", "grad", "grad", label="grads", **flags)
 
 
 def observe(
-    where: Where,
+    where: Where | Located,
     fn: Callable[..., object],
     *,
     event: str = "forward",
@@ -325,10 +351,12 @@ def observe(
     check_fn("observe", fn)
     _check_event("observe", event)
     flags = check_flags("observe", detach=detach, cpu=cpu, gather=gather, clone=clone)
+    if isinstance(where, Located):
+        return where.spec("observe", fn=fn, event=event, name=name, **flags)
     return Spec(select(where), event, "call", record_name("observe", fn, name), fn, label="observe", **flags)
 
 
-def edit(where: Where, fn: Callable[..., object], *, event: str = "forward", name: str | None = None) -> Spec:
+def edit(where: Where | Located, fn: Callable[..., object], *, event: str = "forward", name: str | None = None) -> Spec:
     """Replace a value with ``fn``'s result: the output (``forward``), the args
     (``forward_pre``), ``grad_output`` (``backward_pre``), ``grad_input`` (``backward``) or a
     parameter's gradient (``param_grad``). Returning ``None`` leaves the value as it was.
@@ -356,4 +384,6 @@ def edit(where: Where, fn: Callable[..., object], *, event: str = "forward", nam
     _check_event("edit", event)
     if name is not None and (not isinstance(name, str) or not name):
         raise SpecError(f"edit: `name` is a non-empty str or None, got {name!r}. Pass a label.")
+    if isinstance(where, Located):
+        return where.spec("edit", fn=fn, event=event, name=name)
     return Spec(select(where), event, "call", name, fn, is_edit=True, label="edit")

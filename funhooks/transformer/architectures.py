@@ -46,16 +46,18 @@ class Architecture:
     embed: str
     """The token embedding."""
     attn: str
-    """The attention module of a block (its output's element 0 is ``attn_out``)."""
+    """The attention module of a block (its output's element 0 is ``attn_out``, unless
+    `attn_out` names another module)."""
     mlp: str
-    """The MLP of a block (its output is ``mlp_out``)."""
+    """The MLP of a block (its output is ``mlp_out``, unless `mlp_out` names another module)."""
     attn_norm: str | None
     """The norm before attention (``ln_1``); None for post-norm blocks (BERT)."""
     mlp_norm: str | None
     """The norm before the MLP; its input is ``resid_mid`` (None for parallel blocks)."""
     qkv: tuple[str, ...]
     """The projections making q, k, v: one fused module (GPT-2's ``attn.c_attn``, NeoX's
-    ``attention.query_key_value``) or three (``q_proj``, ``k_proj``, ``v_proj``)."""
+    ``attention.query_key_value``) or three (``q_proj``, ``k_proj``, ``v_proj``). A fused
+    output is read as `fused` says."""
     attn_proj: str
     """The attention's output projection: its input is ``z`` (heads side by side)."""
     mlp_proj: str
@@ -65,31 +67,50 @@ class Architecture:
     unembed: str | None
     """The unembedding (``lm_head``), relative to the model with a language-modelling head."""
     parallel: bool = False
-    """Attention and MLP both read the block's input (GPT-J, Pythia): no ``resid_mid``."""
+    """Attention and MLP both read the block's input (GPT-J, Pythia): no ``resid_mid``. A model whose
+    ``config.use_parallel_residual`` is False (GPT-NeoX built so) is read as sequential."""
     post_norm: bool = False
     """Norms after each residual add (BERT): ``resid_mid`` is the attention block's output."""
     extra: tuple[tuple[str, str], ...] = ()
     """Further ``(name, path)`` pairs a family needs (e.g. BERT's prediction transform)."""
+    resid_in: str | None = None
+    """The module (relative to the base model) whose output is layer 0's ``resid_pre``: the
+    embeddings' dropout (GPT-2's ``drop``), or None for `embed` itself (Llama)."""
+    mlp_pre: str | None = None
+    """The MLP's first projection, relative to a block: its output is ``mlp_pre`` (the gate
+    projection of a gated MLP, as in TransformerLens)."""
+    mlp_in: str | None = None
+    """The module of a block whose first input is ``mlp_in``; None for `mlp`."""
+    attn_out: str | None = None
+    """The module of a block whose output (element 0) is ``attn_out``; None for `attn`."""
+    mlp_out: str | None = None
+    """The module of a block whose output is ``mlp_out``; None for `mlp`."""
+    fused: str = "thirds"
+    """How one fused `qkv` output holds q, k, v: ``"thirds"`` (``[q | k | v]`` along the last
+    dimension, GPT-2) or ``"heads"`` (per head ``[q_h | k_h | v_h]``, GPT-NeoX)."""
 
 
 _BUILTIN = (
     Architecture("gpt2", blocks="h", embed="wte", attn="attn", mlp="mlp", attn_norm="ln_1", mlp_norm="ln_2",
                  qkv=("attn.c_attn",), attn_proj="attn.c_proj", mlp_proj="mlp.c_proj", final_norm="ln_f",
-                 unembed="lm_head"),
+                 unembed="lm_head", resid_in="drop", mlp_pre="mlp.c_fc"),
     Architecture("gpt_neox", blocks="layers", embed="embed_in", attn="attention", mlp="mlp",
                  attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
                  qkv=("attention.query_key_value",), attn_proj="attention.dense", mlp_proj="mlp.dense_4h_to_h",
-                 final_norm="final_layer_norm", unembed="lm_head", parallel=True),
+                 final_norm="final_layer_norm", unembed="lm_head", parallel=True, resid_in="emb_dropout",
+                 mlp_pre="mlp.dense_h_to_4h", fused="heads"),
     Architecture("llama", blocks="layers", embed="embed_tokens", attn="self_attn", mlp="mlp",
                  attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
                  qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), attn_proj="self_attn.o_proj",
-                 mlp_proj="mlp.down_proj", final_norm="norm", unembed="lm_head"),
+                 mlp_proj="mlp.down_proj", final_norm="norm", unembed="lm_head", mlp_pre="mlp.gate_proj"),
     Architecture("bert", blocks="encoder.layer", embed="embeddings.word_embeddings", attn="attention",
                  mlp="output", attn_norm=None, mlp_norm=None,
                  qkv=("attention.self.query", "attention.self.key", "attention.self.value"),
                  attn_proj="attention.output.dense", mlp_proj="output.dense", final_norm=None,
                  unembed="cls.predictions.decoder", post_norm=True,
-                 extra=(("unembed_transform", "cls.predictions.transform"),)),
+                 extra=(("unembed_transform", "cls.predictions.transform"),), resid_in="embeddings",
+                 mlp_pre="intermediate.dense", mlp_in="intermediate", attn_out="attention.output.dense",
+                 mlp_out="output.dense"),
 )
 _ALIASES = {"mistral": "llama", "qwen2": "llama"}
 """Families whose modules are Llama's (RoPE, grouped-query attention, RMSNorm)."""

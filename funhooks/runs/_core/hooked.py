@@ -22,7 +22,7 @@ from .frame import Frame
 from .op_mode import OpEntry, op_entry
 from .types import Key, Selected
 
-__all__ = ["Hooked", "intervene_entry"]
+__all__ = ["Hooked", "intervene_entry", "intervene_pre_entry"]
 
 
 def intervene_entry(spec: Spec, key: Key, rank: int) -> PostEntry:
@@ -37,6 +37,19 @@ def intervene_entry(spec: Spec, key: Key, rank: int) -> PostEntry:
         return apply(output, spec, path, rank, count, frame.values, frame.caller)
 
     return intervene
+
+
+def intervene_pre_entry(spec: Spec, key: Key, rank: int) -> PreEntry:
+    """The entry of an intervention on a module's positional arguments (a standard point that
+    is a module's input): as :func:`intervene_entry`, on the args tuple."""
+    apply, path = spec.fn.apply, key[0]
+
+    def intervene_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        count = frame.counts.get(intervene_args, 0)
+        frame.counts[intervene_args] = count + 1
+        return apply(args, spec, path, rank, count, frame.values, frame.caller)
+
+    return intervene_args
 
 
 class Hooked:
@@ -63,7 +76,9 @@ class Hooked:
         backward_pre: list[tuple[bool, BackwardEntry]] = []
         ops: dict[str, list[OpEntry]] = {}
         for spec, key, rank in specs:  # `param_grad` specs never reach here: they hook parameters
-            if spec.hook == "forward_pre":
+            if spec.hook == "forward_pre" and spec.role == "intervene":
+                pre_edits.append(intervene_pre_entry(spec, key, rank))
+            elif spec.hook == "forward_pre":
                 (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key, copies))
             elif spec.hook == "around":
                 entry = op_entry(spec, key, rank, copies)

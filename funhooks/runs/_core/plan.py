@@ -252,8 +252,9 @@ class Plan:
                 check_nth(spec, spec.nth, [p for p, _ in found], caller)
             elif spec.nth is not None:  # an `fh.arg`: checked per call
                 self._nths.append((spec, spec.nth.name, [p for p, _ in found]))
+            labels = dict(spec.labels)  # a standard point's Record paths, by module path
             for nth, (path, module) in enumerate(found):  # nth: the module's index in the spec's selection
-                key = (path, spec.name)
+                key = (labels.get(path, path), spec.name)
                 if not spec.is_edit:
                     clash = names.get(key)  # type: ignore[arg-type]
                     if clash is not None:
@@ -264,7 +265,7 @@ class Plan:
                     names[key] = spec  # type: ignore[index]
                     if spec.hook != "param_grad":
                         self.slots.append(key)  # type: ignore[arg-type]
-                self.order.setdefault(path, (rank[id(module)], 0))
+                self.order.setdefault(key[0], (rank[id(module)], 0))
                 if spec.hook == "param_grad":
                     self._param_entries(spec, module, path, rank[id(module)], manager)
                     continue
