@@ -84,10 +84,10 @@ class Spec:
     gather: bool = False
     clone: bool = False
     label: str = "observe"  # the constructor's name, for repr and messages only
-    labels: tuple[tuple[str, str], ...] = ()
+    labels: Any = ()  # tuple[tuple[str, str], ...]; Any so `**flags` (bools) type-check beside it
     """``(module path, Record path)`` pairs: the values of those modules are stored (and a
     Record source read) under the Record path instead (a standard point's ``blocks.3.resid_pre``)."""
-    shown: str | None = None
+    shown: Any = None  # str | None, typed Any as `labels` is
     """How repr shows `where` (a standard point's name), None for the selector's repr."""
     hook: str = attrs.field(init=False)
     """How a run reaches this spec (see :data:`HOOKS`), derived from `event` and `role`."""

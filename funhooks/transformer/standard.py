@@ -140,7 +140,7 @@ class Point(Located):
             raise SpecError(f"points: `{self.name}[{layers!r}]` takes no layer of the model's {n}. Take at least one.")
         missing = [layer for layer in taken if layer not in by_layer]
         if missing:
-            raise SpecError(f"points: `{self.name}` here holds layers {sorted(by_layer)}, got {missing}. Index the "
+            raise SpecError(f"points: `{self.name}` here holds layers {[layer for layer, _ in self.paths]}, got {missing}. Index the "
                             f"full point, `pts.{self.name}[...]`.")
         return attrs.evolve(self, paths=tuple((layer, by_layer[layer]) for layer in taken), layered=True)
 
@@ -172,12 +172,12 @@ class Point(Located):
         return attrs.evolve(made, labels=tuple(zip((p for _, p in self.paths), self.keys)), shown=repr(self))
 
     def _store(self, label: str, where: Selector, **flags: bool) -> Spec:
-        if self.kind == "op":
+        if self.op is not None:
             if label == "grads":
                 raise SpecError(f"grads: `{self.name}` is the value of an op inside a module, where no gradient is "
                                 f"watched, got `{self!r}`. Take the gradient of a module's point (e.g. "
                                 "`pts.resid_post`, `pts.mlp_in`).")
-            return around_spec(label, where, self.op, self.op_kind, name="output", **flags)
+            return around_spec(label, where, self.op, self.op_kind, None, name="output", **flags)
         name = "output" if label == "outputs" else "grad"
         if self.kind == "output" and self.view is None and self.tensor:  # the module path's own spec
             event = "forward" if label == "outputs" else "backward_pre"
@@ -192,7 +192,7 @@ class Point(Located):
         if op is not None:
             raise SpecError(f"{label}: a standard point already says where the value is, got `op={op!r}` with "
                             f"`{self!r}`. Leave `op` out, or give {label} a module (`pts.attn`) with `op=`.")
-        if self.kind == "op":
+        if self.op is not None:
             if self.op_kind != "output":
                 raise SpecError(f"{label}: `{self.name}` is read from an op's input, which no intervention edits, "
                                 f"got `{self!r}`. Edit `pts.pattern` (the softmax's result) instead.")
