@@ -1,9 +1,14 @@
 """One vocabulary for every transformer: the standard points (``embed``, ``resid_pre``, ``q``,
 ``pattern``, ``logits`` ...) of unmodified Hugging Face models, found through a table of
-architectures (``architectures.py``) that users extend without editing funhooks.
-May import ``errors``, ``_torch``, ``_frozen``, ``records``, ``specs`` and ``runs``.
+architectures (``architectures.py``) that users extend without editing funhooks; the logit
+lens and unembedding (``lens.py``); figures of patching tables, attention patterns and
+logit lenses (``plots.py``).
+May import ``errors``, ``_torch``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
 """
 
 from .architectures import Architecture, architecture, register
+from .lens import LogitLens, ResidualStack, accumulated_resid, logit_lens, unembed
+from .plots import plot_logit_lens, plot_patching, plot_patterns
 
-__all__ = ["Architecture", "architecture", "register"]
+__all__ = ["Architecture", "LogitLens", "ResidualStack", "accumulated_resid", "architecture", "logit_lens",
+           "plot_logit_lens", "plot_patching", "plot_patterns", "register", "unembed"]
