@@ -28,8 +28,12 @@ __all__ = ["plot_logit_lens", "plot_patching", "plot_patterns"]
 PATCHING_CMAP = "RdBu"
 """A diverging colormap: the table's sign is the colour, 0 is white."""
 PATTERN_CMAP = "Blues"
+RANK_MARGIN = 0.5
+"""Room above rank 0 and below the worst rank drawn, in ranks."""
 MAX_TICKS = 40
 """Positions beyond this many get no tick label each (the labels would overlap)."""
+WIDE_LABELS = 30
+"""Characters of x tick labels beyond which they are written upright."""
 
 
 def _host(caller: str, name: str, value: object, ndims: tuple[int, ...], shape: str) -> torch.Tensor:
@@ -50,11 +54,12 @@ def _labels(caller: str, name: str, labels: Sequence[object] | None, count: int)
     return [str(label) for label in labels]
 
 
-def _ticks(ax: Axes, axis: Literal["x", "y"], labels: list[str], *, rotate: bool = False) -> None:
+def _ticks(ax: Axes, axis: Literal["x", "y"], labels: list[str]) -> None:
+    """One tick label per entry (none past MAX_TICKS); x labels turn upright when they would overlap."""
     if len(labels) > MAX_TICKS:
         return
     if axis == "x":
-        ax.set_xticks(range(len(labels)), labels, rotation=90 if rotate else 0)
+        ax.set_xticks(range(len(labels)), labels, rotation=90 if sum(map(len, labels)) > WIDE_LABELS else 0)
     else:
         ax.set_yticks(range(len(labels)), labels)
 
@@ -99,7 +104,7 @@ def plot_patching(table: torch.Tensor, *, tokens: Sequence[str] | None = None, l
     ax = fig.subplots()
     bound = float(values.abs().max()) or 1.0
     image = ax.imshow(values.numpy(), cmap=PATCHING_CMAP, vmin=-bound, vmax=bound, aspect="auto")
-    _ticks(ax, "x", x_labels, rotate=tokens is not None)
+    _ticks(ax, "x", x_labels)
     _ticks(ax, "y", y_labels)
     ax.set_xlabel("position")
     ax.set_ylabel("layer")
@@ -159,7 +164,7 @@ def plot_patterns(pattern: torch.Tensor, *, tokens: Sequence[str] | None = None,
     for ax, head in zip(grid, chosen):
         image = ax.imshow(values[head].numpy(), cmap=PATTERN_CMAP, vmin=0.0, vmax=1.0)
         ax.set_title(f"head {head % values.shape[0]}", fontsize=9)
-        _ticks(ax, "x", keys, rotate=tokens is not None)
+        _ticks(ax, "x", keys)
         _ticks(ax, "y", queries)
         ax.tick_params(labelsize=7)
     for ax in grid[len(chosen):]:
@@ -213,14 +218,17 @@ def plot_logit_lens(lens: LogitLens, token: int, *, kind: Literal["prob", "rank"
     fig.set_layout_engine("constrained")
     ax = fig.subplots()
     ax.plot(range(len(lens.labels)), values.float().cpu().numpy(), marker="o")
-    _ticks(ax, "x", list(lens.labels), rotate=True)
+    _ticks(ax, "x", list(lens.labels))
     ax.tick_params(axis="x", labelsize=7)
     what = repr(name) if name is not None else f"token {token}"
     if kind == "prob":
         ax.set_ylim(-0.02, 1.02)
         ax.set_ylabel("probability")
     else:
-        ax.invert_yaxis()
+        from matplotlib.ticker import MaxNLocator
+
+        ax.set_ylim(float(values.max()) + RANK_MARGIN, -RANK_MARGIN)  # upside down: the top prediction is up
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("rank (0: top)")
     ax.set_title(f"Logit lens: {what} at position {position}")
     return fig
