@@ -141,7 +141,8 @@ def test_logit_lens_leaves_out_points_that_are_not_the_residual_stream() -> None
     model = MODELS["gpt2"]
     _, rec = _residuals(model, IDS)
     more = fh.Record({**{p: {"output": [rec[p]["output"]]} for p in rec},
-                      "embed": {"output": [torch.zeros(2, 5, 32)]}, "blocks.0.attn_out": {"output": [torch.zeros(2, 5, 32)]}})
+                      "embed": {"output": [torch.zeros(2, 5, 32)]},
+                      "blocks.0.attn_out": {"output": [torch.zeros(2, 5, 32)]}})
     assert fh.transformer.logit_lens(model, more).labels == fh.transformer.logit_lens(model, rec).labels
 
 

@@ -136,7 +136,8 @@ def test_the_docs_figures_from_a_small_gpt2() -> None:
     corrupt_out = model(corrupt)
     base = corrupt_out.logits[0, -1, 7] - corrupt_out.logits[0, -1, 8]
     table = torch.func.vmap(diff)(torch.arange(3).repeat_interleave(5), torch.arange(5).repeat(3)).reshape(3, 5) - base
-    loop = torch.stack([torch.stack([diff(torch.tensor(L), torch.tensor(p)) for p in range(5)]) for L in range(3)]) - base
+    loop = torch.stack([torch.stack([diff(torch.tensor(L), torch.tensor(p)) for p in range(5)])
+                        for L in range(3)]) - base
     torch.testing.assert_close(table, loop, atol=1e-5, rtol=1e-5)
     out = model(clean, output_attentions=True)
     stack = torch.stack([clean_rec[p]["output"] for p in ("transformer.drop", "transformer.h.0", "transformer.h.1")])

@@ -9,7 +9,7 @@ and after the last (TransformerLens' ``cache.accumulated_resid``) as a :class:`R
 
 Cost: the model's own norm and unembedding modules called once on the stacked residuals, so
 the logits take ``layers * batch * positions * vocab`` floats (a 12-layer GPT-2 on 1 x 10
-tokens: 6 MB). Nothing is installed on the model.
+tokens: 24 MB). Nothing is installed on the model.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def _find(model: nn.Module, owner: nn.Module, path: str | None, role: str, calle
         raise SelectorError(
             f"{caller}: the {architecture(model).name!r} family keeps its {role} at `{path}`, got a "
             f"{type(model).__name__} without it. Pass the model with its language-modelling head (e.g. "
-            "`GPT2LMHeadModel`, `LlamaForCausalLM`, `BertForMaskedLM`), or fix the family with `fh.transformer.register`."
+            "`GPT2LMHeadModel`, `LlamaForCausalLM`, `BertForMaskedLM`), or fix the family with "
+            "`fh.transformer.register`."
         ) from None
 
 
@@ -93,7 +94,8 @@ def _checked(caller: str, head: _Head, resid: object) -> torch.Tensor:
                         "Pass a residual stream such as `rec['blocks.3.resid_post']['output']`.")
     width = _width(head)
     if width is not None and resid.shape[-1] != width:
-        raise ValueError(f"{caller}: `resid` ends in the model's width d_model={width}, got shape {tuple(resid.shape)}. "
+        raise ValueError(f"{caller}: `resid` ends in the model's width d_model={width}, "
+                         f"got shape {tuple(resid.shape)}. "
                          "Pass a residual stream of this model (hidden size last).")
     return resid
 
@@ -299,7 +301,8 @@ def logit_lens(model: nn.Module, source: Record | ResidualStack | torch.Tensor) 
         labels = tuple(sorted((p for p in source if _RESIDUAL_PATH.fullmatch(p)), key=_depth))
         if not labels:
             raise RecordError(f"logit_lens: the Record holds residual points `blocks.{{L}}.resid_pre` / `resid_mid` / "
-                              f"`resid_post`, got paths {list(source)}. Record them with `fh.outputs(points.resid_post)`.")
+                              f"`resid_post`, got paths {list(source)}. "
+                              "Record them with `fh.outputs(points.resid_post)`.")
         resid = _stacked("logit_lens", source, labels)
     elif isinstance(source, torch.Tensor) and source.ndim >= 2:
         resid, labels = source, tuple(str(i) for i in range(len(source)))

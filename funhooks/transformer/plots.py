@@ -49,7 +49,8 @@ def _labels(caller: str, name: str, labels: Sequence[object] | None, count: int)
     if labels is None:
         return [str(i) for i in range(count)]
     if len(labels) != count:
-        raise ValueError(f"{caller}: `{name}` has one label per entry ({count}), got {len(labels)}: {list(labels)!r:.120}. "
+        raise ValueError(f"{caller}: `{name}` has one label per entry ({count}), "
+                         f"got {len(labels)}: {list(labels)!r:.120}. "
                          "Pass as many labels as the tensor has entries along that axis.")
     return [str(label) for label in labels]
 
@@ -152,7 +153,8 @@ def plot_patterns(pattern: torch.Tensor, *, tokens: Sequence[str] | None = None,
     chosen = list(range(values.shape[0])) if heads is None else [int(h) for h in heads]
     for head in chosen:
         if not -values.shape[0] <= head < values.shape[0]:
-            raise IndexError(f"plot_patterns: `heads` are in range({values.shape[0]}), got {head}. Pick heads the pattern has.")
+            raise IndexError(f"plot_patterns: `heads` are in range({values.shape[0]}), got {head}. "
+                             "Pick heads the pattern has.")
     keys = _labels("plot_patterns", "tokens", tokens, values.shape[-1])
     queries = keys[len(keys) - values.shape[-2]:]  # the last positions: fewer queries than keys after a cache
     cols = max(1, min(ncols, len(chosen)))
@@ -210,8 +212,8 @@ def plot_logit_lens(lens: LogitLens, token: int, *, kind: Literal["prob", "rank"
         raise ValueError(f'plot_logit_lens: `kind` is "prob" or "rank", got {kind!r}.')
     if lens.logits.ndim not in (3, 4):
         raise ValueError("plot_logit_lens: `lens.logits` is `(layers, batch, position, vocab)` or `(layers, position, "
-                         f"vocab)`, got shape {tuple(lens.logits.shape)}. Build the lens from `(batch, position, d_model)` "
-                         "residuals.")
+                         f"vocab)`, got shape {tuple(lens.logits.shape)}. "
+                         "Build the lens from `(batch, position, d_model)` residuals.")
     per_layer = lens.prob(token) if kind == "prob" else lens.rank(token)
     values = (per_layer[:, example] if per_layer.ndim == 3 else per_layer)[:, position]
     fig = figure("plot_logit_lens", figsize)
