@@ -378,4 +378,4 @@ def _check_fits(value: Tensor, target: Tensor, at: _At) -> None:
 def _broadcasts(a: Sequence[int], b: Sequence[int]) -> bool:
     """Whether shape `a` broadcasts to shape `b` (in Python: ``torch.broadcast_shapes`` costs
     tens of microseconds, paid per edited call)."""
-    return len(a) <= len(b) and all(m == 1 or m == n for m, n in zip(reversed(a), reversed(b)))
+    return a == b or len(a) <= len(b) and all(m == 1 or m == n for m, n in zip(reversed(a), reversed(b)))
