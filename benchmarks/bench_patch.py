@@ -76,8 +76,8 @@ def logit_diff(logits: torch.Tensor) -> torch.Tensor:
 
 def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
                 positions: int, *, peers: bool = True) -> dict[str, Callable[[], torch.Tensor]]:
-    """name -> a call of no arguments returning the ``(layers, positions)`` table (the peers'
-    only with `peers`)."""
+    """name -> a call of no arguments returning the ``(layers, positions)`` table (the
+    hand-batched forward's and the peers' only with `peers`)."""
     _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
     f = fh.capture(model, fh.patch(RESID_PRE, rec, nth=fh.arg("layer"), index=fh.arg("pos")))
 
@@ -93,8 +93,9 @@ def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tens
     def vmapped() -> torch.Tensor:
         return swept(*pairs).reshape(layers, positions)
 
-    cases = {"python loop": loop, "fh vmap": vmapped,
-             "hand-batched torch hooks": _hand_batched(model, rec, corrupt, layers, positions)}
+    cases = {"python loop": loop, "fh vmap": vmapped}
+    if peers:
+        cases["hand-batched torch hooks"] = _hand_batched(model, rec, corrupt, layers, positions)
     for name, (module, build) in (PEERS if peers else {}).items():
         if importlib.util.find_spec(module) is None:
             continue
