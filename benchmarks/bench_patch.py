@@ -11,9 +11,13 @@ difference of two tokens: ``LAYERS x POSITIONS = 32`` patches. Cases, each retur
   index=fh.arg("pos")))``: the baseline of the ratios;
 - ``fh vmap``: ``torch.func.vmap`` of the same function over the 32 (layer, position)
   pairs: one call;
+- ``hand-batched torch hooks``: the careful idiom without a library, its floor: one forward
+  of the corrupted prompt repeated 32 times, a ``register_forward_hook`` per ``resid_pre``
+  module writing row i's position from the clean run's values by hand indexing;
 - peers, each only when importable (``pip install funhooks[bench]``): TransformerLens'
   ``patching.get_act_patch_resid_pre`` on a ``TransformerBridge`` wrapping a copy of the HF
-  model (same weights), and nnsight, one ``trace`` per patch setting the module's output.
+  model (same weights); nnsight, one ``trace`` per patch setting the module's output; and
+  nnsight batched by hand, the same idiom as the torch hooks in one ``trace``.
 
 **Op-level recording.** Store the attention pattern (the ``softmax`` inside every
 ``transformer.h.*.attn``, eager attention) on each forward, against the bare forward:
@@ -72,8 +76,8 @@ def logit_diff(logits: torch.Tensor) -> torch.Tensor:
 
 def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
                 positions: int, *, peers: bool = True) -> dict[str, Callable[[], torch.Tensor]]:
-    """name -> a call of no arguments returning the ``(layers, positions)`` table (the peers'
-    only with `peers`)."""
+    """name -> a call of no arguments returning the ``(layers, positions)`` table (the
+    hand-batched forward's and the peers' only with `peers`)."""
     _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
     f = fh.capture(model, fh.patch(RESID_PRE, rec, nth=fh.arg("layer"), index=fh.arg("pos")))
 
@@ -90,6 +94,8 @@ def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tens
         return swept(*pairs).reshape(layers, positions)
 
     cases = {"python loop": loop, "fh vmap": vmapped}
+    if peers:
+        cases["hand-batched torch hooks"] = _hand_batched(model, rec, corrupt, layers, positions)
     for name, (module, build) in (PEERS if peers else {}).items():
         if importlib.util.find_spec(module) is None:
             continue
@@ -98,6 +104,48 @@ def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tens
         except Exception as err:  # a peer that imports but fails here is reported, not fatal
             print(f"{name} skipped: {type(err).__name__}: {err}")
     return cases
+
+
+def _resid_pre(layers: int) -> list[str]:
+    """The paths of the modules whose outputs are the `layers` first ``resid_pre``s."""
+    return ["transformer.drop"] + [f"transformer.h.{i}" for i in range(layers - 1)]
+
+
+def _rows(layers: int, positions: int) -> torch.Tensor:
+    """The rows of a batch of ``layers x positions`` patches, by (layer, position): row
+    ``layer * positions + pos`` patches (layer, pos), so the logit differences reshape to the table."""
+    return torch.arange(layers * positions).reshape(layers, positions)
+
+
+def _hand_batched(model: torch.nn.Module, rec: fh.Record, corrupt: torch.Tensor, layers: int,
+                  positions: int) -> Callable[[], torch.Tensor]:
+    """The idiom by hand without a library: the corrupted prompt repeated once per patch, one
+    ``register_forward_hook`` per ``resid_pre`` module writing its rows' positions from the
+    clean run's values (in place, under ``no_grad``), removed after the forward."""
+    paths = _resid_pre(layers)
+    sources = [rec[p]["output"][0] for p in paths]
+    rows, at = _rows(layers, positions), torch.arange(positions)
+    batch = corrupt.expand(layers * positions, -1)
+
+    def writer(layer: int) -> Callable[..., torch.Tensor]:
+        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            output[rows[layer], at] = sources[layer]
+            return output
+
+        return hook
+
+    modules = [model.get_submodule(p) for p in paths]
+
+    def call() -> torch.Tensor:
+        handles = [m.register_forward_hook(writer(i)) for i, m in enumerate(modules)]
+        try:
+            logits = model(batch, use_cache=False).logits
+        finally:
+            for h in handles:
+                h.remove()
+        return logit_diff(logits).reshape(layers, positions)
+
+    return call
 
 
 def _transformer_lens(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
@@ -131,7 +179,7 @@ def _nnsight(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor,
     wrapped = nnsight.NNsight(model)
     envoys = [wrapped.transformer.drop] + [wrapped.transformer.h[i] for i in range(layers - 1)]
     _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
-    sources = [rec[p]["output"] for p in ["transformer.drop"] + [f"transformer.h.{i}" for i in range(layers - 1)]]
+    sources = [rec[p]["output"] for p in _resid_pre(layers)]
 
     def call() -> torch.Tensor:
         table = torch.empty(layers, positions)
@@ -146,9 +194,37 @@ def _nnsight(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor,
     return call
 
 
+def _nnsight_batched(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor, layers: int,
+                     positions: int) -> Callable[[], torch.Tensor]:
+    """nnsight's careful idiom: ONE ``trace`` of the corrupted prompt repeated once per patch,
+    each ``resid_pre`` module's output set at its rows' positions by hand indexing (modules
+    in the order they run, as nnsight requires), the logits saved."""
+    import nnsight
+
+    wrapped = nnsight.NNsight(model)
+    envoys = [wrapped.transformer.drop] + [wrapped.transformer.h[i] for i in range(layers - 1)]
+    saved = []
+    with wrapped.trace(clean):
+        for envoy in envoys:
+            saved.append(envoy.output.save())
+    sources = [s[0] for s in saved]
+    rows, at = _rows(layers, positions), torch.arange(positions)
+    batch = corrupt.expand(layers * positions, -1)
+
+    def call() -> torch.Tensor:
+        with wrapped.trace(batch):
+            for layer, envoy in enumerate(envoys):
+                envoy.output[rows[layer], at] = sources[layer]
+            logits = wrapped.lm_head.output.save()
+        return logit_diff(logits).reshape(layers, positions)
+
+    return call
+
+
 PEERS = {
     "TransformerLens get_act_patch_resid_pre": ("transformer_lens", _transformer_lens),
     "nnsight, one trace per patch": ("nnsight", _nnsight),
+    "nnsight batched by hand": ("nnsight", _nnsight_batched),
 }
 
 

@@ -136,7 +136,7 @@ def test_patch_smoke(tmp_path: pathlib.Path) -> None:
     assert_common_keys(result, "patch")
     assert result["correct"] is True
     sweep = result["results"]["sweep"]
-    assert {"python loop", "fh vmap"} <= set(sweep["cases"]) and sweep["speedup"] > 0
+    assert {"python loop", "fh vmap", "hand-batched torch hooks"} <= set(sweep["cases"]) and sweep["speedup"] > 0
     assert sweep["cases"]["python loop"]["ratio"]["median"] == 1.0
     assert {"bare", "fh.with_hooks op_outputs(attn, softmax)", "fh.capture op_outputs(attn, softmax)"} <= set(
         result["results"]["record"]["cases"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 from torch import nn
@@ -180,3 +182,22 @@ def test_element_on_a_tensor_output_is_refused(element: int | str) -> None:
         f"capture: `element` picks an item of a tuple, list or dict output, got element {element!r} of a Tensor, "
         f"at module '0' for {spec!r}. Leave `element` out for a module returning a tensor."
     ))
+
+
+@hypothesis.settings(deadline=None, max_examples=25)
+@hypothesis.given(size=st.integers(1, 5), k=st.integers(0, 3), data=st.data())
+def test_a_vmapped_index_edits_its_positions_and_one_out_of_range_edits_nothing(size: int, k: int, data: Any) -> None:
+    """Under `vmap` each call's integer `index` (one position, or `k` of them, negative ones
+    counted from the end) edits exactly those positions; a position out of range, which
+    cannot be read there, edits nothing."""
+    shape = () if k == 0 else (k,)
+    rows = data.draw(st.lists(st.lists(st.integers(-size - 2, size + 1), min_size=max(k, 1), max_size=max(k, 1)),
+                              min_size=1, max_size=4))
+    index = torch.tensor(rows).reshape((len(rows),) + shape)
+    f = fh.capture(nn.Identity(), fh.scale("", 2.0, index=fh.arg("pos")))
+    x = torch.ones(1, size, 3)
+    out, _ = torch.func.vmap(lambda pos: f(x, pos=pos))(index)
+    for got, row in zip(out, rows):
+        edited = {i % size for i in row if -size <= i < size}
+        expected = torch.tensor([2.0 if p in edited else 1.0 for p in range(size)]).reshape(1, size, 1).expand(1, size, 3)
+        assert torch.equal(got, expected)

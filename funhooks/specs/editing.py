@@ -155,9 +155,9 @@ class Intervention:
         if gate is not None:
             mask = gate if mask is None else mask & gate
         if mask is not None:
-            new = torch.where(mask, new, target)
-        elif not fresh and self.view is None:  # never hand the model a tensor a Record or the caller holds
-            new = new.clone()
+            new = torch.where(mask, new, target)  # broadcasts `new` (`_check_fits` checked it fits)
+        elif not fresh:  # never hand the model a tensor a Record or the caller still holds (`put` copies)
+            new = new.expand(target.shape) if self.view is not None else new.expand(target.shape).clone()
         if self.view is not None:  # `put` makes a new tensor
             new = self.view.put(whole, new)
         return new if isinstance(output, Tensor) else _replace(output, self.element, new)
@@ -197,7 +197,8 @@ class Intervention:
         return None if nth == rank else False
 
     def _new(self, target: Tensor, values: PerCall, count: int, at: _At) -> tuple[Tensor, bool]:
-        """The replacement of `target` (before `index`/`nth`), and whether it is a new tensor."""
+        """The replacement of `target` (before `index`/`nth`; broadcast to it, not expanded), and
+        whether it is a new tensor."""
         kind = self.kind
         if kind == "ablate" and self.value is None:
             return torch.zeros_like(target), True
@@ -207,7 +208,8 @@ class Intervention:
         if not isinstance(value, Tensor):
             value = torch.as_tensor(value)
         _check_real(value, target, at)
-        value = value.to(device=target.device, dtype=target.dtype if kind != "scale" else None)
+        if value.device != target.device or (kind != "scale" and value.dtype != target.dtype):
+            value = value.to(device=target.device, dtype=target.dtype if kind != "scale" else None)
         _check_fits(value, target, at)
         if kind == "steer":
             coef = cast("Tensor | float", self._get(self.coef, values, at, "scale"))  # `_get` checked it
@@ -216,7 +218,7 @@ class Intervention:
             return (target + coef * value).to(target.dtype), True
         if kind == "scale":
             return (target * value).to(target.dtype), True
-        return value.expand(target.shape), False
+        return value, False
 
     def _mask(self, target: Tensor, values: PerCall, at: _At) -> Tensor | None:
         index = self._get(self.index, values, at)
@@ -228,9 +230,9 @@ class Intervention:
                            "Pass the dimension that holds the positions")
         dim = self.dim % ndim
         size = target.shape[dim]
+        shape = (size,) + (1,) * (ndim - dim - 1)  # the mask's, broadcast over the dims after `dim`
         if isinstance(index, Steps):
-            return self._steps(index, size, values, at, target.device).reshape((size,) + (1,) * (ndim - dim - 1))
-        positions = torch.arange(size, device=target.device)
+            return self._steps(index, size, values, at, target.device).reshape(shape)
         if not _is_positions(index):
             raise at.error(f"`index` is an int, ints, a bool mask or an integer tensor, got {show(index)}",
                            f"Pass integer positions along dim {dim}")
@@ -239,18 +241,20 @@ class Intervention:
             raise at.error(f"`index` is a position along dim {dim} (size {size}), got {outside}",
                            f"Pass an index in [{-size}, {size})")
         if isinstance(index, int):
-            mask = positions == index % size
-        else:
+            return (torch.arange(size, device=target.device) == index % size).reshape(shape)
+        if not isinstance(index, Tensor) or index.device != target.device:
             index = torch.as_tensor(index, device=target.device)
-            if index.dtype == torch.bool:
-                if _shape(index) != (size,):
-                    raise at.error(f"a bool `index` has one entry per position along dim {dim} ({size}), got "
-                                   f"shape {_shape(index)}", "Pass a mask of that length")
-                mask = index
-            else:
-                index = torch.where(index < 0, index + size, index)
-                mask = positions == index if index.ndim == 0 else (positions[:, None] == index.reshape(1, -1)).any(-1)
-        return mask.reshape((size,) + (1,) * (ndim - dim - 1))
+        if index.dtype == torch.bool:
+            if _shape(index) != (size,):
+                raise at.error(f"a bool `index` has one entry per position along dim {dim} ({size}), got "
+                               f"shape {_shape(index)}", "Pass a mask of that length")
+            return index.reshape(shape)
+        # position p is index p or p - size: one comparison with both (an index out of range under
+        # `vmap`, where it cannot be read, matches none), and no arithmetic on a batched index
+        both = torch.arange(-size, size, device=target.device).reshape((2,) + shape)
+        if index.ndim == 0:
+            return (both == index).any(0)
+        return (both.unsqueeze(-1) == index.reshape(-1)).any(-1).any(0)
 
 
     def _steps(self, index: Steps, size: int, values: PerCall, at: _At, device: torch.device) -> Tensor:
@@ -376,11 +380,7 @@ def _record_mean(rec: Record, self: Intervention, at: _At) -> Tensor:
 
 
 def _check_fits(value: Tensor, target: Tensor, at: _At) -> None:
-    try:
-        fits = torch.broadcast_shapes(value.shape, target.shape) == target.shape
-    except RuntimeError:
-        fits = False
-    if fits:
+    if _broadcasts(value.shape, target.shape):
         return
     v, t = _shape(value), _shape(target)
     if len(v) == len(t) + 1 and _broadcasts(v[1:], t):
@@ -396,7 +396,6 @@ def _check_fits(value: Tensor, target: Tensor, at: _At) -> None:
 
 
 def _broadcasts(a: Sequence[int], b: Sequence[int]) -> bool:
-    try:
-        return tuple(torch.broadcast_shapes(tuple(a), tuple(b))) == tuple(b)
-    except RuntimeError:
-        return False
+    """Whether shape `a` broadcasts to shape `b` (in Python: ``torch.broadcast_shapes`` costs
+    tens of microseconds, paid per edited call)."""
+    return a == b or len(a) <= len(b) and all(m == 1 or m == n for m, n in zip(reversed(a), reversed(b)))
