@@ -102,7 +102,8 @@ def _heads(t: torch.Tensor, query: torch.Tensor, gqa: bool) -> torch.Tensor:
 
 
 def _scores(a: dict[str, Any]) -> tuple[torch.Tensor, bool]:
-    """SDPA's pre-softmax scores (``-inf`` where masked), and whether any mask applies."""
+    """SDPA's pre-softmax scores (``-inf`` where masked), and whether a mask may hide every key
+    of a query (a causal one never does: query i sees key 0)."""
     query, mask = a["query"], a["attn_mask"]
     key = _heads(a["key"], query, a["enable_gqa"])
     scale = 1 / math.sqrt(query.size(-1)) if a["scale"] is None else a["scale"]
@@ -113,7 +114,7 @@ def _scores(a: dict[str, Any]) -> tuple[torch.Tensor, bool]:
         scores = scores.masked_fill(~allowed, -math.inf)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
-    return scores, bool(a["is_causal"]) or mask is not None
+    return scores, mask is not None
 
 
 def _sdpa(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
@@ -122,8 +123,10 @@ def _sdpa(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
     a = _bind(args, kwargs)
     scores, masked = _scores(a)
     new_scores = at(SCORES, scores)
-    pattern = torch.softmax(new_scores, dim=-1, dtype=torch.float32).to(a["query"].dtype)
-    if masked:  # a query that may see no key: SDPA gives it zeros, softmax NaNs
+    dtype = a["query"].dtype
+    pattern = torch.softmax(new_scores, -1) if dtype == torch.float32 else torch.softmax(
+        new_scores, -1, dtype=torch.float32).to(dtype)
+    if masked:  # a query that sees no key: SDPA gives it zeros, softmax NaNs
         pattern = pattern.nan_to_num(0.0)
     new_pattern = at(PATTERN, pattern)
     if new_scores is scores and new_pattern is pattern:

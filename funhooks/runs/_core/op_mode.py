@@ -133,18 +133,16 @@ class _Mode(TorchFunctionMode):
         self.counts: dict[OpEntry, int] = {}  # matches per entry in this call
         self.outside: dict[OpEntry, int] = {}  # matches inside submodules, not counted
         self.seen: set[str] = set()  # the ops called, for the error when a spec matched none
+        # the op names some user takes: one dict lookup decides for each torch function called
+        self.taken = users[0][1].ops if len(users) == 1 else {name for _, hooked in users for name in hooked.ops}
 
     def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
                            kwargs: dict | None = None) -> object:
         name = op_name(func)
         self.seen.add(name)
-        found = None
-        for frame, hooked in self.users:
-            entries = hooked.ops.get(name)
-            if entries:
-                found = [(frame, e) for e in entries] if found is None else found + [(frame, e) for e in entries]
-        if found is None:
+        if name not in self.taken:
             return func(*args, **kwargs) if kwargs else func(*args)
+        found = [(frame, entry) for frame, hooked in self.users for entry in hooked.ops.get(name, ())]
         return self._run(func, found, args, kwargs or {})
 
     def _run(self, func: Callable[..., object], found: list[tuple[Frame, OpEntry]], args: tuple,
