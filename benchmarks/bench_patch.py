@@ -23,7 +23,10 @@ difference of two tokens: ``LAYERS x POSITIONS = 32`` patches. Cases, each retur
 ``transformer.h.*.attn``, eager attention) on each forward, against the bare forward:
 ``fh.with_hooks`` and ``fh.capture`` with ``fh.op_outputs``, and the module-level
 ``fh.outputs`` of the same modules for scale. *Unselected modules unchanged*: the MLP of
-block 0 called alone, bare and inside an open op run on the attention modules.
+block 0 called alone, bare and inside an open op run on the attention modules; on issue 28's
+model (GPT-2, n_embd 64, 4 layers, batch 8 x 12), ``op_outputs(attn, "softmax")`` and
+``outputs(attn)`` against the bare eager forward (goal <= 1.15x), and
+``op_outputs(attn, fh.attention_pattern)`` under SDPA against the bare SDPA forward (goal <= 1.20x).
 
 Models: GPT-2 with 4 layers, width 128, 4 heads, vocabulary 512; the sweep on one prompt of
 8 tokens, the recording on a batch of 8 x 32 tokens; eval mode, ``torch.no_grad()``.
@@ -269,6 +272,40 @@ def record_cases(model: torch.nn.Module, x: torch.Tensor) -> tuple[dict[str, Any
     return forward, unselected
 
 
+ISSUE_MODEL = {"layers": 4, "width": 64, "heads": 4, "batch": 8, "length": 12}
+"""Issue 28's model for the op-spec speed goals: GPT-2, n_embd 64, 4 layers, batch 8 x 12."""
+
+
+def attention_cases(size: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Issue 28's rows: under eager attention, the bare forward, ``outputs(attn)``,
+    ``op_outputs(attn, "softmax")`` and ``op_outputs(attn, fh.attention_pattern)``; under SDPA,
+    the bare SDPA forward and ``op_outputs(attn, fh.attention_pattern)``; and whether the SDPA
+    patterns equal eager's (``output_attentions``)."""
+    import copy
+
+    torch.manual_seed(0)
+    eager = gpt2(size["layers"], size["width"], size["heads"])
+    sdpa = copy.deepcopy(eager)
+    sdpa.set_attn_implementation("sdpa")
+    x = torch.randint(0, VOCAB, (size["batch"], size["length"]))
+
+    def captured(model: torch.nn.Module, spec: fh.Spec) -> _common.PerRound:
+        return _common.PerRound(lambda: _bound(fh.capture(model, spec), x))
+
+    pattern = fh.op_outputs(ATTN, fh.attention_pattern)
+    eager_cases = {"bare (eager)": lambda: eager(x, use_cache=False),
+                   "fh.capture outputs(attn)": captured(eager, fh.outputs(ATTN)),
+                   "fh.capture op_outputs(attn, softmax)": captured(eager, fh.op_outputs(ATTN, "softmax")),
+                   "fh.capture op_outputs(attn, fh.attention_pattern)": captured(eager, pattern)}
+    sdpa_cases = {"bare SDPA forward": lambda: sdpa(x, use_cache=False),
+                  "fh.capture op_outputs(attn, fh.attention_pattern)": captured(sdpa, pattern)}
+    expected = eager(x, output_attentions=True, use_cache=False).attentions
+    _, rec = fh.capture(sdpa, pattern)(x, use_cache=False)
+    same = all(torch.allclose(rec[f"transformer.h.{i}.attn"]["attention_pattern"], a, atol=1e-6)
+               for i, a in enumerate(expected))
+    return eager_cases, sdpa_cases, same
+
+
 def _bound(f: Callable[..., Any], x: torch.Tensor) -> Callable[[], Any]:
     return lambda: f(x, use_cache=False)
 
@@ -306,18 +343,25 @@ def main() -> None:
         forward, unselected = record_cases(model, x)
         recorded = _common.time_cases(forward, baseline="bare", **timing)
         alone = _common.time_cases(unselected, baseline="mlp of block 0, bare", **timing)
+        eager_cases, sdpa_cases, checks["SDPA pattern == eager pattern"] = attention_cases(QUICK if args.quick else ISSUE_MODEL)
+        _common.check(checks["SDPA pattern == eager pattern"], "SDPA patterns != eager attention weights")
+        eager_attn = _common.time_cases(eager_cases, baseline="bare (eager)", **timing)
+        sdpa_attn = _common.time_cases(sdpa_cases, baseline="bare SDPA forward", **timing)
     patches = size["layers"] * size["positions"]
     print(_common.format_table(f"patching sweep, {patches} patches (ratio: time / python loop)", swept))
     speedup = 1 / swept["fh vmap"]["ratio"]["median"]
     print(f"vmap speed-up over the python loop: {speedup:.1f}x")
     print(_common.format_table(f"attention pattern on every forward, batch {tuple(x.shape)}", recorded))
     print(_common.format_table("an unselected module while an op run is open", alone))
+    print(_common.format_table("issue 28's model, eager attention (ratio: time / bare eager forward)", eager_attn))
+    print(_common.format_table("issue 28's model, SDPA attention (ratio: time / bare SDPA forward)", sdpa_attn))
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "rounds": args.rounds, "warmup": args.warmup,
         "model": size, "correct": all(checks.values()), "checks": checks,
         "results": {"sweep": {"patches": patches, "cases": swept, "speedup": speedup},
                     "record": {"batch": list(x.shape), "cases": recorded},
-                    "unselected": {"cases": alone}},
+                    "unselected": {"cases": alone},
+                    "attention": {"model": ISSUE_MODEL, "eager": eager_attn, "sdpa": sdpa_attn}},
     })
     print(f"wrote {path}")
 

@@ -21,7 +21,7 @@ each here); see ``funhooks/runs/_core/op_mode.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import attrs
 
@@ -32,7 +32,7 @@ from .editing import Intervention, Nth
 from .selector import Where, select
 from .spec import Located, Spec, check_flags, check_fn
 
-__all__ = ["PROPERTY_READS", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
+__all__ = ["PROPERTY_READS", "Derived", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
 
 
 _NAMES: dict[Callable[..., object], str] = {}
@@ -91,14 +91,59 @@ class Op:
     def __str__(self) -> str:
         return repr(self.name) if self.call is None and not self.deep else repr(self)
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The torch ops whose calls it takes: its own name."""
+        return (self.name,)
 
-def op(fn: str | Callable[..., object], *, call: int | None = None, deep: bool = False) -> Op:
+
+At: TypeAlias = Callable[[str, Any], Any]
+"""How a :class:`Derived` value hands each of its points to the op specs: ``at(point, value)``
+runs the specs taking `point` (the :attr:`Op.name` of a derived op) and returns the value the
+computation goes on with (edited, or `value` itself)."""
+
+
+@_frozen.frozen
+@attrs.frozen(repr=False)
+class Derived(Op):
+    """An op value read off the calls of other torch ops (``fh.attention_pattern`` is read off
+    ``softmax`` under eager attention and computed from ``scaled_dot_product_attention``'s
+    arguments under SDPA): the op mode takes the calls of the ops in ``reads`` and lets
+    :meth:`run` compute each one through its points, where op specs store and edit.
+
+    A subclass sets ``reads``, ``hint`` (what to do when no call of those ops was made) and
+    :meth:`run`; ``name`` is the point it stands for (and its record name)."""
+
+    READS: ClassVar[tuple[str, ...]] = ()
+    HINT: ClassVar[str] = ""
+    """The fix an "op spec matched nothing" error gives."""
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The torch ops whose calls it is read off."""
+        return self.READS
+
+    def __repr__(self) -> str:
+        extra = (f", call={self.call}" if self.call is not None else "") + (", deep=True" if self.deep else "")
+        return f"fh.op(fh.{self.name}{extra})" if extra else f"fh.{self.name}"
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    def run(self, op: str, func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
+        """``func(*args, **kwargs)`` (a call of the op named `op`, one of ``reads``), computed
+        through the points of this value's kind, each handed to `at`."""
+        raise NotImplementedError
+
+
+def op(fn: OpLike, *, call: int | None = None, deep: bool = False) -> Op:
     """Name an op for the op specs: a torch function (``torch.matmul``,
     ``torch.nn.functional.softmax``, ``torch.Tensor.add``) or its name (``"matmul"``).
 
     Args:
         fn: the function or its name; every spelling of the op matches (``"add"`` is
-            ``torch.add``, ``Tensor.add`` and ``a + b``; ``a += b`` is ``"add_"``).
+            ``torch.add``, ``Tensor.add`` and ``a + b``; ``a += b`` is ``"add_"``), or an op
+            value such as ``fh.attention_pattern``.
         call: take only the `call`-th call of the op in each call of the module (from 0).
         deep: also take calls made inside the module's submodules.
 
@@ -118,10 +163,12 @@ def op(fn: str | Callable[..., object], *, call: int | None = None, deep: bool =
 
 def as_op(label: str, fn: object, *, call: int | None = None, deep: bool = False) -> Op:
     """`fn` (an :class:`Op`, a torch function or a name) as an :class:`Op`; errors name `label`."""
-    if isinstance(fn, Op):
+    if isinstance(fn, Op) and call is None and not deep:
         return fn
     if isinstance(fn, str):
         name = fn
+    elif isinstance(fn, Op):
+        name = fn.name
     elif callable(fn):
         name = op_name(fn)
     else:
@@ -134,7 +181,7 @@ def as_op(label: str, fn: object, *, call: int | None = None, deep: bool = False
     if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
         raise SpecError(f"{label}: `call` is None or an int >= 0, got {call!r}. Pass the call's index in the module call.")
     check_flags(label, deep=deep)
-    return Op(name, call, deep)
+    return attrs.evolve(fn, call=call, deep=deep) if isinstance(fn, Op) else Op(name, call, deep)
 
 
 @_frozen.frozen
@@ -184,6 +231,10 @@ def around_spec(label: str, where: Where | Located, op_: OpLike, kind: str,
         return where.spec(label, op=op_)
     action = OpAction(as_op(label, op_), kind, fn)
     stores = kind in ("output", "input")
+    if kind == "input" and isinstance(action.op, Derived):
+        raise SpecError(f"{label}: a derived op such as {action.op!r} is a value with no inputs of its own, got it. "
+                        f"Store its value with `fh.op_outputs`, or the inputs of the ops it is read off "
+                        f"({', '.join(map(repr, action.op.reads))}).")
     if name is not None and (not isinstance(name, str) or not name):
         raise SpecError(f"{label}: `name` is a non-empty str or None, got {name!r}. Pass a record name.")
     record = (name or action.default_name) if stores else name

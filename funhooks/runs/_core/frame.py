@@ -102,6 +102,9 @@ def _unmatched(caller: str, miss: Miss) -> SelectorError:
     else:
         got = f"no call of `{miss.op}`"
         fix = f"Pick one of the ops called while it ran, {shown}, or select the module that calls it"
+    hint = getattr(miss.spec.fn.op, "HINT", "")
+    if hint and not n:
+        fix = hint
     if outside:
         fix = (f"{outside} call{'s' if outside != 1 else ''} of it ran inside its submodules: select the submodule, "
                f"or pass `fh.op({miss.op!r}, deep=True)` to count those")

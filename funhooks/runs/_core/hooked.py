@@ -82,7 +82,8 @@ class Hooked:
                 (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key, copies))
             elif spec.hook == "around":
                 entry = op_entry(spec, key, rank, copies)
-                ops.setdefault(entry.name, []).append(entry)
+                for name in entry.reads:  # a derived op (the attention pattern) reads several
+                    ops.setdefault(name, []).append(entry)
             elif spec.hook == "output_grad":
                 grads.append(post_entry(spec, key, copies))
             elif spec.hook == "forward" and spec.role == "intervene":

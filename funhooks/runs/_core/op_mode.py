@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from funhooks import _torch
 from funhooks.errors import TransformError
-from funhooks.specs.ops import op_name
+from funhooks.specs.ops import At, Derived, Op, op_name
 from funhooks.specs.selector import path_label as where
 from funhooks.specs.spec import Spec
 
@@ -51,10 +51,12 @@ class OpEntry:
     """One op spec on one module: which op it takes (name, ``call`` index, ``deep``) and
     what it does there: store the inputs or the output, or edit the output."""
 
-    __slots__ = ("call", "deep", "edit", "name", "spec", "store_in", "store_out")
+    __slots__ = ("call", "deep", "derived", "edit", "name", "reads", "spec", "store_in", "store_out")
 
-    def __init__(self, spec: Spec, name: str, call: int | None, deep: bool) -> None:
-        self.spec, self.name, self.call, self.deep = spec, name, call, deep
+    def __init__(self, spec: Spec, op: Op) -> None:
+        self.spec, self.name, self.call, self.deep = spec, op.name, op.call, op.deep
+        self.reads = op.reads  # the torch ops whose calls it takes
+        self.derived = op if isinstance(op, Derived) else None  # a value read off those calls
         self.store_in: Callable[[Frame, tuple], None] | None = None
         self.store_out: Callable[[Frame, object], None] | None = None
         self.edit: Callable[[Frame, nn.Module, tuple, dict, object], object] | None = None
@@ -85,7 +87,7 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
     selector matched. `copies`: store copies (inside compiled graphs and transforms)."""
     action, path = spec.fn, key[0]
     op = action.op
-    entry = OpEntry(spec, op.name, op.call, op.deep)
+    entry = OpEntry(spec, op)
     kind = action.kind
     if kind == "output":
         entry.store_out = _store(spec, key, copies)
@@ -131,18 +133,16 @@ class _Mode(TorchFunctionMode):
         self.counts: dict[OpEntry, int] = {}  # matches per entry in this call
         self.outside: dict[OpEntry, int] = {}  # matches inside submodules, not counted
         self.seen: set[str] = set()  # the ops called, for the error when a spec matched none
+        # the op names some user takes: one dict lookup decides for each torch function called
+        self.taken = users[0][1].ops if len(users) == 1 else {name for _, hooked in users for name in hooked.ops}
 
     def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
                            kwargs: dict | None = None) -> object:
         name = op_name(func)
         self.seen.add(name)
-        found = None
-        for frame, hooked in self.users:
-            entries = hooked.ops.get(name)
-            if entries:
-                found = [(frame, e) for e in entries] if found is None else found + [(frame, e) for e in entries]
-        if found is None:
+        if name not in self.taken:
             return func(*args, **kwargs) if kwargs else func(*args)
+        found = [(frame, entry) for frame, hooked in self.users for entry in hooked.ops.get(name, ())]
         return self._run(func, found, args, kwargs or {})
 
     def _run(self, func: Callable[..., object], found: list[tuple[Frame, OpEntry]], args: tuple,
@@ -160,12 +160,19 @@ class _Mode(TorchFunctionMode):
             self.counts[entry] = count + 1
             if entry.call is None or entry.call == count:
                 taken.append((frame, entry))
+        derived = [(frame, entry) for frame, entry in taken if entry.derived is not None]
+        reader = derived[0][1].derived if derived else None
+        if derived:
+            taken = [(frame, entry) for frame, entry in taken if entry.derived is None]
         if not self.replay:
             for frame, entry in taken:
                 if entry.store_in is not None:
                     entry.store_in(frame, args)
-        output = func(*args, **kwargs)
         module = self.module
+        if reader is not None:
+            output = reader.run(op_name(func), func, args, kwargs, self._at(derived, args, kwargs))
+        else:
+            output = func(*args, **kwargs)
         for frame, entry in taken:
             if entry.edit is not None:
                 new = entry.edit(frame, module, args, kwargs, output)
@@ -176,6 +183,24 @@ class _Mode(TorchFunctionMode):
                 if entry.store_out is not None:
                     entry.store_out(frame, output)
         return output
+
+    def _at(self, derived: list[tuple[Frame, OpEntry]], args: tuple, kwargs: dict) -> At:
+        """How a derived op hands its points to the `derived` entries: editors, then stores."""
+        module, replay = self.module, self.replay
+
+        def at(point: str, value: object) -> object:
+            for frame, entry in derived:
+                if entry.name == point and entry.edit is not None:
+                    new = entry.edit(frame, module, args, kwargs, value)
+                    if new is not None:
+                        value = new
+            if not replay:
+                for frame, entry in derived:
+                    if entry.name == point and entry.store_out is not None:
+                        entry.store_out(frame, value)
+            return value
+
+        return at
 
     def note(self, module: nn.Module, path: str) -> None:
         """Note in each frame which op specs took an op in this call, and for one that took

@@ -1,0 +1,160 @@
+"""Attention patterns and scores as op values, whatever attention implementation a model uses.
+
+``fh.attention_pattern`` (the softmax probabilities, ``(batch, head, query, key)``) and
+``fh.attention_scores`` (the scaled ``q·kᵀ`` plus the mask, before the softmax) go wherever an
+op goes: ``fh.op_outputs(where, fh.attention_pattern)``, ``fh.op_edit``, ``fh.patch(...,
+op=fh.attention_pattern)``. Each is one value per attention call inside the selected module:
+
+- under eager attention (Hugging Face's ``eager_attention_forward``), the ``softmax`` call:
+  its output is the pattern, its input the scores (eager adds the mask before the softmax,
+  as the dtype's minimum rather than ``-inf``);
+- under SDPA (``torch.nn.functional.scaled_dot_product_attention``), computed from the
+  ``query``, ``key``, ``attn_mask``, ``is_causal``, ``scale`` and ``enable_gqa`` the call
+  receives: causal and padding masks (boolean, or additive floats), and grouped-query keys
+  (repeated per query head) handled; scores are ``-inf`` where masked. An edit of either
+  runs that call eagerly: the (edited) scores, their softmax, the (edited) pattern, its
+  dropout when the call has ``dropout_p > 0``, then ``pattern @ value``; a call nothing edits
+  is SDPA's own, so recording changes no output.
+
+Under any other implementation (flex, flash) no such call is made, and the run's "op spec
+matched nothing" error says to load the model with ``attn_implementation="eager"`` or
+``"sdpa"``. A single-token decode step of a grouped-query Hugging Face model (which packs the
+query heads of a key head into the query axis before SDPA) is read as it is packed.
+
+Cost: under eager, what ``fh.op_outputs(where, "softmax")`` costs. Under SDPA, the scores and
+their softmax once per call (eager attention's work, beside SDPA's own), plus ``pattern @
+value`` for an edited call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from funhooks import _frozen
+
+from .ops import At, Derived
+
+__all__ = ["AttentionOp", "attention_pattern", "attention_scores"]
+
+SCORES, PATTERN = "attention_scores", "attention_pattern"
+"""The names of the two points, and of their values in a Record."""
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+@_frozen.frozen
+@attrs.frozen(repr=False)
+class AttentionOp(Derived):
+    """An attention point (``name``: ``attention_pattern`` or ``attention_scores``) of every
+    attention call, eager (``softmax``) or SDPA (``scaled_dot_product_attention``).
+
+    Example:
+        >>> import funhooks as fh
+        >>> fh.attention_pattern, fh.op(fh.attention_scores, call=1)
+        (fh.attention_pattern, fh.op(fh.attention_scores, call=1))
+    """
+
+    READS: ClassVar[tuple[str, ...]] = ("softmax", "scaled_dot_product_attention")
+    HINT: ClassVar[str] = (
+        "An attention pattern is read off eager attention's `softmax` or computed from "
+        "`scaled_dot_product_attention`: load the model with `attn_implementation=\"eager\"` or `\"sdpa\"` "
+        "(or call `model.set_attn_implementation(\"sdpa\")`), or select the module that calls it"
+    )
+
+    def run(self, op: str, func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
+        """The attention call `func(*args, **kwargs)` with its scores and pattern handed to `at`."""
+        if op == "softmax":
+            return _eager(func, args, kwargs, at)
+        return _sdpa(func, args, kwargs, at)
+
+
+def _eager(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
+    """Eager attention's softmax: its input is the scores, its output the pattern."""
+    if args:
+        scores = args[0]
+        new = at(SCORES, scores)
+        if new is not scores:
+            args = (new, *args[1:])
+    else:
+        scores = kwargs["input"]
+        new = at(SCORES, scores)
+        if new is not scores:
+            kwargs = {**kwargs, "input": new}
+    return at(PATTERN, func(*args, **kwargs))
+
+
+def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """SDPA's arguments by name."""
+    return {**_SDPA_DEFAULTS, **dict(zip(_SDPA_ARGS, args)), **kwargs}
+
+
+def _heads(t: torch.Tensor, query: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """Key or value heads repeated to the query's (``enable_gqa``: each key head serves a run
+    of consecutive query heads)."""
+    if not gqa or t.size(-3) == query.size(-3):
+        return t
+    return t.repeat_interleave(query.size(-3) // t.size(-3), dim=-3)
+
+
+def _scores(a: dict[str, Any]) -> tuple[torch.Tensor, bool]:
+    """SDPA's pre-softmax scores (``-inf`` where masked), and whether a mask may hide every key
+    of a query (a causal one never does: query i sees key 0)."""
+    query, mask = a["query"], a["attn_mask"]
+    key = _heads(a["key"], query, a["enable_gqa"])
+    scale = 1 / math.sqrt(query.size(-1)) if a["scale"] is None else a["scale"]
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if a["is_causal"]:
+        n, m = scores.shape[-2:]
+        allowed = torch.ones(n, m, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~allowed, -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    return scores, mask is not None
+
+
+def _sdpa(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
+    """An SDPA call read as scores -> softmax -> pattern -> ``pattern @ value``; the call
+    itself when nothing was edited."""
+    a = _bind(args, kwargs)
+    scores, masked = _scores(a)
+    new_scores = at(SCORES, scores)
+    dtype = a["query"].dtype
+    pattern = torch.softmax(new_scores, -1) if dtype == torch.float32 else torch.softmax(
+        new_scores, -1, dtype=torch.float32).to(dtype)
+    if masked:  # a query that sees no key: SDPA gives it zeros, softmax NaNs
+        pattern = pattern.nan_to_num(0.0)
+    new_pattern = at(PATTERN, pattern)
+    if new_scores is scores and new_pattern is pattern:
+        return func(*args, **kwargs)
+    if a["dropout_p"] > 0:
+        new_pattern = torch.nn.functional.dropout(new_pattern, a["dropout_p"])
+    value = _heads(a["value"], a["query"], a["enable_gqa"])
+    return torch.matmul(new_pattern.to(value.dtype), value)
+
+
+attention_pattern = AttentionOp(PATTERN)
+"""The attention pattern of each attention call: softmax probabilities, ``(batch, head, query, key)``.
+
+Example:
+    >>> import torch, funhooks as fh
+    >>> from torch import nn
+    >>> class Attention(nn.Module):
+    ...     def forward(self, q, k, v):
+    ...         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> attn, q = Attention(), torch.ones(1, 2, 3, 4)
+    >>> with fh.with_hooks(attn, fh.op_outputs("", fh.attention_pattern)) as run:
+    ...     y = attn(q, q, q)
+    >>> run.record[""]["attention_pattern"][0, 0]       # causal: row i sees keys 0..i
+    tensor([[1.0000, 0.0000, 0.0000],
+            [0.5000, 0.5000, 0.0000],
+            [0.3333, 0.3333, 0.3333]])
+"""
+
+attention_scores = AttentionOp(SCORES)
+"""The pre-softmax scores of each attention call: ``scale * q·kᵀ`` plus the mask, ``(batch,
+head, query, key)``; ``-inf`` where SDPA masks, the mask's own value under eager attention."""

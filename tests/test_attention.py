@@ -1,0 +1,267 @@
+"""Attention patterns and scores under every attention implementation HF ships on CPU
+(issue 28): `fh.attention_pattern` / `fh.attention_scores` are op values; under SDPA they are
+computed from what `scaled_dot_product_attention` receives and equal eager's; editing them
+under SDPA runs that call eagerly and gives what eager attention with the same edit gives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import funhooks as fh
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+SMALL = {"vocab_size": 50, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+         "max_position_embeddings": 16}
+TOKENS = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+PADDING = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+
+
+def _gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, attn_implementation="eager"))
+
+
+def _llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, intermediate_size=64, num_key_value_heads=2, attn_implementation="eager"))
+
+
+def _neox(parallel: bool) -> nn.Module:
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        **SMALL, intermediate_size=64, use_parallel_residual=parallel, attn_implementation="eager"))
+
+
+def _bert() -> nn.Module:
+    return transformers.BertModel(transformers.BertConfig(**SMALL, intermediate_size=64, attn_implementation="eager"))
+
+
+# (builder, the attention modules, whether a padding mask is passed)
+FAMILIES = {
+    "gpt2": (_gpt2, "transformer.h.*.attn", False),
+    "llama-gqa": (_llama, "model.layers.*.self_attn", False),
+    "neox-parallel": (lambda: _neox(True), "gpt_neox.layers.*.attention", False),
+    "neox-sequential": (lambda: _neox(False), "gpt_neox.layers.*.attention", False),
+    "bert-padding": (_bert, "encoder.layer.*.attention.self", True),
+}
+
+
+def _model(family: str, attn: str) -> tuple[nn.Module, str, dict]:
+    build, where, padded = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build().eval()
+    model.set_attn_implementation(attn)
+    return model, where, ({"attention_mask": PADDING} if padded else {})
+
+
+def _output(out: object) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _layers(rec: fh.Record, where: str, name: str) -> list[torch.Tensor]:
+    return [rec[where.replace("*", str(layer))][name] for layer in range(2)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_sdpa_pattern_equals_the_eager_pattern(family: str) -> None:
+    """`op_outputs(attn, fh.attention_pattern)` records (batch, head, query, key) patterns
+    under SDPA equal to eager's (HF's `output_attentions`), causal, padded and GQA alike, and
+    recording leaves SDPA's output as it was."""
+    eager, where, kwargs = _model(family, "eager")
+    sdpa, _, _ = _model(family, "sdpa")
+    with torch.no_grad():
+        expected = eager(TOKENS, output_attentions=True, **kwargs).attentions
+        bare = _output(sdpa(TOKENS, **kwargs))
+        with fh.with_hooks(sdpa, fh.op_outputs(where, fh.attention_pattern)) as run:
+            out = _output(sdpa(TOKENS, **kwargs))
+    assert torch.equal(out, bare)
+    for got, want in zip(_layers(run.record, where, "attention_pattern"), expected, strict=True):
+        assert got.shape == (2, 4, 6, 6)
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa", "bert-padding"])
+def test_the_sdpa_scores_equal_the_eager_scores_with_minus_inf_where_masked(family: str) -> None:
+    """`fh.attention_scores` under SDPA is eager's softmax input (scaled q·kᵀ plus the mask)
+    where a key is visible, and -inf where eager puts the dtype's minimum."""
+    eager, where, kwargs = _model(family, "eager")
+    sdpa, _, _ = _model(family, "sdpa")
+    spec = fh.op_outputs(where, fh.attention_scores)
+    with torch.no_grad(), fh.with_hooks(eager, spec) as want, fh.with_hooks(sdpa, spec) as got:
+        eager(TOKENS, **kwargs)
+        sdpa(TOKENS, **kwargs)
+    for s, e in zip(_layers(got.record, where, "attention_scores"), _layers(want.record, where, "attention_scores"),
+                    strict=True):
+        masked = e < torch.finfo(e.dtype).min / 2
+        assert masked.any() and torch.equal(s.isneginf(), masked)
+        torch.testing.assert_close(s[~masked], e[~masked])
+
+
+def _by_hand(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2]).tril() == 0, -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(-1)
+
+
+class _Sdpa(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["causal", "bool mask", "float mask", "enable_gqa", "scale"])
+def test_the_pattern_is_read_off_what_sdpa_receives(case: str) -> None:
+    """The pattern is computed from SDPA's own arguments: `is_causal`, boolean and additive
+    masks, `enable_gqa` key heads and `scale`, as the math gives it."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    mask = torch.rand(2, 1, 5, 5) > 0.3
+    mask[..., 0] = True
+    kwargs: dict = {"causal": {"is_causal": True}, "bool mask": {"attn_mask": mask},
+                    "float mask": {"attn_mask": torch.randn(5, 5)}, "enable_gqa": {"enable_gqa": True},
+                    "scale": {"scale": 0.5}}[case]
+    if case == "enable_gqa":
+        k, v = k[:, :2], v[:, :2]
+    module = _Sdpa()
+    with fh.with_hooks(module, fh.op_outputs("", fh.attention_pattern)) as run:
+        module(q, k, v, **kwargs)
+    if case == "scale":
+        expected = (q @ k.transpose(-1, -2) * 0.5).softmax(-1)
+    else:
+        expected = _by_hand(q, k, kwargs.get("attn_mask"), kwargs.get("is_causal", False))
+    torch.testing.assert_close(run.record[""]["attention_pattern"], expected)
+
+
+def _keep_first_key(module: nn.Module, args: tuple, kwargs: dict, pattern: torch.Tensor) -> torch.Tensor:
+    return pattern * torch.tensor([2.0, 1, 1, 1, 1, 1])
+
+
+def _mask_last_key(module: nn.Module, args: tuple, kwargs: dict, scores: torch.Tensor) -> torch.Tensor:
+    return scores - torch.tensor([0.0, 0, 0, 0, 0, 1e9])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa", "bert-padding"])
+@pytest.mark.parametrize("point", ["pattern", "scores"])
+def test_an_edit_under_sdpa_gives_eager_attention_with_the_same_edit(family: str, point: str) -> None:
+    """`op_edit(attn, fh.attention_pattern | fh.attention_scores, fn)` under SDPA runs that
+    attention call eagerly: the model's output is eager attention's with the same edit, and a
+    recording after the edit sees the edited pattern."""
+    eager, where, kwargs = _model(family, "eager")
+    sdpa, _, _ = _model(family, "sdpa")
+    op, fn = (fh.attention_pattern, _keep_first_key) if point == "pattern" else (fh.attention_scores, _mask_last_key)
+    specs = [fh.op_edit(where, op, fn), fh.op_outputs(where, fh.attention_pattern)]
+    with torch.no_grad():
+        plain = _output(eager(TOKENS, **kwargs))
+        with fh.with_hooks(eager, specs) as want:
+            expected = _output(eager(TOKENS, **kwargs))
+        with fh.with_hooks(sdpa, specs) as got:
+            out = _output(sdpa(TOKENS, **kwargs))
+    assert not torch.allclose(expected, plain)
+    torch.testing.assert_close(out, expected)
+    for s, e in zip(_layers(got.record, where, "attention_pattern"), _layers(want.record, where, "attention_pattern"),
+                    strict=True):
+        torch.testing.assert_close(s, e)
+
+
+def test_patching_the_pattern_under_sdpa_takes_the_pattern_of_another_run() -> None:
+    """`fh.patch(attn, record, op=fh.attention_pattern)` under SDPA puts another input's
+    patterns in: the output is that of eager attention patched the same way."""
+    eager, where, _ = _model("gpt2", "eager")
+    sdpa, _, _ = _model("gpt2", "sdpa")
+    other = TOKENS.flip(-1)
+    with torch.no_grad():
+        _, source = fh.capture(sdpa, fh.op_outputs(where, fh.attention_pattern))(other)
+        patch = fh.patch(where, source, op=fh.attention_pattern)
+        with fh.with_hooks(eager, patch):
+            expected = eager(TOKENS).logits
+        with fh.with_hooks(sdpa, patch):
+            out = sdpa(TOKENS).logits
+    torch.testing.assert_close(out, expected)
+
+
+def test_an_edit_under_sdpa_keeps_the_calls_dropout_in_train_mode() -> None:
+    """An edited SDPA call with `dropout_p > 0` drops pattern entries as eager attention does
+    (the kept ones scaled by 1 / (1 - p)): with the same seed, the same output as eager."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    module = _Sdpa()
+    with fh.with_hooks(module, fh.op_edit("", fh.attention_pattern, _keep_first_of_four)):
+        torch.manual_seed(1)
+        out = module(q, k, v, dropout_p=0.5)
+    torch.manual_seed(1)
+    pattern = nn.functional.dropout(_keep_first_of_four(None, (), {}, _by_hand(q, k)), 0.5)
+    torch.testing.assert_close(out, pattern @ v)
+
+
+def _keep_first_of_four(module: object, args: tuple, kwargs: dict, pattern: torch.Tensor) -> torch.Tensor:
+    return pattern * torch.tensor([2.0, 1, 1, 1])
+
+
+def test_gradients_flow_through_an_edited_sdpa_pattern() -> None:
+    """Under autograd, an edited SDPA call differentiates like eager attention: the gradient
+    w.r.t. q equals the hand-written attention's."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    module = _Sdpa()
+    with fh.with_hooks(module, fh.op_edit("", fh.attention_pattern, _keep_first_of_four)):
+        (grad,) = torch.autograd.grad(module(q, k, v, is_causal=True).sum(), q)
+    (expected,) = torch.autograd.grad((_keep_first_of_four(None, (), {}, _by_hand(q, k, causal=True)) @ v).sum(), q)
+    torch.testing.assert_close(grad, expected)
+
+
+def test_a_module_calling_no_attention_says_which_implementations_work() -> None:
+    """Selecting a module that calls neither softmax nor SDPA (flex or flash attention, or the
+    wrong module) raises the op spec's "matched nothing" error, naming the switch to make."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    spec = fh.op_outputs("0", fh.attention_pattern)
+    with pytest.raises(fh.SelectorError) as caught, fh.with_hooks(model, spec):
+        model(torch.ones(1, 4))
+    assert str(caught.value) == (
+        "with_hooks: an op spec matches an op called by the module it selects, got no call of `attention_pattern` in "
+        "module '0' (Linear) for op_outputs('0', fh.attention_pattern). An attention pattern is read off eager "
+        "attention's `softmax` or computed from `scaled_dot_product_attention`: load the model with "
+        "`attn_implementation=\"eager\"` or `\"sdpa\"` (or call `model.set_attn_implementation(\"sdpa\")`), or select "
+        "the module that calls it."
+    )
+    fh.testing.assert_no_hooks(model)
+
+
+def test_an_attention_value_has_no_inputs_to_store() -> None:
+    """`op_inputs` of an attention value is refused when the spec is made."""
+    with pytest.raises(fh.SpecError) as caught:
+        fh.op_inputs("attn", fh.attention_pattern)
+    assert str(caught.value) == (
+        "op_inputs: a derived op such as fh.attention_pattern is a value with no inputs of its own, got it. Store its "
+        "value with `fh.op_outputs`, or the inputs of the ops it is read off ('softmax', "
+        "'scaled_dot_product_attention')."
+    )
+
+
+def test_call_picks_one_attention_call_and_the_values_compare_and_print() -> None:
+    """`fh.op(fh.attention_pattern, call=1)` takes the second attention call of each module
+    call; the values are equal by value and print as they are spelled."""
+    torch.manual_seed(0)
+
+    class Twice(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            once = nn.functional.scaled_dot_product_attention(q, q, q)
+            return nn.functional.scaled_dot_product_attention(once, q, q, is_causal=True)
+
+    q = torch.randn(1, 2, 3, 4)
+    second = fh.op(fh.attention_pattern, call=1)
+    assert second == fh.op(fh.attention_pattern, call=1) and second != fh.attention_pattern
+    assert repr(second) == "fh.op(fh.attention_pattern, call=1)" and repr(fh.attention_scores) == "fh.attention_scores"
+    module = Twice()
+    with fh.with_hooks(module, fh.op_outputs("", second, name="second")) as run:
+        module(q)
+    once = nn.functional.scaled_dot_product_attention(q, q, q)
+    torch.testing.assert_close(run.record[""]["second"], _by_hand(once, q, causal=True))
