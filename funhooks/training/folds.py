@@ -297,6 +297,6 @@ def fit(
     watches = tuple(dict.fromkeys(w for r in items for w in watches_of(r)))
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
                         accumulate=accumulate, to_device=to_device, records=records_of(items),
-                        start_iteration=start_iteration, caller="fit")
+                        start_iteration=start_iteration, caller="fit", held=True)
     wrapped = _progress.wrap(steps, total=total(batches, epochs, accumulate), desc="fit", progress=progress)
     return shape(fold_all(list(items), wrapped))
