@@ -258,9 +258,11 @@ def fit(
 ) -> Any:
     """Train `model` with the union of the reducers' specs and watches, and fold them over the steps.
 
-    Equal specs (and watches) are installed once. Steps that no reducer records (``records``
-    says so, e.g. ``every=4`` skips three in four) run with the hooks paused: their spec
-    functions do not run at all. Hooks are removed however training ends.
+    Equal specs (and watches) are installed once, for the whole of ``fit``, and paused between
+    steps (a forward a reducer makes in its ``step`` is not recorded) and on steps that no
+    reducer records (``records`` says so, e.g. ``every=4`` skips three in four): their spec
+    functions do not run at all. A module added, removed or replaced mid-training is seen from
+    the next step. Hooks are removed however training ends.
 
     Args:
         model, batches, loss_fn, opt, step, epochs, accumulate, to_device, start_iteration: as
