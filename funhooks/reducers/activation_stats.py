@@ -177,6 +177,7 @@ class ActivationStats:
     _snapshot: ex.Snapshot = attrs.field(init=False, repr=False, eq=False)
     record_name: str = attrs.field(init=False, repr=False, eq=False)
     """The name its values are stored under in each Step's record."""
+    _specs: tuple[Spec, ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         snap = ex.Snapshot(float(self.near_zero), self.with_hist, self.hist_bins, (float(self.hist_range[0]), float(self.hist_range[1])))
@@ -185,12 +186,13 @@ class ActivationStats:
             name += f"(near_zero={snap.near_zero}, bins={snap.hist_bins}, range={snap.hist_range})"
         object.__setattr__(self, "_snapshot", snap)
         object.__setattr__(self, "record_name", name + ("+hist" if self.with_hist else ""))
+        where = red.where(self.modules, self.include_paramless)  # made once: fit and the loops read it often
+        object.__setattr__(self, "_specs", (observe(where, snap, name=self.record_name, detach=False),))
 
     @property
     def specs(self) -> tuple[Spec, ...]:
         """One observer spec on the selected modules."""
-        where = red.where(self.modules, self.include_paramless)
-        return (observe(where, self._snapshot, name=self.record_name, detach=False),)
+        return self._specs
 
     def records(self, iteration: int, training: bool) -> bool:
         """True for the train iterations these statistics record."""

@@ -133,12 +133,16 @@ class GradientStats(lay.Reducer):
     modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
     every: int | None = attrs.field(default=None, validator=red.check_every("GradientStats"))
     NAME = NAME
+    _watches: tuple[OptimizerWatch, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        where = OwnParams() if self.modules is None else self.modules  # made once: fit reads it often
+        object.__setattr__(self, "_watches", (OptimizerWatch(where, _GradientRows(), name=NAME),))
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
         """One watch reading the selected layers' gradients just before each update."""
-        where = OwnParams() if self.modules is None else self.modules
-        return (OptimizerWatch(where, _GradientRows(), name=NAME),)
+        return self._watches
 
     def scalars(self, state: lay.State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/<name>": value}``: each layer's gradient statistics (``norm``, ``mean``, ``std``, ``zeros``) at the newest

@@ -107,12 +107,16 @@ class UpdateRatio(lay.Reducer):
     modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
     every: int | None = attrs.field(default=None, validator=red.check_every("UpdateRatio"))
     NAME = NAME
+    _watches: tuple[OptimizerWatch, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        where = OwnParams() if self.modules is None else self.modules  # made once: fit reads it often
+        object.__setattr__(self, "_watches", (OptimizerWatch(where, _Before(), _After(), name=NAME),))
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
         """One watch copying the selected parameters before each update, comparing after it."""
-        where = OwnParams() if self.modules is None else self.modules
-        return (OptimizerWatch(where, _Before(), _After(), name=NAME),)
+        return self._watches
 
     def scalars(self, state: lay.State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/<name>": value}``: each layer's ratio (``ratio``) at the newest

@@ -258,9 +258,11 @@ def fit(
 ) -> Any:
     """Train `model` with the union of the reducers' specs and watches, and fold them over the steps.
 
-    Equal specs (and watches) are installed once. Steps that no reducer records (``records``
-    says so, e.g. ``every=4`` skips three in four) run with the hooks paused: their spec
-    functions do not run at all. Hooks are removed however training ends.
+    Equal specs (and watches) are installed once, for the whole of ``fit``, and paused between
+    steps (a forward a reducer makes in its ``step`` is not recorded) and on steps that no
+    reducer records (``records`` says so, e.g. ``every=4`` skips three in four): their spec
+    functions do not run at all. A module added, removed or replaced mid-training is seen from
+    the next step. Hooks are removed however training ends.
 
     Args:
         model, batches, loss_fn, opt, step, epochs, accumulate, to_device, start_iteration: as
@@ -297,6 +299,6 @@ def fit(
     watches = tuple(dict.fromkeys(w for r in items for w in watches_of(r)))
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
                         accumulate=accumulate, to_device=to_device, records=records_of(items),
-                        start_iteration=start_iteration, caller="fit")
+                        start_iteration=start_iteration, caller="fit", held=True)
     wrapped = _progress.wrap(steps, total=total(batches, epochs, accumulate), desc="fit", progress=progress)
     return shape(fold_all(list(items), wrapped))

@@ -32,6 +32,7 @@ from torch import nn
 
 from funhooks._modes import in_mode
 from funhooks.errors import LoopError
+from funhooks.records.record import Record
 from funhooks.specs.spec import Spec
 
 from . import _batches as _batch
@@ -63,11 +64,14 @@ def train_steps(
     records: Records | None = None,
     start_iteration: int = 0,
     caller: str = "train",
+    held: bool = False,
 ) -> Generator[Step, None, None]:
     """:func:`train` without the progress bar, with `records` saying which steps store.
 
     Arguments are checked (specs resolved against the model, watches' layers found) now;
-    each step attaches the specs and watches for its own duration.
+    each step attaches the specs and watches for its own duration, or with `held` (``fit``,
+    whose steps are read by nothing but its reducers) one recording stays attached from step
+    to step, paused between them, until the generator ends (:meth:`Recorder.held`).
     """
     work.check_loop(model, batches, epochs, caller)
     work.check_step(loss_fn, opt, step, accumulate, to_device, caller)
@@ -79,12 +83,21 @@ def train_steps(
     recorder = Recorder(model, specs, watches, opt, caller)
     # without `step`, check_step made sure of both; with it, neither is called
     builtin = cast(LossFn, loss_fn), cast(Optimizer, opt)
-    return _train(model, batches, builtin, step, recorder, epochs, accumulate, to_device, records, start_iteration,
-                  caller)
+    steps = _train(model, batches, builtin, step, recorder.held if held else recorder, epochs, accumulate, to_device,
+                   records, start_iteration, caller)
+    return _ending(steps, recorder) if held else steps
+
+
+def _ending(steps: Generator[Step, None, None], recorder: Recorder) -> Generator[Step, None, None]:
+    """`steps`, then the recording :meth:`Recorder.held` kept open stopped, however they end."""
+    try:
+        yield from steps
+    finally:
+        recorder.end()
 
 
 def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, Optimizer], step: StepFn | None,
-           recorder: Recorder, epochs: int, accumulate: int, to_device: bool, records: Records | None, iteration: int,
+           recorder: Callable[[Callable[[], Outcome]], tuple[Outcome, Record]], epochs: int, accumulate: int, to_device: bool, records: Records | None, iteration: int,
            caller: str) -> Generator[Step, None, None]:
     loss_fn, opt = builtin
     device = _batch.model_device(model) if to_device else None

@@ -28,7 +28,7 @@ from funhooks.specs.spec import Spec
 
 from ._one_step import Optimizers
 from .step import EMPTY_RECORD
-from .watch import OptimizerWatch, Stored, Watching, as_watches, optimizers
+from .watch import OptimizerWatch, Seen, Stored, Watching, as_watches, optimizers
 
 __all__ = ["Recorder"]
 
@@ -38,7 +38,7 @@ T = TypeVar("T")
 class Recorder:
     """What one step's specs and watches stored, one step (or one stretch) at a time."""
 
-    __slots__ = ("caller", "model", "paused", "run", "specs", "watching")
+    __slots__ = ("caller", "model", "paused", "run", "seen", "specs", "watching")
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec],
                  watches: OptimizerWatch | Iterable[OptimizerWatch], opts: Optimizers | None, caller: str, *,
@@ -62,6 +62,7 @@ class Recorder:
             self.watching = Watching(model, watches, optimizers(opts, caller), caller, manual_before=manual_before)
         self.run: Run | None = None
         self.paused: contextlib.ExitStack | None = None
+        self.seen: Seen | None = None  # the model's modules when :meth:`held` opened its run
 
     @property
     def active(self) -> bool:
@@ -88,6 +89,33 @@ class Recorder:
             self.abort()
             raise
         return result, self.close()
+
+    def held(self, work: Callable[[], T]) -> tuple[T, Record]:
+        """``work()`` as one recorded step of a recording kept open from step to step and paused
+        between them (see :meth:`end`), and the step's Record: what ``fh.fit`` does, where
+        nothing but the reducers runs between steps. The run is made afresh when a module was
+        added, removed or replaced since the last step (as :meth:`__call__` would)."""
+        if not self.active:
+            return work(), EMPTY_RECORD
+        if self.specs is not None and (self.seen is None or not self.seen.holds(())):
+            self._stop()
+            self.open()
+            self.seen = Seen.of(self.model, ())
+        else:
+            self.resume() if self.paused is not None else self.open()
+        try:
+            result = work()
+        except BaseException:
+            self.end()
+            raise
+        record = self.take()
+        self.pause()
+        return result, record
+
+    def end(self) -> None:
+        """Stop what :meth:`held` kept open: everything detached, nothing read."""
+        self.seen = None
+        self.abort()
 
     def _run(self) -> Run:
         """A run of the specs on the model as it is now; a spec whose selector matches no module

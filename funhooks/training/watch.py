@@ -41,7 +41,7 @@ from funhooks.specs.selector import Selector, resolve, select
 
 from ._one_step import Optimizers
 
-__all__ = ["Layers", "OptimizerWatch", "Watching", "optimizers"]
+__all__ = ["Layers", "OptimizerWatch", "Seen", "Watching", "optimizers"]
 
 T = TypeVar("T")
 
@@ -162,7 +162,7 @@ class Watching:
         self.caller, self.watches, self.opts, self.manual, self.model = caller, watches, opts, manual_before, model
         self.wheres = tuple(dict.fromkeys(w.where for w in watches))
         self.resolved = _Resolved.get(model, self.wheres, caller, watches)
-        self.seen = _Seen.of(model, opts)
+        self.seen = Seen.of(model, opts)
         for watch in watches:
             if opts and all(self.resolved.layers(opt, watch.where) is None for opt in opts):
                 raise LoopError(
@@ -185,7 +185,7 @@ class Watching:
         self.owner = threading.get_ident()
         if not self.seen.holds(self.opts):  # a module or a param group added or removed
             self.resolved = _Resolved.get(self.model, self.wheres, self.caller, self.watches, strict=False)
-            self.seen = _Seen.of(self.model, self.opts)
+            self.seen = Seen.of(self.model, self.opts)
         self.current = {id(opt): self._layers(opt) for opt in self.opts}
         try:
             for opt in self.opts:
@@ -335,7 +335,7 @@ class _Resolved:
         return None if found is None else Layers(opt, *found)
 
 
-class _Seen(NamedTuple):
+class Seen(NamedTuple):
     """What a step checks before reusing the watches' layers: every module's table of children
     and the optimizers' param groups. Tables are compared as copies, in one list comparison (C
     speed: a few µs for a hundred modules), where finding the layers again walks every
@@ -346,7 +346,7 @@ class _Seen(NamedTuple):
     groups: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, model: nn.Module, opts: tuple[torch.optim.Optimizer, ...]) -> _Seen:
+    def of(cls, model: nn.Module, opts: tuple[torch.optim.Optimizer, ...]) -> Seen:
         tables = [_torch.children(m) for m in _torch.walk(model)]
         return cls(tables, [dict(t) for t in tables], _groups(opts))
 
