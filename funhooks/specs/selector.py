@@ -267,19 +267,35 @@ def resolve(
     """
     if modules is None:
         modules = list(_torch.named_modules(model))
-    by_id = {id(m) for _, m in modules}
     where = f" in spec {spec!r}" if spec is not None else ""
-    for inst in selector.instances():
+    instances = selector.instances()
+    by_id = {id(m) for _, m in modules} if instances else set()
+    for inst in instances:
         if id(_torch.unwrap(inst)) not in by_id:
             raise SelectorError(
                 f"{caller}: a module instance selector must be a submodule of the model{where}, "
                 f"got a {type(inst).__name__} that is not part of {type(model).__name__}. "
                 "Select it by path or type, or pass the model that contains it."
             )
-    found = tuple((p, m) for p, m in modules if selector.matches(p, m))
+    found = _matching(selector, modules)
     if not found:
         raise SelectorError(_no_match_message(selector, model, modules, caller, where))
     return found
+
+
+def _matching(selector: Selector, modules: list[tuple[str, nn.Module]]) -> tuple[tuple[str, nn.Module], ...]:
+    """The pairs of `modules` `selector` picks: one pass with no call per module for the
+    common kinds (patterns, types, lists of modules), ``matches`` for the others."""
+    kind, value = selector.kind, selector.value
+    if kind == "pattern":
+        match = value[1].match
+        return tuple([pm for pm in modules if match("." + pm[0]) is not None])
+    if kind == "type":
+        return tuple([pm for pm in modules if isinstance(pm[1], value)])
+    if kind == "instances":
+        ids = value[1]
+        return tuple([pm for pm in modules if id(pm[1]) in ids])
+    return tuple([pm for pm in modules if selector.matches(*pm)])
 
 
 def _no_match_message(selector: Selector, model: nn.Module, modules: list, caller: str, where: str) -> str:

@@ -32,7 +32,8 @@ class Attached:
         self.forwards: list[forward.Forward[forward.Table]] = []
         self.params: list[Handle] = []
         try:
-            self.forwards += forward.install(frame, plan.copy_items() if copies else plan.items)
+            with plan.attaching():
+                self.forwards += forward.install(frame, plan.copy_items() if copies else plan.items)
             if plan.wrappers:
                 self.forwards += forward.install(frame, plan.wrappers)
             for hook in plan.params:

@@ -18,13 +18,16 @@ module compiled in place with ``module.compile()`` since), and only
 if no spec can reach the model itself (a function closing over the model would otherwise keep
 it alive forever): those plans are rebuilt per run.
 
-Cost: building walks the model once (a few µs per module); reusing compares each module's
-children and compiled call (about 0.15 µs per module).
+Cost: building walks the model once (a few µs per module, linear in the model: the garbage
+collector is paused meanwhile, see ``_CollectorPause``); reusing compares each module's
+children and compiled call (about 0.1 µs per module).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import threading
 import types
@@ -58,14 +61,20 @@ Route = tuple[tuple[str, ...], int]
 included), and where in them the inner model of its ``torch.compile`` wrapper starts."""
 
 
-class _Walked(NamedTuple):
-    """A module the walk of a model met (wrappers looked through)."""
+class _Walk(NamedTuple):
+    """What the walk of a model found (wrappers looked through)."""
 
-    path: str
-    module: nn.Module
-    owner: nn.Module | None
-    """The ``torch.compile`` wrapper (or module compiled in place) whose compiled code runs it."""
-    route: Route
+    modules: list[tuple[str, nn.Module]]
+    """``(path, module)`` in ``named_modules()`` order, a shared module once."""
+    routes: dict[int, tuple[nn.Module | None, Route]]
+    """By module id, for the modules under a wrapper or run by compiled code only: the
+    ``torch.compile`` wrapper (or module compiled in place) whose compiled code runs it, and
+    its route. Any other module has no owner and its path's segments as its route."""
+    full: list[tuple[dict, tuple, tuple]]
+    """Every children table with children, its keys and its children (to tell later whether
+    the structure changed)."""
+    empty: list[dict]
+    """Every children table that is empty."""
 
 
 class _Target(NamedTuple):
@@ -96,49 +105,116 @@ _REACH_LIMIT = 100_000
 """How many objects :func:`_reaches` visits before it gives up (and the plan is not cached)."""
 
 
+class _CollectorPause:
+    """The cyclic garbage collector, paused while plans are made.
+
+    A plan makes a few small objects per module, all of which live as long as the plan: the
+    collector would scan them again and again while they are made, and a full collection of
+    the whole heap (hundreds of milliseconds in a real session) lands inside a big plan. Plans
+    made at once in several threads share one pause; the collector is turned back on when the
+    last of them ends, however it ends, and only if it was on when the first began.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.was_on = False
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self.was_on = gc.isenabled()
+                gc.disable()
+            self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0 and self.was_on:
+                gc.enable()
+
+
+_PAUSE = _CollectorPause()
+_PAUSE_FROM = 1_000
+"""Plans of at least this many hooked modules pause the collector while attached, too (a
+few objects per module live as long as the run); smaller ones are not worth the pause."""
+
+
 def never_called(module: nn.Module) -> bool:
     """Containers without a forward of their own (``ModuleList``, ``ModuleDict``)."""
     return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
-def _walk(model: nn.Module, caller: str) -> tuple[list[_Walked], list, list]:
-    """``(path, module, compile wrapper, route)`` in ``named_modules()`` order, wrappers looked
-    through and a shared module once; with the children of every module seen, to tell later
-    whether the structure changed."""
+def _walk(model: nn.Module, caller: str) -> _Walk:
+    """The modules of `model` in ``named_modules()`` order, wrappers looked through and a
+    shared module once; with the children of every module seen. One tuple per module in the
+    common case: the route and owner are kept only for modules under a wrapper or a compiled
+    module (a big model is walked without making many small objects)."""
     seen: set[int] = set()
-    found: list[_Walked] = []
-    full: list[tuple[dict, tuple]] = []
+    modules: list[tuple[str, nn.Module]] = []
+    routes: dict[int, tuple[nn.Module | None, Route]] = {}
+    full: list[tuple[dict, tuple, tuple]] = []
     empty: list[dict] = []
-    stack: list[_Walked] = [_Walked("", model, None, ((), 0))]
+    wrapper_attrs: dict[type, str | None] = {}  # by type: whether it is a wrapper (DDP, torch.compile)
+    # (path, module, (owner, route) or None where the route is the path's segments and there is no owner)
+    stack: list[tuple[str, nn.Module, tuple[nn.Module | None, Route] | None]] = [("", model, None)]
     while stack:
-        path, module, owner, (route, start) = stack.pop()
-        while (attr := _torch.wrapper_attr(module)) is not None:
-            if isinstance(module, nn.DataParallel) and len(module.device_ids or ()) > 1:
-                raise TransformError(
-                    f"{caller}: `nn.DataParallel` runs replicas, new module objects no run can see, got one over "
-                    f"devices {module.device_ids} at {where(path)}. Use DistributedDataParallel, or DataParallel "
-                    "on one device."
-                )
-            route = (*route, attr)
-            if owner is None and _torch.is_compile_wrapper(module):
-                owner, start = module, len(route)
-            table = _torch.children(module)
-            full.append((table, tuple(table.items())))
-            module = getattr(module, attr)
+        path, module, info = stack.pop()
+        kind = type(module)
+        attr = wrapper_attrs[kind] if kind in wrapper_attrs else wrapper_attrs.setdefault(kind, _torch.wrapper_attr(module))
+        if attr is not None:
+            module, info = _unwrap(path, module, info, full, caller)
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if owner is None and _torch.compiled_in_place(module) is not None:  # `module.compile()`
-            owner, start = module, len(route)
-        found.append(_Walked(path, module, owner, (route, start)))
+        if (info is None or info[0] is None) and _torch.compiled_in_place(module) is not None:  # `module.compile()`
+            route = _route(path, info)[0]
+            info = (module, (route, len(route)))
+        if info is not None:
+            routes[id(module)] = info
+        modules.append((path, module))
         children = _torch.children(module)
-        if children:
-            full.append((children, tuple(children.items())))
-            stack.extend(reversed([_Walked(f"{path}.{n}" if path else n, c, owner, ((*route, n), start))
-                                   for n, c in children.items() if c is not None]))
-        else:
+        if not children:
             empty.append(children)
-    return found, full, empty
+            continue
+        full.append((children, tuple(children.keys()), tuple(children.values())))
+        prefix = f"{path}." if path else ""
+        if info is None:
+            stack.extend([(prefix + n, c, None) for n, c in reversed(children.items()) if c is not None])
+        else:
+            owner, (route, start) = info
+            stack.extend([(prefix + n, c, (owner, ((*route, n), start)))
+                          for n, c in reversed(children.items()) if c is not None])
+    return _Walk(modules, routes, full, empty)
+
+
+def _route(path: str, info: tuple[nn.Module | None, Route] | None) -> Route:
+    """A module's route: its path's segments unless the walk kept another (``_Walk.routes``)."""
+    if info is not None:
+        return info[1]
+    return (tuple(path.split(".")) if path else (), 0)
+
+
+def _unwrap(path: str, module: nn.Module, info: tuple[nn.Module | None, Route] | None,
+            full: list[tuple[dict, tuple, tuple]], caller: str) -> tuple[nn.Module, tuple[nn.Module | None, Route]]:
+    """The module inside the wrappers at `path` (DDP, DataParallel, ``torch.compile``), its
+    owner and route; the wrappers' children tables go to `full`."""
+    owner = None if info is None else info[0]
+    route, start = _route(path, info)
+    while (attr := _torch.wrapper_attr(module)) is not None:
+        if isinstance(module, nn.DataParallel) and len(module.device_ids or ()) > 1:
+            raise TransformError(
+                f"{caller}: `nn.DataParallel` runs replicas, new module objects no run can see, got one over "
+                f"devices {module.device_ids} at {where(path)}. Use DistributedDataParallel, or DataParallel "
+                "on one device."
+            )
+        route = (*route, attr)
+        if owner is None and _torch.is_compile_wrapper(module):
+            owner, start = module, len(route)
+        table = _torch.children(module)
+        full.append((table, tuple(table.keys()), tuple(table.values())))
+        module = getattr(module, attr)
+    return module, (owner, (route, start))
 
 
 def _reaches(start: object, target: object) -> bool:
@@ -210,9 +286,11 @@ def _check_called(found: Iterable[tuple[str, nn.Module]], modules: list[tuple[st
     called = None
     if isinstance(root, torch.fx.GraphModule):
         called = {"", *(str(n.target) for n in root.graph.nodes if n.op == "call_module")}
-    scripted = [p for p, m in modules if isinstance(m, torch.jit.ScriptModule)]
+    scripted = {p for p, m in modules if isinstance(m, torch.jit.ScriptModule)}
+    if not scripted and called is None:
+        return
     for path, _ in found:
-        if any(path.startswith(f"{s}.") for s in scripted):
+        if scripted and any(path[:i] in scripted for i, c in enumerate(path) if c == "."):  # below a scripted module
             raise TransformError(
                 f"{caller}: hooks on modules inside a TorchScript module never fire, got module "
                 f"{path!r} selected by {spec!r}. Hook the eager model before scripting it."
@@ -229,12 +307,10 @@ class Plan:
     """Specs resolved against one model: per hooked module, its entries and its wrapper."""
 
     def __init__(self, model: nn.Module, specs: tuple[Spec, ...], caller: str) -> None:
-        walk, self._full, self._empty = _walk(model, caller)
-        modules = [(w.path, w.module) for w in walk]
+        modules, self._routes, self._full, self._empty = _walk(model, caller)
         self._dicts = [m.__dict__ for _, m in modules]
         self._compiled = self._compiled_calls()  # which modules `module.compile()` compiled
-        owner = {id(w.module): w.owner for w in walk}
-        self._routes = {id(w.module): w.route for w in walk}
+        owner = {mid: info[0] for mid, info in self._routes.items() if info[0] is not None}
         rank = {id(m): i for i, (_, m) in enumerate(modules)}
         hooked: dict[int, _Target] = {}
         self.params: list[ParamHook] = []
@@ -265,21 +341,25 @@ class Plan:
                     names[key] = spec  # type: ignore[index]
                     if spec.hook != "param_grad":
                         self.slots.append(key)  # type: ignore[arg-type]
-                self.order.setdefault(key[0], (rank[id(module)], 0))
+                mid = id(module)
+                if key[0] not in self.order:  # the Record path: a standard point's label, or the module's
+                    self.order[key[0]] = (rank[mid], 0)
                 if spec.hook == "param_grad":
-                    self._param_entries(spec, module, path, rank[id(module)], manager)
+                    self._param_entries(spec, module, path, rank[mid], manager)
                     continue
-                if owner[id(module)] is not None and spec.hook in _PER_CALL_BACKWARD:
+                if mid in owner and spec.hook in _PER_CALL_BACKWARD:
                     raise TransformError(
                         f"{caller}: module {where(path)} runs inside a `torch.compile`d module, where backward "
                         f"events never reach a run, got {spec!r}. Run on the model before compiling it, or "
                         "compile `fh.capture(...)` for forward values."
                     )
-                target = hooked.setdefault(id(module), _Target(path, weakref.ref(module), []))
+                target = hooked.get(mid)
+                if target is None:
+                    target = hooked[mid] = _Target(path, weakref.ref(module), [])
                 target.selected.append(Selected(spec, key, nth))  # type: ignore[arg-type]
         self.params.sort(key=lambda p: not p.spec.is_edit)  # editors first: observers see edited gradients
         for mid, (mpath, ref, _) in self._watches.items():
-            if owner[mid] is not None:
+            if mid in owner:
                 raise TransformError(
                     f"{caller}: `param_grad` specs on FSDP-sharded parameters watch them in the forward of the FSDP "
                     f"module, which runs inside a `torch.compile`d module here, got module {where(mpath)}. Run the "
@@ -296,16 +376,17 @@ class Plan:
         self._hooked = hooked
         self.items: list[forward.Item[Hooked]] = []
         inside: dict[int, tuple[nn.Module, list[trace.Inside]]] = {}
+        twins: dict[int, Spec] = {}
         for mid, (path, ref, entries) in hooked.items():
             module = cast(nn.Module, ref())  # alive: `walk` holds it
             attr = forward.attribute(type(module))
-            wrapper = owner[mid]
+            wrapper = owner.get(mid)
             if wrapper is None:
                 fwd = forward.Forward(module, attr, forward.call)
-                self.items.append((ref, fwd, Hooked(path, entries, watch=self._watch(mid))))
+                self.items.append((ref, fwd, Hooked(path, entries, watch=self._watch(mid) if self._watches else None)))
             else:  # recorded by the wrapper's compiled recorder, storing copies
-                keys, start = self._routes[mid]
-                copies = _copies(entries)
+                keys, start = self._routes[mid][1]
+                copies = _copies(entries, twins)
                 item = trace.Inside(ref, ".".join(keys[start:]), attr, Hooked(path, copies, copies=True),
                                     trace.stores_of(copies))
                 inside.setdefault(id(wrapper), (wrapper, []))[1].append(item)
@@ -336,8 +417,11 @@ class Plan:
                     "container's belong to its children."
                 )
             return list(found)
-        containers = [(p, m) for p, m in found if never_called(m)]
-        if len(containers) == len(found):
+        containers: list[tuple[str, nn.Module]] = []
+        called: list[tuple[str, nn.Module]] = []
+        for pm in found:
+            (containers if never_called(pm[1]) else called).append(pm)
+        if not called:
             path, module = containers[0]
             raise SelectorError(
                 f"{caller}: {spec!r} selects only containers that never run themselves, got module {where(path)} "
@@ -348,7 +432,7 @@ class Plan:
                 f"{where(path)} is a {type(module).__name__}, a container that is never called itself: "
                 f"select the modules inside it ({f'{path}.*' if path else '*'!r})"
             )
-        return [(p, m) for p, m in found if not never_called(m)]
+        return called
 
     def _param_entries(self, spec: Spec, module: nn.Module, path: str, rank: int,
                     manager: Callable[[str], tuple[str, nn.Module] | None]) -> None:
@@ -377,35 +461,51 @@ class Plan:
         found = self._watches.get(mid)
         return None if found is None else found.watch.entry
 
+    def attaching(self) -> contextlib.AbstractContextManager[None]:
+        """Where the plan is attached: the collector paused for a big plan (``_CollectorPause``)."""
+        return _PAUSE if len(self.items) >= _PAUSE_FROM else contextlib.nullcontext()
+
     def copy_items(self) -> list[forward.Item[Hooked]]:
         """The eager items with entries that store copies (runs inside ``torch.func`` transforms)."""
         if self._copy_items is None:
-            items: list[forward.Item[Hooked]] = []
-            for ref, fwd, h in self.items:
-                if (module := ref()) is not None:
-                    entries = _copies(self._hooked[id(module)].selected)
-                    hooked = Hooked(h.path, entries, copies=True, watch=self._watch(id(module)))
-                    items.append((ref, forward.Forward(module, fwd.attr, forward.call), hooked))
-            self._copy_items = items
+            with _PAUSE:
+                self._copy_items = self._make_copy_items()
         return self._copy_items
+
+    def _make_copy_items(self) -> list[forward.Item[Hooked]]:
+        items: list[forward.Item[Hooked]] = []
+        twins: dict[int, Spec] = {}
+        for ref, fwd, h in self.items:
+            if (module := ref()) is not None:
+                entries = _copies(self._hooked[id(module)].selected, twins)
+                hooked = Hooked(h.path, entries, copies=True, watch=self._watch(id(module)))
+                items.append((ref, forward.Forward(module, fwd.attr, forward.call), hooked))
+        return items
 
     def traced(self) -> trace.Traced:
         """What a trace reads to record every hooked module, storing copies (``trace``)."""
         if self._traced is None:
-            modules: list[tuple[str, str, str, list[trace.User]]] = []
-            for mid, (path, ref, entries) in self._hooked.items():
-                if (module := ref()) is not None:
-                    copies = _copies(entries)
-                    users: list[trace.User] = [(0, Hooked(path, copies, copies=True), trace.stores_of(copies))]
-                    modules.append((".".join(self._routes[mid][0]), forward.attribute(type(module)), path, users))
-            self._traced = trace.layout(modules)
+            with _PAUSE:
+                self._traced = self._make_traced()
         return self._traced
+
+    def _make_traced(self) -> trace.Traced:
+        modules: list[tuple[str, str, str, list[trace.User]]] = []
+        twins: dict[int, Spec] = {}
+        for mid, (path, ref, entries) in self._hooked.items():
+            if (module := ref()) is not None:
+                copies = _copies(entries, twins)
+                users: list[trace.User] = [(0, Hooked(path, copies, copies=True), trace.stores_of(copies))]
+                route = _route(path, self._routes.get(mid))[0]
+                modules.append((".".join(route), forward.attribute(type(module)), path, users))
+        return trace.layout(modules)
 
     def current(self) -> bool:
         """Whether the model still has the structure this plan was built for."""
         if any(self._empty):
             return False
-        if not all(len(d) == len(items) and tuple(d.items()) == items for d, items in self._full):
+        if not all(len(d) == len(keys) and tuple(d.keys()) == keys and tuple(d.values()) == children
+                   for d, keys, children in self._full):
             return False
         if not all(len(d) == len(items) and all(k == n and v is p for (k, v), (n, p) in zip(d.items(), items))
                    for d, items in self._held):  # a parameter replaced (`fully_shard` replaces them all)
@@ -424,9 +524,10 @@ class Plan:
             plan = None if cache is None else cache.get(specs)
         if plan is not None and plan.current():
             return plan
-        plan = Plan(model, specs, caller)
-        if any(_reaches(spec, model) for spec in specs):
-            return plan
+        with _PAUSE:
+            plan = Plan(model, specs, caller)
+            if any(_reaches(spec, model) for spec in specs):
+                return plan
         with _LOCK:
             cache = _PLANS.setdefault(model, {})
             if len(cache) >= _PLANS_PER_MODEL and specs not in cache:
@@ -435,5 +536,13 @@ class Plan:
         return plan
 
 
-def _copies(entries: list[Selected]) -> list[Selected]:
-    return [Selected(as_copy(spec), key, rank) for spec, key, rank in entries]
+def _copies(entries: list[Selected], twins: dict[int, Spec]) -> list[Selected]:
+    """`entries` with specs storing copies; `twins` keeps each spec's copying twin by the
+    spec's id, so a plan makes one per spec, not one per module (``attrs.evolve`` is slow)."""
+    copies = []
+    for spec, key, rank in entries:
+        twin = twins.get(id(spec))
+        if twin is None:
+            twin = twins[id(spec)] = as_copy(spec)
+        copies.append(Selected(twin, key, rank))
+    return copies
