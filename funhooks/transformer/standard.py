@@ -10,8 +10,9 @@ of the place that holds it on this model:
   embeddings' for layer 0): the very spec a module path makes, so it costs what the path costs;
 - a view of a module's output or input (``q``/``k``/``v``: the projection's output with the heads
   split off; ``z``: the output projection's input), read through the view and edited through it;
-- an op inside a module (``resid_mid``: the block's first ``add``; ``pattern``: the attention's
-  ``softmax``).
+- an op inside a module (``resid_mid``: the block's first ``add``; ``pattern`` and ``attn_scores``:
+  ``fh.attention_pattern`` / ``fh.attention_scores``, read off eager attention's ``softmax`` or
+  computed from what SDPA receives, so both are ``(batch, head, query, key)`` under either).
 
 Values are stored under the point's Record path, ``"blocks.3.resid_pre"`` for a per-layer point
 and ``"embed"`` / ``"final_norm"`` / ``"logits"`` for the others, whatever the family, so one
@@ -31,6 +32,7 @@ from torch import nn
 
 from funhooks import _frozen
 from funhooks.errors import SpecError
+from funhooks.specs.attention import attention_pattern, attention_scores
 from funhooks.specs.editing import Intervention, View
 from funhooks.specs.ops import Op, around_spec, op
 from funhooks.specs.selector import Selector, select
@@ -48,13 +50,6 @@ NAMES = ("embed", *PER_LAYER, "final_norm", "logits")
 """The standard names, in the order a forward meets them."""
 _STORES = ("outputs", "grads")
 _EDITS = ("patch", "steer", "scale", "ablate")
-
-
-def _attention_op(name: str) -> tuple[Op, str]:
-    """The op holding the attention `name` (``pattern`` or ``attn_scores``) inside the module that
-    calls the attention, and whether the point is its ``output`` or its ``input``: the one place
-    that says how the pattern is found (eager attention's ``softmax`` today)."""
-    return op("softmax"), "output" if name == "pattern" else "input"
 
 
 class _Read:
@@ -98,14 +93,13 @@ class Point(Located):
 
     name: str
     kind: str
-    """Where the value is: a module's ``output``, its ``input`` (first argument), or an ``op``
-    inside it; ``none`` where this model has no such point (`why` says so)."""
+    """Where the value is: a module's ``output``, its ``input`` (first argument), or an ``op``'s
+    result inside it; ``none`` where this model has no such point (`why` says so)."""
     paths: tuple[tuple[int | None, str], ...]
     """``(layer, module path)`` per layer taken (layer None for a global point)."""
     n_layers: int
     view: View | None = None
     op: Op | None = None
-    op_kind: str = "output"
     why: str = ""
     layered: bool = False
     """Taken by indexing: the repr names the layers."""
@@ -177,7 +171,7 @@ class Point(Located):
                 raise SpecError(f"grads: `{self.name}` is the value of an op inside a module, where no gradient is "
                                 f"watched, got `{self!r}`. Take the gradient of a module's point (e.g. "
                                 "`pts.resid_post`, `pts.mlp_in`).")
-            return around_spec(label, where, self.op, self.op_kind, None, name="output", **flags)
+            return around_spec(label, where, self.op, "output", None, name="output", **flags)
         name = "output" if label == "outputs" else "grad"
         if self.kind == "output" and self.view is None and self.tensor:  # the module path's own spec
             event = "forward" if label == "outputs" else "backward_pre"
@@ -193,9 +187,6 @@ class Point(Located):
             raise SpecError(f"{label}: a standard point already says where the value is, got `op={op!r}` with "
                             f"`{self!r}`. Leave `op` out, or give {label} a module (`pts.attn`) with `op=`.")
         if self.op is not None:
-            if self.op_kind != "output":
-                raise SpecError(f"{label}: `{self.name}` is read from an op's input, which no intervention edits, "
-                                f"got `{self!r}`. Edit `pts.pattern` (the softmax's result) instead.")
             return around_spec(label, where, self.op, "intervene", intervention)
         event = "forward" if self.kind == "output" else "forward_pre"
         return Spec(where, event, "intervene", None, attrs.evolve(intervention, view=self.view), is_edit=True,
@@ -331,8 +322,8 @@ def points(model: nn.Module) -> Points:
         fused = Thirds if arch.fused == "thirds" else Interleaved
         q, k, v = (each(arch.qkv[0], n, "output", view=fused(i, n_heads)) for i, n in enumerate("qkv"))
     core = arch.qkv[0].rpartition(".")[0]  # the module calling the attention
-    pattern, scores = (each(core, n, "op", op=_attention_op(n)[0], op_kind=_attention_op(n)[1])
-                       for n in ("pattern", "attn_scores"))
+    pattern = each(core, "pattern", "op", op=attention_pattern)
+    scores = each(core, "attn_scores", "op", op=attention_scores)
     return Points(
         arch, n_layers, n_heads, n_kv, d_head,
         blocks=select([_join(blocks, str(L)) for L in layers]),
