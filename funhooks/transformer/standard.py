@@ -3,7 +3,8 @@
 ``fh.transformer.points(model)`` finds the model's :class:`~funhooks.transformer.Architecture`
 and returns a :class:`Points` value whose attributes (``resid_pre``, ``q``, ``pattern`` ...)
 are :class:`Point` values, usable as ``where`` in the spec constructors (``fh.outputs``,
-``fh.grads``, ``fh.patch``, ``fh.steer``, ``fh.scale``, ``fh.ablate``). A point makes the spec
+``fh.grads``, ``fh.patch``, ``fh.steer``, ``fh.scale``, ``fh.ablate``, and ``fh.observe`` /
+``fh.edit``, whose ``fn(module, args, value)`` gets the point's value in place of the output). A point makes the spec
 of the place that holds it on this model:
 
 - a module's output (``resid_post``: the block's; ``resid_pre[L]``: block ``L - 1``'s, or the
@@ -24,7 +25,7 @@ once, like any spec; nothing runs per forward beyond what the spec made does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -36,7 +37,7 @@ from funhooks.specs.attention import attention_pattern, attention_scores
 from funhooks.specs.editing import Intervention, View
 from funhooks.specs.ops import Op, around_spec, op
 from funhooks.specs.selector import Selector, select
-from funhooks.specs.spec import Located, Spec
+from funhooks.specs.spec import Located, Spec, record_name
 
 from .architectures import Architecture, architecture
 from .views import Heads, Interleaved, Thirds
@@ -50,6 +51,7 @@ NAMES = ("embed", *PER_LAYER, "final_norm", "logits")
 """The standard names, in the order a forward meets them."""
 _STORES = ("outputs", "grads")
 _EDITS = ("patch", "steer", "scale", "ablate")
+_CALLS = ("observe", "edit")
 
 
 class _Read:
@@ -74,6 +76,42 @@ class _Read:
 
     def __hash__(self) -> int:
         return hash((_Read, self.view, self.at))
+
+
+class _Call:
+    """A user's function on a point's value: ``fn(module, args, value)`` (the forward hook's
+    signature with the point's value in place of the output), called by the hook that sees the
+    point (a forward hook for an output, a forward-pre hook for an input, an op editor for an op's
+    result). An editor's result is written back where the value was read: through the view, into
+    element 0 of a tuple, as the first argument. Named after `fn`, so the spec's repr and record
+    name are `fn`'s."""
+
+    __slots__ = ("__name__", "edits", "fn", "kind", "view")
+
+    def __init__(self, fn: Callable[..., object], kind: str, view: View | None, edits: bool) -> None:
+        self.fn, self.kind, self.view, self.edits = fn, kind, view, edits
+        self.__name__ = getattr(fn, "__name__", repr(fn))
+
+    def __call__(self, module: nn.Module, args: tuple, *rest: Any) -> Any:
+        held = args if self.kind == "input" else rest[-1]  # op editors also get the op's kwargs
+        whole = held[0] if isinstance(held, tuple) else held
+        value = whole if self.view is None else self.view.get(whole)
+        new: Any = self.fn(module, args, value)
+        if not self.edits or new is None:
+            return new
+        if not hasattr(new, "shape") or new.shape != value.shape:
+            raise ValueError(f"an editor of a standard point returns a tensor shaped like the point's value, "
+                             f"{tuple(value.shape)}, got {getattr(new, 'shape', type(new).__name__)}. Return one "
+                             "of that shape (or None to leave it)")
+        new = new if self.view is None else self.view.put(whole, new)
+        return (new, *held[1:]) if isinstance(held, tuple) else new
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Call and (other.fn, other.kind, other.view, other.edits) == (
+            self.fn, self.kind, self.view, self.edits)
+
+    def __hash__(self) -> int:
+        return hash((_Call, self.fn, self.kind, self.view, self.edits))
 
 
 @_frozen.frozen
@@ -154,15 +192,16 @@ class Point(Located):
         """The spec constructor `label` makes for this point (see :class:`~funhooks.specs.spec.Located`)."""
         if self.kind == "none":
             raise SpecError(f"{label}: {self.why}, got `{self!r}`. Use another point (see docs/transformers.md).")
-        if label not in _STORES + _EDITS:
+        if label not in _STORES + _EDITS + _CALLS:
             raise SpecError(
                 f"{label}: a standard point is a value, not a module, and takes `fh.outputs`, `fh.grads`, "
-                f"`fh.patch`, `fh.steer`, `fh.scale` or `fh.ablate`, got `{self!r}`. Read it with "
-                f"`fh.outputs(pts.{self.name})`, or give {label} modules: `pts.blocks`, `pts.attn`, `pts.mlp` "
-                "or a module path."
+                f"`fh.observe`, `fh.edit`, `fh.patch`, `fh.steer`, `fh.scale` or `fh.ablate`, got `{self!r}`. "
+                f"Read it with `fh.outputs(pts.{self.name})`, or give {label} modules: `pts.blocks`, `pts.attn`, "
+                "`pts.mlp` or a module path."
             )
         where = select([path for _, path in self.paths])
-        made = self._edit(label, where, **options) if label in _EDITS else self._store(label, where, **options)
+        made = self._edit(label, where, **options) if label in _EDITS else self._call(label, where, **options) \
+            if label in _CALLS else self._store(label, where, **options)
         return attrs.evolve(made, labels=tuple(zip((p for _, p in self.paths), self.keys)), shown=repr(self))
 
     def _store(self, label: str, where: Selector, **flags: bool) -> Spec:
@@ -181,6 +220,26 @@ class Point(Located):
         event = events[(self.kind, label)]
         at = {"forward": 1, "forward_pre": 0, "backward_pre": 0, "backward": 0}[event]
         return Spec(where, event, "call", name, _Read(self.view, at), label=label, **flags)
+
+    def _call(self, label: str, where: Selector, *, fn: Callable[..., object], event: str, name: str | None,
+              **flags: bool) -> Spec:
+        if event != "forward":
+            raise SpecError(f"{label}: a standard point is a value of the forward pass, seen with "
+                            f"`event=\"forward\"`, got event={event!r} with `{self!r}`. Leave `event` out (for its "
+                            f"gradient, use `fh.grads(pts.{self.name})`).")
+        edits = label == "edit"
+        if self.op is not None:
+            if not edits:
+                raise SpecError(f"observe: `{self.name}` is the value of an op inside a module, which no observer "
+                                f"sees, got `{self!r}`. Store it with `fh.outputs(pts.{self.name})` and apply the "
+                                f"function to the Record's values, or edit it with `fh.edit(pts.{self.name}, fn)`.")
+            return around_spec("edit", where, self.op, "edit", _Call(fn, "op", None, True), name=name)
+        plain = self.kind == "output" and self.view is None and self.tensor  # fn is the module path's hook
+        call = fn if plain else _Call(fn, self.kind, self.view, edits)
+        hook = "forward" if self.kind == "output" else "forward_pre"
+        if edits:
+            return Spec(where, hook, "call", name, call, is_edit=True, label="edit")
+        return Spec(where, hook, "call", record_name("observe", fn, name), call, label="observe", **flags)
 
     def _edit(self, label: str, where: Selector, *, intervention: Intervention, op: object = None) -> Spec:
         if op is not None:
