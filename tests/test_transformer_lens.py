@@ -50,18 +50,11 @@ def _kwargs(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _residuals(model: nn.Module, ids: torch.Tensor, **kwargs: torch.Tensor) -> tuple[torch.Tensor, fh.Record]:
-    """The model's logits and a Record of its standard residual points (``blocks.L.resid_pre``
-    and ``blocks.L.resid_post`` of every layer, value ``"output"``), recorded on the module
-    paths and re-keyed by hand: what ``fh.transformer.points`` records directly."""
-    arch = fh.transformer.architecture(model)
-    blocks = f"{model.base_model_prefix}.{arch.blocks}"
-    out, rec = fh.capture(model, [fh.inputs(f"{blocks}.*"), fh.outputs(f"{blocks}.*")])(ids, **kwargs)
-    data = {}
-    for layer in range(len(model.base_model.get_submodule(arch.blocks))):
-        args, kw = rec[f"{blocks}.{layer}"]["input"]
-        data[f"blocks.{layer}.resid_pre"] = {"output": [args[0] if args else kw["hidden_states"]]}
-        data[f"blocks.{layer}.resid_post"] = {"output": [rec[f"{blocks}.{layer}"]["output"]]}
-    return out.logits, fh.Record(data)
+    """The model's logits and a Record of ``resid_pre`` and ``resid_post`` of every layer, from
+    the standard points."""
+    pts = fh.transformer.points(model)
+    out, rec = fh.capture(model, [fh.outputs(pts.resid_pre), fh.outputs(pts.resid_post)])(ids, **kwargs)
+    return out.logits, rec
 
 
 def _by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -139,11 +132,32 @@ def test_logit_lens_reads_every_residual_point_of_a_record_in_depth_order(name: 
 
 def test_logit_lens_leaves_out_points_that_are_not_the_residual_stream() -> None:
     model = MODELS["gpt2"]
+    pts = fh.transformer.points(model)
     _, rec = _residuals(model, IDS)
-    more = fh.Record({**{p: {"output": [rec[p]["output"]]} for p in rec},
-                      "embed": {"output": [torch.zeros(2, 5, 32)]},
-                      "blocks.0.attn_out": {"output": [torch.zeros(2, 5, 32)]}})
+    _, more = fh.capture(model, [fh.outputs(pts.embed), fh.outputs(pts.resid_pre), fh.outputs(pts.attn_out[0]),
+                                 fh.outputs(pts.resid_post), fh.outputs(pts.logits)])(IDS)
+    assert "blocks.0.attn_out" in more and "embed" in more
     assert fh.transformer.logit_lens(model, more).labels == fh.transformer.logit_lens(model, rec).labels
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_lens_on_a_record_of_every_residual_point_equals_the_norm_and_head_by_hand(name: str) -> None:
+    """A Record of the points resid_pre, resid_mid (where the family has one) and resid_post is
+    read in depth order by logit_lens and by accumulated_resid(incl_mid=True)."""
+    model = MODELS[name]
+    pts = fh.transformer.points(model)
+    wanted = [p for p in (pts.resid_pre, pts.resid_mid, pts.resid_post) if p.kind != "none"]
+    logits, rec = fh.capture(model, [fh.outputs(p) for p in wanted])(IDS, **_kwargs(model))
+    lens = fh.transformer.logit_lens(model, rec)
+    names = [p.name for p in wanted]
+    assert lens.labels == tuple(f"blocks.{L}.{n}" for L in range(2) for n in names)
+    for i, label in enumerate(lens.labels):
+        torch.testing.assert_close(lens.logits[i], _by_hand(model, rec[label]["output"]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lens["blocks.1.resid_post"], logits.logits, atol=1e-5, rtol=1e-5)
+    if pts.resid_mid.kind != "none":
+        stack = fh.transformer.accumulated_resid(model, rec, incl_mid=True)
+        assert stack.labels == ("blocks.0.resid_pre", "blocks.0.resid_mid", "blocks.1.resid_pre",
+                                "blocks.1.resid_mid", "blocks.1.resid_post")
 
 
 def test_logit_lens_of_a_tensor_labels_its_rows_by_index() -> None:
