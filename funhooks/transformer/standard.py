@@ -122,9 +122,11 @@ class Point(Located):
     Index it to take layers (``pts.resid_pre[3]``, ``pts.q[-1]``, ``pts.z[:2]``, ``pts.v[[0, 2]]``).
 
     Example:
-        >>> import funhooks as fh
-        >>> from tests.transformer_models import gpt2
-        >>> pts = fh.transformer.points(gpt2())
+        >>> import transformers, funhooks as fh
+        >>> transformers.logging.set_verbosity_error()
+        >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
+        >>> pts = fh.transformer.points(model)
         >>> pts.resid_pre[1], fh.outputs(pts.resid_pre[1])
         (resid_pre[1], outputs(resid_pre[1]))
     """
@@ -181,9 +183,11 @@ class Point(Located):
         """The Record paths its values are stored under, in layer order.
 
         Example:
-            >>> import funhooks as fh
-            >>> from tests.transformer_models import gpt2
-            >>> fh.transformer.points(gpt2()).resid_post.keys
+            >>> import transformers, funhooks as fh
+            >>> transformers.logging.set_verbosity_error()
+            >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
+            >>> fh.transformer.points(model).resid_post.keys
             ('blocks.0.resid_post', 'blocks.1.resid_post')
         """
         return tuple(self.name if layer is None else f"blocks.{layer}.{self.name}" for layer, _ in self.paths)
@@ -259,9 +263,12 @@ class Points:
     standard name, the module-level where-values ``blocks``, ``attn``, ``mlp``, and the sizes.
 
     Example:
-        >>> import funhooks as fh
-        >>> from tests.transformer_models import llama
-        >>> pts = fh.transformer.points(llama())
+        >>> import transformers, funhooks as fh
+        >>> transformers.logging.set_verbosity_error()
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        ...     vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        ...     intermediate_size=64))
+        >>> pts = fh.transformer.points(model)
         >>> pts.n_layers, pts.n_heads, pts.n_kv_heads, pts.d_head
         (2, 4, 2, 8)
     """
@@ -324,9 +331,10 @@ def points(model: nn.Module) -> Points:
         SelectorError: for a family no architecture is registered for.
 
     Example:
-        >>> import torch, funhooks as fh
-        >>> from tests.transformer_models import gpt2
-        >>> model = gpt2()
+        >>> import torch, transformers, funhooks as fh
+        >>> transformers.logging.set_verbosity_error()
+        >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
         >>> pts = fh.transformer.points(model)
         >>> ids = torch.arange(6).reshape(1, 6)
         >>> _, rec = fh.capture(model, [fh.outputs(pts.resid_pre), fh.outputs(pts.z[1])])(ids)
