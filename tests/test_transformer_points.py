@@ -147,7 +147,8 @@ def test_pattern_and_scores_under_sdpa_equal_eager(name):
         pattern = got[f"blocks.{layer}.pattern"]["output"]
         assert pattern.shape == (2, pts.n_heads, 6, 6)
         torch.testing.assert_close(pattern, want[f"blocks.{layer}.pattern"]["output"])
-        scores, eager_scores = got[f"blocks.{layer}.attn_scores"]["output"], want[f"blocks.{layer}.attn_scores"]["output"]
+        scores = got[f"blocks.{layer}.attn_scores"]["output"]
+        eager_scores = want[f"blocks.{layer}.attn_scores"]["output"]
         masked = eager_scores < torch.finfo(eager_scores.dtype).min / 2
         assert masked.any() and torch.equal(scores.isneginf(), masked)
         torch.testing.assert_close(scores[~masked], eager_scores[~masked])

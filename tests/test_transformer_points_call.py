@@ -13,7 +13,7 @@ from tests.transformer_models import BUILDERS, inputs
 
 MODEL = BUILDERS["gpt2"]()
 PTS = fh.transformer.points(MODEL)
-_heads = lambda t: t.unflatten(-1, (PTS.n_heads, -1))  # noqa: E731
+_heads = lambda t: t.unflatten(-1, (PTS.n_heads, -1))
 # point -> (module path, what a plain hook reads: "out" or "in", the point's value from that tensor)
 PLACES = {
     "resid_post": ("transformer.h.1", "out", lambda t: t),
