@@ -4,8 +4,6 @@ Llama (tied and untied), GPT-NeoX (parallel and sequential residual) and BERT (M
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -15,34 +13,18 @@ from torch import nn
 from torch.nn import functional as F
 
 import funhooks as fh
+from tests.transformer_models import bert, gpt2, llama, neox
 
-transformers.logging.set_verbosity_error()
-SIZES = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 50,
-         "max_position_embeddings": 16}
 IDS = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
 MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-
-
-def _built(make: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return make().eval()
-
-
-BUILDERS: dict[str, Callable[[], nn.Module]] = {
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)),
-    "llama-untied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **SIZES, num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False)),
-    "llama-tied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **SIZES, num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True)),
-    "neox-parallel": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        **SIZES, intermediate_size=64, use_parallel_residual=True)),
-    "neox-sequential": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        **SIZES, intermediate_size=64, use_parallel_residual=False)),
-    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**SIZES, intermediate_size=64)),
+MODELS: dict[str, nn.Module] = {
+    "gpt2": gpt2("sdpa"),
+    "llama-untied": llama("sdpa"),
+    "llama-tied": llama("sdpa", tie_word_embeddings=True),
+    "neox-parallel": neox("sdpa", intermediate_size=64),
+    "neox-sequential": neox("sdpa", parallel=False, intermediate_size=64),
+    "bert": bert("sdpa"),
 }
-MODELS = {name: _built(make) for name, make in BUILDERS.items()}
-
 
 def _kwargs(model: nn.Module) -> dict[str, torch.Tensor]:
     """BERT runs with padding in its attention mask; the causal models on the plain ids."""
