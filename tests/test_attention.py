@@ -13,50 +13,26 @@ from torch import nn
 
 import funhooks as fh
 
-transformers = pytest.importorskip("transformers")
-transformers.logging.set_verbosity_error()
+pytest.importorskip("transformers")
+from tests.transformer_models import bert, gpt2, llama, neox
 
-SMALL = {"vocab_size": 50, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
-         "max_position_embeddings": 16}
 TOKENS = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
 PADDING = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
 
-
-def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, attn_implementation="eager"))
-
-
-def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **SMALL, intermediate_size=64, num_key_value_heads=2, attn_implementation="eager"))
-
-
-def _neox(parallel: bool) -> nn.Module:
-    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        **SMALL, intermediate_size=64, use_parallel_residual=parallel, attn_implementation="eager"))
-
-
-def _bert() -> nn.Module:
-    return transformers.BertModel(transformers.BertConfig(**SMALL, intermediate_size=64, attn_implementation="eager"))
-
-
-# (builder, the attention modules, whether a padding mask is passed)
+# (builder taking the attention implementation, the attention modules, whether a padding mask is passed)
 FAMILIES = {
-    "gpt2": (_gpt2, "transformer.h.*.attn", False),
-    "llama-gqa": (_llama, "model.layers.*.self_attn", False),
-    "neox-parallel": (lambda: _neox(True), "gpt_neox.layers.*.attention", False),
-    "neox-sequential": (lambda: _neox(False), "gpt_neox.layers.*.attention", False),
-    "bert-padding": (_bert, "encoder.layer.*.attention.self", True),
+    "gpt2": (gpt2, "transformer.h.*.attn", False),
+    "llama-gqa": (llama, "model.layers.*.self_attn", False),
+    "neox-parallel": (lambda attn: neox(attn, intermediate_size=64), "gpt_neox.layers.*.attention", False),
+    "neox-sequential": (lambda attn: neox(attn, parallel=False, intermediate_size=64), "gpt_neox.layers.*.attention",
+                        False),
+    "bert-padding": (bert, "bert.encoder.layer.*.attention.self", True),
 }
 
 
 def _model(family: str, attn: str) -> tuple[nn.Module, str, dict]:
     build, where, padded = FAMILIES[family]
-    torch.manual_seed(0)
-    model = build().eval()
-    model.set_attn_implementation(attn)
-    return model, where, ({"attention_mask": PADDING} if padded else {})
+    return build(attn), where, ({"attention_mask": PADDING} if padded else {})
 
 
 def _output(out: object) -> torch.Tensor:

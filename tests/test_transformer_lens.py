@@ -4,8 +4,6 @@ Llama (tied and untied), GPT-NeoX (parallel and sequential residual) and BERT (M
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -15,34 +13,18 @@ from torch import nn
 from torch.nn import functional as F
 
 import funhooks as fh
+from tests.transformer_models import bert, gpt2, llama, neox
 
-transformers.logging.set_verbosity_error()
-SIZES = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 50,
-         "max_position_embeddings": 16}
 IDS = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
 MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-
-
-def _built(make: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return make().eval()
-
-
-BUILDERS: dict[str, Callable[[], nn.Module]] = {
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)),
-    "llama-untied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **SIZES, num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False)),
-    "llama-tied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **SIZES, num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True)),
-    "neox-parallel": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        **SIZES, intermediate_size=64, use_parallel_residual=True)),
-    "neox-sequential": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        **SIZES, intermediate_size=64, use_parallel_residual=False)),
-    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**SIZES, intermediate_size=64)),
+MODELS: dict[str, nn.Module] = {
+    "gpt2": gpt2("sdpa"),
+    "llama-untied": llama("sdpa"),
+    "llama-tied": llama("sdpa", tie_word_embeddings=True),
+    "neox-parallel": neox("sdpa", intermediate_size=64),
+    "neox-sequential": neox("sdpa", parallel=False, intermediate_size=64),
+    "bert": bert("sdpa"),
 }
-MODELS = {name: _built(make) for name, make in BUILDERS.items()}
-
 
 def _kwargs(model: nn.Module) -> dict[str, torch.Tensor]:
     """BERT runs with padding in its attention mask; the causal models on the plain ids."""
@@ -50,18 +32,11 @@ def _kwargs(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _residuals(model: nn.Module, ids: torch.Tensor, **kwargs: torch.Tensor) -> tuple[torch.Tensor, fh.Record]:
-    """The model's logits and a Record of its standard residual points (``blocks.L.resid_pre``
-    and ``blocks.L.resid_post`` of every layer, value ``"output"``), recorded on the module
-    paths and re-keyed by hand: what ``fh.transformer.points`` records directly."""
-    arch = fh.transformer.architecture(model)
-    blocks = f"{model.base_model_prefix}.{arch.blocks}"
-    out, rec = fh.capture(model, [fh.inputs(f"{blocks}.*"), fh.outputs(f"{blocks}.*")])(ids, **kwargs)
-    data = {}
-    for layer in range(len(model.base_model.get_submodule(arch.blocks))):
-        args, kw = rec[f"{blocks}.{layer}"]["input"]
-        data[f"blocks.{layer}.resid_pre"] = {"output": [args[0] if args else kw["hidden_states"]]}
-        data[f"blocks.{layer}.resid_post"] = {"output": [rec[f"{blocks}.{layer}"]["output"]]}
-    return out.logits, fh.Record(data)
+    """The model's logits and a Record of ``resid_pre`` and ``resid_post`` of every layer, from
+    the standard points."""
+    pts = fh.transformer.points(model)
+    out, rec = fh.capture(model, [fh.outputs(pts.resid_pre), fh.outputs(pts.resid_post)])(ids, **kwargs)
+    return out.logits, rec
 
 
 def _by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -139,11 +114,32 @@ def test_logit_lens_reads_every_residual_point_of_a_record_in_depth_order(name: 
 
 def test_logit_lens_leaves_out_points_that_are_not_the_residual_stream() -> None:
     model = MODELS["gpt2"]
+    pts = fh.transformer.points(model)
     _, rec = _residuals(model, IDS)
-    more = fh.Record({**{p: {"output": [rec[p]["output"]]} for p in rec},
-                      "embed": {"output": [torch.zeros(2, 5, 32)]},
-                      "blocks.0.attn_out": {"output": [torch.zeros(2, 5, 32)]}})
+    _, more = fh.capture(model, [fh.outputs(pts.embed), fh.outputs(pts.resid_pre), fh.outputs(pts.attn_out[0]),
+                                 fh.outputs(pts.resid_post), fh.outputs(pts.logits)])(IDS)
+    assert "blocks.0.attn_out" in more and "embed" in more
     assert fh.transformer.logit_lens(model, more).labels == fh.transformer.logit_lens(model, rec).labels
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_lens_on_a_record_of_every_residual_point_equals_the_norm_and_head_by_hand(name: str) -> None:
+    """A Record of the points resid_pre, resid_mid (where the family has one) and resid_post is
+    read in depth order by logit_lens and by accumulated_resid(incl_mid=True)."""
+    model = MODELS[name]
+    pts = fh.transformer.points(model)
+    wanted = [p for p in (pts.resid_pre, pts.resid_mid, pts.resid_post) if p.kind != "none"]
+    logits, rec = fh.capture(model, [fh.outputs(p) for p in wanted])(IDS, **_kwargs(model))
+    lens = fh.transformer.logit_lens(model, rec)
+    names = [p.name for p in wanted]
+    assert lens.labels == tuple(f"blocks.{L}.{n}" for L in range(2) for n in names)
+    for i, label in enumerate(lens.labels):
+        torch.testing.assert_close(lens.logits[i], _by_hand(model, rec[label]["output"]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lens["blocks.1.resid_post"], logits.logits, atol=1e-5, rtol=1e-5)
+    if pts.resid_mid.kind != "none":
+        stack = fh.transformer.accumulated_resid(model, rec, incl_mid=True)
+        assert stack.labels == ("blocks.0.resid_pre", "blocks.0.resid_mid", "blocks.1.resid_pre",
+                                "blocks.1.resid_mid", "blocks.1.resid_post")
 
 
 def test_logit_lens_of_a_tensor_labels_its_rows_by_index() -> None:

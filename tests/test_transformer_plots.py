@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 import funhooks as fh
+from tests.transformer_models import gpt2
 
-transformers.logging.set_verbosity_error()
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
 DPI = 80
 TOKENS = ["When", " Mary", " and", " John", " went"]
@@ -120,10 +119,7 @@ def test_the_plots_name_the_extra_without_matplotlib(monkeypatch: pytest.MonkeyP
 def test_the_docs_figures_from_a_small_gpt2() -> None:
     """Draws docs/images/{patching,patterns,logit_lens}.png (the figures docs/logit-lens.md shows),
     each from values checked against an independent computation."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16,
-                                     initializer_range=0.3, attn_implementation="eager")   # weights that show
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = gpt2("eager", initializer_range=0.3)   # weights that show
     clean, corrupt = torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[1, 9, 3, 4, 5]])
     resid_pre = ["transformer.drop", "transformer.h.*"]
     _, clean_rec = fh.capture(model, fh.outputs(resid_pre))(clean)

@@ -123,12 +123,74 @@ def test_pattern_and_z_equal_attention_by_hand(name):
     torch.testing.assert_close(rec["blocks.0.z"]["output"], (expected @ v.transpose(1, 2)).transpose(1, 2))
 
 
-@pytest.mark.xfail(reason="sdpa branch: the pattern under SDPA comes from funhooks/specs/attention.py", strict=True,
-                   raises=fh.SelectorError)
-def test_pattern_under_sdpa():
-    """Under SDPA the pattern is computed from q and k (the sdpa branch)."""
-    model = BUILDERS["gpt2"]("sdpa")
-    fh.capture(model, fh.outputs(fh.transformer.points(model).pattern))(**inputs("gpt2"))
+def _attention(model, name, specs):
+    """The model's output and Record for `specs` on `name`'s inputs."""
+    with torch.no_grad():
+        out, rec = fh.capture(model, specs)(**inputs(name))
+    return out.logits, rec
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox", "bert"])
+def test_pattern_and_scores_under_sdpa_equal_eager(name):
+    """Under the default SDPA implementation `pattern` and `attn_scores` are (batch, head, query,
+    key) tensors equal to eager's (causal, GQA, parallel NeoX, BERT with padding); scores are -inf
+    where SDPA masks and the dtype's minimum where eager does; recording changes no output."""
+    eager, sdpa = BUILDERS[name]("eager"), BUILDERS[name]("sdpa")
+    pts = fh.transformer.points(sdpa)
+    specs = [fh.outputs(pts.pattern), fh.outputs(pts.attn_scores)]
+    want_out, want = _attention(eager, name, specs)
+    got_out, got = _attention(sdpa, name, specs)
+    torch.testing.assert_close(got_out, _attention(sdpa, name, [])[0], rtol=0, atol=0)
+    torch.testing.assert_close(got_out, want_out)
+    assert list(got) == list(want) == [f"blocks.{L}.{n}" for L in range(2) for n in ("attn_scores", "pattern")]
+    for layer in range(2):
+        pattern = got[f"blocks.{layer}.pattern"]["output"]
+        assert pattern.shape == (2, pts.n_heads, 6, 6)
+        torch.testing.assert_close(pattern, want[f"blocks.{layer}.pattern"]["output"])
+        scores = got[f"blocks.{layer}.attn_scores"]["output"]
+        eager_scores = want[f"blocks.{layer}.attn_scores"]["output"]
+        masked = eager_scores < torch.finfo(eager_scores.dtype).min / 2
+        assert masked.any() and torch.equal(scores.isneginf(), masked)
+        torch.testing.assert_close(scores[~masked], eager_scores[~masked])
+
+
+def _flipped(name):
+    x = inputs(name)
+    return {**x, "input_ids": x["input_ids"].flip(-1)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox", "bert"])
+def test_patching_the_pattern_under_sdpa_equals_the_same_patch_under_eager(name):
+    """`fh.patch(pts.pattern[L], record)` with another input's patterns (one head) gives under SDPA
+    the output eager attention gives with the same patch, and the recorded pattern is the patched one."""
+    eager, sdpa = BUILDERS[name]("eager"), BUILDERS[name]("sdpa")
+    pts = fh.transformer.points(sdpa)
+    with torch.no_grad():
+        _, source = fh.capture(sdpa, fh.outputs(pts.pattern[1]))(**_flipped(name))
+    specs = [fh.patch(pts.pattern[1], source, index=2), fh.outputs(pts.pattern[1])]
+    want_out, want = _attention(eager, name, specs)
+    got_out, got = _attention(sdpa, name, specs)
+    assert not torch.allclose(got_out, _attention(sdpa, name, [])[0])
+    torch.testing.assert_close(got_out, want_out)
+    patched = got["blocks.1.pattern"]["output"]
+    torch.testing.assert_close(patched[:, 2], source["blocks.1.pattern"]["output"][:, 2])
+    torch.testing.assert_close(patched, want["blocks.1.pattern"]["output"])
+
+
+@pytest.mark.parametrize("edit", ["patch", "steer", "scale", "ablate"])
+@pytest.mark.parametrize("point", ["pattern", "attn_scores"])
+def test_every_edit_of_an_attention_point_under_sdpa_equals_eager(point, edit):
+    """patch / steer / scale / ablate of `pattern` or `attn_scores` under SDPA give eager's
+    output with the same edit (Llama, grouped-query attention)."""
+    eager, sdpa = BUILDERS["llama"]("eager"), BUILDERS["llama"]("sdpa")
+    where = getattr(fh.transformer.points(sdpa), point)[0]
+    bias = torch.linspace(-1.0, 1.0, 6)  # one value per key
+    spec = {"patch": lambda: fh.patch(where, 0.5, index=1), "steer": lambda: fh.steer(where, bias),
+            "scale": lambda: fh.scale(where, 2.0), "ablate": lambda: fh.ablate(where, index=3)}[edit]()
+    want_out, _ = _attention(eager, "llama", spec)
+    got_out, _ = _attention(sdpa, "llama", spec)
+    assert not torch.allclose(got_out, _attention(sdpa, "llama", [])[0])
+    torch.testing.assert_close(got_out, want_out)
 
 
 def test_keys_are_the_same_on_every_family():

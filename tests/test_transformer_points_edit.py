@@ -12,7 +12,7 @@ import funhooks as fh
 from tests.transformer_models import BUILDERS, inputs
 
 EDITABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_in", "mlp_pre", "mlp_post", "mlp_out",
-            "q", "k", "v", "z", "pattern")
+            "q", "k", "v", "z", "pattern", "attn_scores")
 MODELS = {name: BUILDERS[name]() for name in BUILDERS}
 
 

@@ -325,7 +325,8 @@ def observe(
     sees them, as fastai's ``Hook`` does.
 
     Args:
-        where: a selector.
+        where: a selector, or a standard point (``fh.transformer.points``): `fn` then gets
+            ``(module, args, value)``, the point's value in place of the output (docs/transformers.md).
         fn: called with PyTorch's hook arguments for `event` (see :data:`EVENTS`).
         event: one of :data:`EVENTS`.
         name: the record name; defaults to ``fn.__name__``.
@@ -362,7 +363,8 @@ def edit(where: Where | Located, fn: Callable[..., object], *, event: str = "for
     parameter's gradient (``param_grad``). Returning ``None`` leaves the value as it was.
 
     Args:
-        where: a selector.
+        where: a selector, or a standard point (``fh.transformer.points``): `fn` then gets
+            ``(module, args, value)`` and returns the point's new value (docs/transformers.md).
         fn: called with PyTorch's hook arguments for `event`.
         event: one of :data:`EVENTS`.
         name: a label for messages; editors store nothing.

@@ -284,9 +284,7 @@ def logit_lens(model: nn.Module, source: Record | ResidualStack | torch.Tensor) 
         >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
         >>> ids = torch.tensor([[1, 2, 3]])
-        >>> out, rec = fh.capture(model, fh.outputs("transformer.h.*"))(ids)
-        >>> rec = fh.Record({f"blocks.{L}.resid_post": {"output": [rec[f"transformer.h.{L}"]["output"]]}
-        ...                  for L in range(2)})   # the keys fh.transformer.points gives
+        >>> out, rec = fh.capture(model, fh.outputs(fh.transformer.points(model).resid_post))(ids)
         >>> lens = fh.transformer.logit_lens(model, rec)
         >>> lens.labels, tuple(lens.logits.shape)
         (('blocks.0.resid_post', 'blocks.1.resid_post'), (2, 1, 3, 50))
@@ -340,10 +338,9 @@ def accumulated_resid(model: nn.Module, source: Record, *, apply_ln: bool = Fals
         >>> transformers.logging.set_verbosity_error()
         >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
-        >>> out, rec = fh.capture(model, fh.outputs(["transformer.drop", "transformer.h.*"]))(torch.tensor([[1, 2, 3]]))
-        >>> rec = fh.Record({"blocks.0.resid_pre": {"output": [rec["transformer.drop"]["output"]]},
-        ...                  "blocks.1.resid_pre": {"output": [rec["transformer.h.0"]["output"]]},
-        ...                  "blocks.1.resid_post": {"output": [rec["transformer.h.1"]["output"]]}})
+        >>> pts = fh.transformer.points(model)
+        >>> out, rec = fh.capture(model, [fh.outputs(pts.resid_pre), fh.outputs(pts.resid_post[-1])])(
+        ...     torch.tensor([[1, 2, 3]]))
         >>> stack = fh.transformer.accumulated_resid(model, rec)
         >>> stack.labels, tuple(stack.resid.shape)
         (('blocks.0.resid_pre', 'blocks.1.resid_pre', 'blocks.1.resid_post'), (3, 1, 3, 32))

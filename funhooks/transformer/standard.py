@@ -3,15 +3,17 @@
 ``fh.transformer.points(model)`` finds the model's :class:`~funhooks.transformer.Architecture`
 and returns a :class:`Points` value whose attributes (``resid_pre``, ``q``, ``pattern`` ...)
 are :class:`Point` values, usable as ``where`` in the spec constructors (``fh.outputs``,
-``fh.grads``, ``fh.patch``, ``fh.steer``, ``fh.scale``, ``fh.ablate``). A point makes the spec
+``fh.grads``, ``fh.patch``, ``fh.steer``, ``fh.scale``, ``fh.ablate``, and ``fh.observe`` /
+``fh.edit``, whose ``fn(module, args, value)`` gets the point's value in place of the output). A point makes the spec
 of the place that holds it on this model:
 
 - a module's output (``resid_post``: the block's; ``resid_pre[L]``: block ``L - 1``'s, or the
   embeddings' for layer 0): the very spec a module path makes, so it costs what the path costs;
 - a view of a module's output or input (``q``/``k``/``v``: the projection's output with the heads
   split off; ``z``: the output projection's input), read through the view and edited through it;
-- an op inside a module (``resid_mid``: the block's first ``add``; ``pattern``: the attention's
-  ``softmax``).
+- an op inside a module (``resid_mid``: the block's first ``add``; ``pattern`` and ``attn_scores``:
+  ``fh.attention_pattern`` / ``fh.attention_scores``, read off eager attention's ``softmax`` or
+  computed from what SDPA receives, so both are ``(batch, head, query, key)`` under either).
 
 Values are stored under the point's Record path, ``"blocks.3.resid_pre"`` for a per-layer point
 and ``"embed"`` / ``"final_norm"`` / ``"logits"`` for the others, whatever the family, so one
@@ -23,7 +25,7 @@ once, like any spec; nothing runs per forward beyond what the spec made does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -31,10 +33,11 @@ from torch import nn
 
 from funhooks import _frozen
 from funhooks.errors import SpecError
+from funhooks.specs.attention import attention_pattern, attention_scores
 from funhooks.specs.editing import Intervention, View
 from funhooks.specs.ops import Op, around_spec, op
 from funhooks.specs.selector import Selector, select
-from funhooks.specs.spec import Located, Spec
+from funhooks.specs.spec import Located, Spec, record_name
 
 from .architectures import Architecture, architecture
 from .views import Heads, Interleaved, Thirds
@@ -48,13 +51,7 @@ NAMES = ("embed", *PER_LAYER, "final_norm", "logits")
 """The standard names, in the order a forward meets them."""
 _STORES = ("outputs", "grads")
 _EDITS = ("patch", "steer", "scale", "ablate")
-
-
-def _attention_op(name: str) -> tuple[Op, str]:
-    """The op holding the attention `name` (``pattern`` or ``attn_scores``) inside the module that
-    calls the attention, and whether the point is its ``output`` or its ``input``: the one place
-    that says how the pattern is found (eager attention's ``softmax`` today)."""
-    return op("softmax"), "output" if name == "pattern" else "input"
+_CALLS = ("observe", "edit")
 
 
 class _Read:
@@ -81,6 +78,42 @@ class _Read:
         return hash((_Read, self.view, self.at))
 
 
+class _Call:
+    """A user's function on a point's value: ``fn(module, args, value)`` (the forward hook's
+    signature with the point's value in place of the output), called by the hook that sees the
+    point (a forward hook for an output, a forward-pre hook for an input, an op editor for an op's
+    result). An editor's result is written back where the value was read: through the view, into
+    element 0 of a tuple, as the first argument. Named after `fn`, so the spec's repr and record
+    name are `fn`'s."""
+
+    __slots__ = ("__name__", "edits", "fn", "kind", "view")
+
+    def __init__(self, fn: Callable[..., object], kind: str, view: View | None, edits: bool) -> None:
+        self.fn, self.kind, self.view, self.edits = fn, kind, view, edits
+        self.__name__ = getattr(fn, "__name__", repr(fn))
+
+    def __call__(self, module: nn.Module, args: tuple, *rest: Any) -> Any:
+        held = args if self.kind == "input" else rest[-1]  # op editors also get the op's kwargs
+        whole = held[0] if isinstance(held, tuple) else held
+        value = whole if self.view is None else self.view.get(whole)
+        new: Any = self.fn(module, args, value)
+        if not self.edits or new is None:
+            return new
+        if not hasattr(new, "shape") or new.shape != value.shape:
+            raise ValueError(f"an editor of a standard point returns a tensor shaped like the point's value, "
+                             f"{tuple(value.shape)}, got {getattr(new, 'shape', type(new).__name__)}. Return one "
+                             "of that shape (or None to leave it)")
+        new = new if self.view is None else self.view.put(whole, new)
+        return (new, *held[1:]) if isinstance(held, tuple) else new
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Call and (other.fn, other.kind, other.view, other.edits) == (
+            self.fn, self.kind, self.view, self.edits)
+
+    def __hash__(self) -> int:
+        return hash((_Call, self.fn, self.kind, self.view, self.edits))
+
+
 @_frozen.frozen
 @attrs.frozen(repr=False)
 class Point(Located):
@@ -89,23 +122,24 @@ class Point(Located):
     Index it to take layers (``pts.resid_pre[3]``, ``pts.q[-1]``, ``pts.z[:2]``, ``pts.v[[0, 2]]``).
 
     Example:
-        >>> import funhooks as fh
-        >>> from tests.transformer_models import gpt2
-        >>> pts = fh.transformer.points(gpt2())
+        >>> import transformers, funhooks as fh
+        >>> transformers.logging.set_verbosity_error()
+        >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
+        >>> pts = fh.transformer.points(model)
         >>> pts.resid_pre[1], fh.outputs(pts.resid_pre[1])
         (resid_pre[1], outputs(resid_pre[1]))
     """
 
     name: str
     kind: str
-    """Where the value is: a module's ``output``, its ``input`` (first argument), or an ``op``
-    inside it; ``none`` where this model has no such point (`why` says so)."""
+    """Where the value is: a module's ``output``, its ``input`` (first argument), or an ``op``'s
+    result inside it; ``none`` where this model has no such point (`why` says so)."""
     paths: tuple[tuple[int | None, str], ...]
     """``(layer, module path)`` per layer taken (layer None for a global point)."""
     n_layers: int
     view: View | None = None
     op: Op | None = None
-    op_kind: str = "output"
     why: str = ""
     layered: bool = False
     """Taken by indexing: the repr names the layers."""
@@ -149,9 +183,11 @@ class Point(Located):
         """The Record paths its values are stored under, in layer order.
 
         Example:
-            >>> import funhooks as fh
-            >>> from tests.transformer_models import gpt2
-            >>> fh.transformer.points(gpt2()).resid_post.keys
+            >>> import transformers, funhooks as fh
+            >>> transformers.logging.set_verbosity_error()
+            >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
+            >>> fh.transformer.points(model).resid_post.keys
             ('blocks.0.resid_post', 'blocks.1.resid_post')
         """
         return tuple(self.name if layer is None else f"blocks.{layer}.{self.name}" for layer, _ in self.paths)
@@ -160,15 +196,16 @@ class Point(Located):
         """The spec constructor `label` makes for this point (see :class:`~funhooks.specs.spec.Located`)."""
         if self.kind == "none":
             raise SpecError(f"{label}: {self.why}, got `{self!r}`. Use another point (see docs/transformers.md).")
-        if label not in _STORES + _EDITS:
+        if label not in _STORES + _EDITS + _CALLS:
             raise SpecError(
                 f"{label}: a standard point is a value, not a module, and takes `fh.outputs`, `fh.grads`, "
-                f"`fh.patch`, `fh.steer`, `fh.scale` or `fh.ablate`, got `{self!r}`. Read it with "
-                f"`fh.outputs(pts.{self.name})`, or give {label} modules: `pts.blocks`, `pts.attn`, `pts.mlp` "
-                "or a module path."
+                f"`fh.observe`, `fh.edit`, `fh.patch`, `fh.steer`, `fh.scale` or `fh.ablate`, got `{self!r}`. "
+                f"Read it with `fh.outputs(pts.{self.name})`, or give {label} modules: `pts.blocks`, `pts.attn`, "
+                "`pts.mlp` or a module path."
             )
         where = select([path for _, path in self.paths])
-        made = self._edit(label, where, **options) if label in _EDITS else self._store(label, where, **options)
+        made = self._edit(label, where, **options) if label in _EDITS else self._call(label, where, **options) \
+            if label in _CALLS else self._store(label, where, **options)
         return attrs.evolve(made, labels=tuple(zip((p for _, p in self.paths), self.keys)), shown=repr(self))
 
     def _store(self, label: str, where: Selector, **flags: bool) -> Spec:
@@ -177,7 +214,7 @@ class Point(Located):
                 raise SpecError(f"grads: `{self.name}` is the value of an op inside a module, where no gradient is "
                                 f"watched, got `{self!r}`. Take the gradient of a module's point (e.g. "
                                 "`pts.resid_post`, `pts.mlp_in`).")
-            return around_spec(label, where, self.op, self.op_kind, None, name="output", **flags)
+            return around_spec(label, where, self.op, "output", None, name="output", **flags)
         name = "output" if label == "outputs" else "grad"
         if self.kind == "output" and self.view is None and self.tensor:  # the module path's own spec
             event = "forward" if label == "outputs" else "backward_pre"
@@ -188,14 +225,31 @@ class Point(Located):
         at = {"forward": 1, "forward_pre": 0, "backward_pre": 0, "backward": 0}[event]
         return Spec(where, event, "call", name, _Read(self.view, at), label=label, **flags)
 
+    def _call(self, label: str, where: Selector, *, fn: Callable[..., object], event: str, name: str | None,
+              **flags: bool) -> Spec:
+        if event != "forward":
+            raise SpecError(f"{label}: a standard point is a value of the forward pass, seen with "
+                            f"`event=\"forward\"`, got event={event!r} with `{self!r}`. Leave `event` out (for its "
+                            f"gradient, use `fh.grads(pts.{self.name})`).")
+        edits = label == "edit"
+        if self.op is not None:
+            if not edits:
+                raise SpecError(f"observe: `{self.name}` is the value of an op inside a module, which no observer "
+                                f"sees, got `{self!r}`. Store it with `fh.outputs(pts.{self.name})` and apply the "
+                                f"function to the Record's values, or edit it with `fh.edit(pts.{self.name}, fn)`.")
+            return around_spec("edit", where, self.op, "edit", _Call(fn, "op", None, True), name=name)
+        plain = self.kind == "output" and self.view is None and self.tensor  # fn is the module path's hook
+        call = fn if plain else _Call(fn, self.kind, self.view, edits)
+        hook = "forward" if self.kind == "output" else "forward_pre"
+        if edits:
+            return Spec(where, hook, "call", name, call, is_edit=True, label="edit")
+        return Spec(where, hook, "call", record_name("observe", fn, name), call, label="observe", **flags)
+
     def _edit(self, label: str, where: Selector, *, intervention: Intervention, op: object = None) -> Spec:
         if op is not None:
             raise SpecError(f"{label}: a standard point already says where the value is, got `op={op!r}` with "
                             f"`{self!r}`. Leave `op` out, or give {label} a module (`pts.attn`) with `op=`.")
         if self.op is not None:
-            if self.op_kind != "output":
-                raise SpecError(f"{label}: `{self.name}` is read from an op's input, which no intervention edits, "
-                                f"got `{self!r}`. Edit `pts.pattern` (the softmax's result) instead.")
             return around_spec(label, where, self.op, "intervene", intervention)
         event = "forward" if self.kind == "output" else "forward_pre"
         return Spec(where, event, "intervene", None, attrs.evolve(intervention, view=self.view), is_edit=True,
@@ -209,9 +263,12 @@ class Points:
     standard name, the module-level where-values ``blocks``, ``attn``, ``mlp``, and the sizes.
 
     Example:
-        >>> import funhooks as fh
-        >>> from tests.transformer_models import llama
-        >>> pts = fh.transformer.points(llama())
+        >>> import transformers, funhooks as fh
+        >>> transformers.logging.set_verbosity_error()
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        ...     vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        ...     intermediate_size=64))
+        >>> pts = fh.transformer.points(model)
         >>> pts.n_layers, pts.n_heads, pts.n_kv_heads, pts.d_head
         (2, 4, 2, 8)
     """
@@ -274,9 +331,10 @@ def points(model: nn.Module) -> Points:
         SelectorError: for a family no architecture is registered for.
 
     Example:
-        >>> import torch, funhooks as fh
-        >>> from tests.transformer_models import gpt2
-        >>> model = gpt2()
+        >>> import torch, transformers, funhooks as fh
+        >>> transformers.logging.set_verbosity_error()
+        >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
         >>> pts = fh.transformer.points(model)
         >>> ids = torch.arange(6).reshape(1, 6)
         >>> _, rec = fh.capture(model, [fh.outputs(pts.resid_pre), fh.outputs(pts.z[1])])(ids)
@@ -331,8 +389,8 @@ def points(model: nn.Module) -> Points:
         fused = Thirds if arch.fused == "thirds" else Interleaved
         q, k, v = (each(arch.qkv[0], n, "output", view=fused(i, n_heads)) for i, n in enumerate("qkv"))
     core = arch.qkv[0].rpartition(".")[0]  # the module calling the attention
-    pattern, scores = (each(core, n, "op", op=_attention_op(n)[0], op_kind=_attention_op(n)[1])
-                       for n in ("pattern", "attn_scores"))
+    pattern = each(core, "pattern", "op", op=attention_pattern)
+    scores = each(core, "attn_scores", "op", op=attention_scores)
     return Points(
         arch, n_layers, n_heads, n_kv, d_head,
         blocks=select([_join(blocks, str(L)) for L in layers]),
