@@ -26,6 +26,11 @@ timing):
   per step (stack each shape's gradients and sum / sum of squares / zero count them; copy the
   parameters before the update, subtract after it, two norms), written into the loop by hand;
   checked close to their results.
+- ``floor: kernels + one value per layer``: the same kernels plus what the contract keeps per
+  step (issue 31): each layer's sums in float64 (weight's and bias's added), one value per
+  layer keyed by its path for each of the two statistics (what a step's Record holds under
+  ``gradient_stats`` / ``update_ratio``), and each table read to the host with one
+  ``.tolist()`` (what the reducers' states keep on the CPU).
 
 Model: the deep-narrow MLP (48 x (Linear(64, 64), ReLU)), batch 32, SGD, MSE loss,
 one thread, flush-denormal on. Targets (issue 16): ``fh.train`` <= 1.05x,
@@ -61,6 +66,7 @@ NAME = "train"
 PARAMS_CASE = "fh.fit + GradientStats() + UpdateRatio()"
 FLOOR_STATS = "floor: one-line wrappers + exact reduction"
 FLOOR_PARAMS = "floor: gradient + update kernels"
+FLOOR_KEPT = "floor: kernels + one value per layer"
 BATCHES_PER_CALL = 8
 QUICK_DEPTH = 4
 LR = 1e-3
@@ -170,16 +176,23 @@ def _keeping(forward: Callable[..., torch.Tensor], kept: list) -> Callable[..., 
     return wrapped
 
 
-def _floor_params(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], list]:
+def _floor_params(model: nn.Module, batches: list, opt: torch.optim.Optimizer, *,
+                  kept: bool = False) -> Callable[[], list]:
     """GradientStats' and UpdateRatio's kernels written into the loop: per shape, a stack of the
     gradients with sum, sum of squares and zero count; a stack of the parameters before the
-    update, subtracted from one after it, and the two norms."""
+    update, subtracted from one after it, and the two norms. With `kept`, also what the contract
+    keeps per step: per-layer float64 sums, one value per layer by path, one ``.tolist()``."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    paths = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
     groups = [[m.weight for m in linears], [m.bias for m in linears]]
     tables: list[list[torch.Tensor]] = []
+    values: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+    host: list[list] = []
 
     def call() -> list:
         tables.clear()
+        values.clear()
+        host.clear()
         for x, y in batches:
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
@@ -193,6 +206,12 @@ def _floor_params(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -
                 a = torch.stack(params).flatten(1)
                 table.append(torch.stack((torch.linalg.vector_norm(a.sub_(b), dim=1), torch.linalg.vector_norm(b, dim=1)), 1))
             tables.append(table)
+            if kept:
+                w, b, dw, db = table
+                sums = w.double().add_(b.double())
+                moves = dw.double().square_().add_(db.double().square_())
+                values.append((dict(zip(paths, sums.unbind(0))), dict(zip(paths, moves.unbind(0)))))
+                host.append([torch.stack(list(v.values())).tolist() for v in values[-1]])
         return tables
 
     return call
@@ -283,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hand hooks, fastai-style stats": lambda m, o: _fastai_style(m, batches, o),
         FLOOR_STATS: lambda m, o: _floor_stats(m, batches, o),
         FLOOR_PARAMS: lambda m, o: _floor_params(m, batches, o),
+        FLOOR_KEPT: lambda m, o: _floor_params(m, batches, o, kept=True),
     }
     cases, models = {}, {}
     for name, build in builders.items():
@@ -296,7 +316,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hand = cases["hand hooks, fastai-style stats"]()
     # fastai's own test compares with ==: every statistic must be the hooks' to the bit
     _common.check(res.stats == hand, "ActivationStats differs from the hand-written fastai-style hooks")
-    _check_floors(res, cases[PARAMS_CASE](), cases[FLOOR_STATS](), cases[FLOOR_PARAMS]())
+    params, floor_stats = cases[PARAMS_CASE](), cases[FLOOR_STATS]()
+    _check_floors(res, params, floor_stats, cases[FLOOR_PARAMS]())
+    _check_floors(res, params, floor_stats, cases[FLOOR_KEPT]())
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = _common.time_cases(cases, baseline="bare loop", rounds=args.rounds, warmup=args.warmup,

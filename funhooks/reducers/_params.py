@@ -31,7 +31,7 @@ class Groups:
     sums; any other ``DTensor`` is gathered whole first.
     """
 
-    __slots__ = ("group", "layers", "members", "owner", "owners", "shards", "views", "zeros")
+    __slots__ = ("counts", "group", "layers", "members", "owner", "owners", "shards", "starts", "views")
 
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[int], layers: int) -> None:
         groups = [_torch.shard_group(t) for t in tensors]
@@ -48,7 +48,10 @@ class Groups:
         self.owners = [owners[i] for members in self.members for i in members]
         self.layers = layers
         self.owner: dict[torch.device, torch.Tensor] = {}
-        self.zeros: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self.starts: dict[tuple[torch.device, int, bool], torch.Tensor] = {}
+        self.counts = [0.0] * layers  # per layer, its tensors' whole element counts (a complex one's two parts)
+        for t, layer in zip(tensors, owners):
+            self.counts[layer] += t.numel() * (2 if t.is_complex() else 1)
         order = [i for members in self.members for i in members]
         sharded = [k for k, i in enumerate(order) if self.views is not None and self.views[i] is _local]
         self.shards: list[int] | None = None if len(sharded) == len(order) else sharded
@@ -65,8 +68,9 @@ class Groups:
             out.append(x if x.dtype in (torch.float32, torch.float64) else x.float())
         return out
 
-    def by_layer(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Per layer, the sum of the per-tensor rows (one ``(members, k)`` table per group), float64."""
+    def by_layer(self, rows: Sequence[torch.Tensor], *, counts: bool = False) -> torch.Tensor:
+        """Per layer, the sum of the per-tensor rows (one ``(members, k)`` table per group), float64;
+        with `counts`, each layer's element count first (a column the rows need not carry)."""
         device = rows[0].device
         table = torch.cat([r.to(device, torch.float64) for r in rows]) if len(rows) > 1 else rows[0].double()
         if self.group is not None:
@@ -74,11 +78,18 @@ class Groups:
         index = self.owner.get(device)
         if index is None:
             index = self.owner[device] = torch.tensor(self.owners, dtype=torch.long, device=device)
-        zeros = self.zeros.get((device, table.shape[1]))
-        if zeros is None:
-            zeros = self.zeros[device, table.shape[1]] = torch.zeros(self.layers, table.shape[1], dtype=torch.float64,
-                                                                     device=device)
-        return zeros.index_add(0, index, table)
+        k = table.shape[1]
+        start = self.starts.get((device, k, counts))
+        if start is None:
+            start = torch.zeros(self.layers, k + counts, dtype=torch.float64, device=device)
+            if counts:
+                start[:, 0] = torch.tensor(self.counts, dtype=torch.float64)
+            self.starts[device, k, counts] = start
+        if not counts:
+            return start.index_add(0, index, table)
+        out = start.clone()
+        out[:, 1:].index_add_(0, index, table)
+        return out
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t

@@ -14,9 +14,9 @@ squares, zero count)`` in float64: they add across micro-steps and shards, and t
 are derived from them when a result is read.
 
 Cost: per recorded step, the gradients are stacked by shape (one copy) and reduced with
-four kernels per shape (sum, norm, zero count) and three to add them by layer, on their
-device, in float32 within a tensor and float64 across tensors; nothing is read to the host
-until a result is.
+three kernels per shape (sum, norm, zero count) in their own dtype, and a few to add them by
+layer in float64 (the element counts are known from the shapes, not computed); nothing is
+read to the host until a result is.
 """
 
 from __future__ import annotations
@@ -82,9 +82,8 @@ def _rows(groups: _params.Groups, grads: list[torch.Tensor], paths: tuple[str, .
     table = []
     for x in groups.stacks(grads):  # a copy: its 0/1 flags of zeros are written over it
         total, squares = x.sum(1), torch.linalg.vector_norm(x, dim=1).square_()
-        zeros = x.eq_(0).sum(1)  # a float sum of 0/1: exact below 2**24
-        table.append(torch.stack((torch.full_like(zeros, x.shape[1], dtype=torch.float64), total, squares, zeros), 1))
-    return dict(zip(paths, groups.by_layer(table).unbind(0)))
+        table.append(torch.stack((total, squares, x.eq_(0).sum(1)), 1))  # zeros: a float sum of 0/1, exact below 2**24
+    return dict(zip(paths, groups.by_layer(table, counts=True).unbind(0)))
 
 
 def finish(sums: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,9 @@ class Watching:
         if not self.seen.holds(self.opts):  # a module or a param group added or removed
             self.resolved = _Resolved.get(self.model, self.wheres, self.caller, self.watches, strict=False)
             self.seen = Seen.of(self.model, self.opts)
-        self.current = {id(opt): self._layers(opt) for opt in self.opts}
+            self.current = {}
+        if not self.current:  # else the last step's layers: nothing they depend on changed
+            self.current = {id(opt): self._layers(opt) for opt in self.opts}
         try:
             for opt in self.opts:
                 if not self.manual:
