@@ -171,6 +171,36 @@ def test_per_row_composes_with_vmap_and_grad() -> None:
         assert torch.allclose(grads[b], torch.func.grad(lambda kb: single(kb, xs[0]).sum())(k[b]), atol=1e-5)
 
 
+class Double(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def test_masks_follow_the_per_call_values_changed_in_place_or_replaced() -> None:
+    """Masks are kept between calls for the same per-call tensors: a tensor changed in place,
+    a new tensor, or a call under `inference_mode` then with gradients each edit what they say."""
+    model = nn.Sequential(nn.Identity(), Double())  # a patch of 1 before `Double` reads 2, after it 1
+    f = fh.capture(model, fh.patch("*", 1.0, nth=fh.arg("layer"), index=fh.arg("pos"), per_row=True))
+    x, layers, pos = torch.zeros(2, 3), torch.tensor([0, 0]), torch.tensor([0, 2])
+
+    def edited() -> list[list[float]]:
+        return f(x, layer=layers, pos=pos)[0].tolist()
+
+    assert edited() == [[2, 0, 0], [0, 0, 2]]
+    pos[1] = 1
+    assert edited() == [[2, 0, 0], [0, 2, 0]]
+    pos = torch.tensor([2, 2])
+    assert edited() == [[0, 0, 2], [0, 0, 2]]
+    layers[0] = 1
+    assert edited() == [[0, 0, 1], [0, 0, 2]]
+    with torch.inference_mode():
+        f(x, layer=layers, pos=pos)
+    w = torch.zeros(2, 3, requires_grad=True)
+    out, _ = f(w, layer=layers, pos=pos)
+    out.sum().backward()
+    assert w.grad is not None and w.grad.tolist() == [[2, 2, 0], [2, 2, 0]]
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

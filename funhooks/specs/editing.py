@@ -123,6 +123,8 @@ class Intervention:
     """Edit this view of the value (a standard point's), written back through it."""
     per_row: bool = False
     """`nth`, `index` and a steer's `coef` give one entry per row (dim 0) of the edited value."""
+    _masks: _Masks = attrs.field(factory=lambda: _Masks(), init=False)
+    """The last mask made per rank, with the per-call values it was made from (see :meth:`_where`)."""
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -145,19 +147,18 @@ class Intervention:
         """The edited `output` of the `count`-th call (in the run) of the module at `path`,
         the `rank`-th its spec selected; None to leave it as it was."""
         at = _At(self, spec, path, caller)
-        gate = self._gate(rank, values, at)
-        if gate is False:
+        nth = self._nth(values, at)
+        if nth is not None and not isinstance(nth, Tensor) and nth != rank:
             return None
         if isinstance(output, Tensor) and self.element != 0:
             raise at.error(f"`element` picks an item of a tuple, list or dict output, got element {self.element!r} of "
                            "a Tensor", "Leave `element` out for a module returning a tensor")
         whole = output if isinstance(output, Tensor) else _item(output, self.element, at)
         target = whole if self.view is None else self.view.get(whole)
+        mask = self._where(nth, rank, target, values, at)
+        if mask is False:
+            return None
         new, fresh = self._new(target, values, count, at)
-        mask = self._mask(target, values, at)
-        if gate is not None:
-            gate = self._rows(gate, target, "nth", at) if self.per_row else gate
-            mask = gate if mask is None else mask & gate
         if mask is not None:
             new = torch.where(mask, new, target)  # broadcasts `new` (`_check_fits` checked it fits)
         elif not fresh:  # never hand the model a tensor a Record or the caller still holds (`put` copies)
@@ -193,10 +194,9 @@ class Intervention:
             raise at.error(f"`{role}` is {what}, got {show(value)}", "Pass one of those per call")
         return value
 
-    def _gate(self, rank: int, values: PerCall, at: _At) -> Tensor | Literal[False] | None:
-        nth = self._get(self.nth, values, at, "nth")
-        if nth is None:
-            return None
+    def _nth(self, values: PerCall, at: _At) -> int | Tensor | None:
+        """The call's `nth`, checked: an int, or an integer tensor (1-d: one per row, with `per_row`)."""
+        nth = cast("int | Tensor | None", self._get(self.nth, values, at, "nth"))  # `_get` checked it
         if isinstance(nth, Tensor):
             if self.per_row and (nth.ndim > 1 or nth.is_floating_point() or nth.is_complex()):
                 raise at.error(f"`nth` is one integer module index per row (per_row=True), got a tensor of shape "
@@ -205,8 +205,33 @@ class Intervention:
                 raise at.error(f"`nth` is one integer module index per call, got a tensor of shape {_shape(nth)}",
                                "Map over a 1-d tensor of indices with `torch.func.vmap`, which gives each call one, "
                                "or pass `per_row=True` for one per row of the batch")
-            return nth == rank
-        return None if nth == rank else False
+        return nth
+
+    def _where(self, nth: int | Tensor | None, rank: int, target: Tensor, values: PerCall,
+               at: _At) -> Tensor | Literal[False] | None:
+        """Where `target` is edited (None: everywhere): at `index`, in the calls (or with `per_row`
+        the rows) whose `nth` is `rank`. Outside transforms and traces the mask is kept per rank
+        and reused while calls pass the same ints and tensors (unchanged in place), so a sweep's
+        masks are made once per module, not once per call of it; there a per-row mask no row
+        selects is False: the module is left alone, as an int `nth` leaves the others."""
+        index = self._get(self.index, values, at)
+        if index is None and nth is None:
+            return None
+        key = _key(rank, nth, index, target)
+        kept = self._masks.get(rank) if key is not None else None
+        if kept is not None and kept[0] == key:
+            return kept[-1]
+        mask = self._mask(index, target, values, at)
+        if isinstance(nth, Tensor):
+            gate = nth == rank
+            gate = self._rows(gate, target, "nth", at) if self.per_row else gate
+            mask = gate if mask is None else mask & gate
+        if key is None:
+            return mask
+        # one host read per kept mask
+        where: Tensor | Literal[False] | None = False if self.per_row and mask is not None and not bool(mask.any()) else mask
+        self._masks[rank] = (key, nth, index, where)  # `nth` and `index` kept alive: their ids stay theirs
+        return where
 
     def _new(self, target: Tensor, values: PerCall, count: int, at: _At) -> tuple[Tensor, bool]:
         """The replacement of `target` (before `index`/`nth`; broadcast to it, not expanded), and
@@ -234,8 +259,7 @@ class Intervention:
             return (target * value).to(target.dtype), True
         return value, False
 
-    def _mask(self, target: Tensor, values: PerCall, at: _At) -> Tensor | None:
-        index = self._get(self.index, values, at)
+    def _mask(self, index: object, target: Tensor, values: PerCall, at: _At) -> Tensor | None:
         if index is None:
             return None
         ndim = target.ndim
@@ -322,6 +346,31 @@ class Intervention:
                            f"{decoding.prompt + decoding.step} tokens of step {decoding.step}, got {size}",
                            "Pass the `dim` of the positions")
         return index.mask(size, decoding, device)
+
+
+class _Masks(dict):
+    """An intervention's kept masks, by rank: ``(key, nth, index, mask)``. Copies and pickles
+    of the intervention start empty."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _Masks, ()
+
+
+def _key(rank: int, nth: object, index: object, target: Tensor) -> tuple[object, ...] | None:
+    """What a kept mask was made from: ints by value, tensors by identity and version, and the
+    edited value's shape, device and inference mode; None where a mask cannot be kept (other
+    per-call values, values inside a ``torch.func`` transform or a trace)."""
+    if _torch.is_functorch_active() or _torch.is_compiling():
+        return None
+    parts: list[object] = [rank, tuple(target.shape), target.device, torch.is_inference_mode_enabled()]
+    for x in (nth, index):
+        if isinstance(x, Tensor):
+            parts.append((id(x), x._version))
+        elif x is None or _is_int(x):
+            parts.append(x)
+        else:
+            return None
+    return tuple(parts)
 
 
 _ROLES = {"patch": "value", "steer": "vector", "scale": "factor", "ablate": "mean"}

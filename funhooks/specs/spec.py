@@ -173,11 +173,11 @@ def check_nth(spec: Spec, nth: object, paths: list[str], caller: str) -> None:
                 or _torch.is_compiling():
             return  # a batched value cannot be read; a wrong kind is said when the intervention applies
         if nth.ndim:  # one per row
-            outside = ((nth < 0) | (nth >= len(paths))).nonzero()
-            if not len(outside):
+            low, high = (int(x) for x in torch.aminmax(nth)) if len(nth) else (0, 0)
+            if 0 <= low and high < len(paths):
                 return
-            row = f" in row {int(outside[0])}"
-            nth = nth[int(outside[0])]
+            first = int(((nth < 0) | (nth >= len(paths))).nonzero()[0])
+            row, nth = f" in row {first}", nth[first]
         nth = int(nth)
     if not isinstance(nth, int) or isinstance(nth, bool) or 0 <= nth < len(paths):
         return
