@@ -8,8 +8,12 @@ run so far, and the call's per-call values (``fh.arg`` placeholders). Everything
 a differentiable, ``vmap``-able tensor op: ``torch.where`` over a position mask and a module
 gate, never an in-place write, so a sweep maps over positions, modules and values alike.
 
-Cost: per edited call, one new tensor the size of the edited value, and for ``index`` a
-position mask; a Record source is a dict lookup.
+With ``per_row`` the module gate and the position mask are per row of the batch, so one
+batched forward runs a sweep, one patch per row.
+
+Cost: per edited call, one new tensor the size of the edited value; for ``index``/``nth`` a
+mask, made once and kept per rank while calls pass the same per-call ints and tensors (outside
+transforms and traces); a Record source is a dict lookup.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ edited value). Options shared by all of them:
   over ``"h.*"`` can patch a different layer per call;
 - ``element``: for a module returning a tuple, list or dict, the item edited (default 0);
   the rest of the output is passed on untouched;
-- ``op``: edit an op's result inside the module instead of the module's output.
+- ``op``: edit an op's result inside the module instead of the module's output;
+- ``per_row=True``: ``nth``, ``index`` and a steer's ``scale`` give one entry per row (dim 0)
+  of the batch, ints or a 1-d tensor, so row b is edited at module ``nth[b]``, position
+  ``index[b]`` only: a sweep as one batched forward of the input repeated once per patch.
 
 **Per-call values.** Any value, ``index`` and ``nth`` can be ``fh.arg(name)``: the value
 then comes from the keyword argument `name` of the function ``fh.capture`` /
@@ -152,6 +155,9 @@ def patch(where: Where | Located, value: Source, *, index: Index = None, dim: in
         element: the item of a tuple, list or dict output to patch.
         name: the record name read from a Record (default ``"output"``, or the op's name).
         op: patch the result of this op inside the module (see :func:`funhooks.op`).
+        per_row: `nth` and `index` give one entry per row of the batch (ints or a 1-d
+            tensor; an int is every row's): row b is patched at module ``nth[b]``, position
+            ``index[b]`` only.
 
     Returns:
         A Spec.
@@ -184,8 +190,9 @@ def steer(where: Where | Located, vector: Operand, *, scale: Operand = 1.0, inde
     Args:
         where: a selector.
         vector: a tensor broadcast to the output (e.g. ``(d_model,)``), or ``fh.arg(name)``.
-        scale: a number, a tensor or ``fh.arg(name)``.
-        index, dim, nth, element, op: as for :func:`patch`.
+        scale: a number, a tensor or ``fh.arg(name)``; with `per_row`, a 1-d tensor is one
+            scale per row of the batch (a dose-response curve in one forward).
+        index, dim, nth, element, op, per_row: as for :func:`patch`.
 
     Returns:
         A Spec.
@@ -215,7 +222,7 @@ def scale(where: Where | Located, factor: Operand, *, index: Index = None, dim: 
     Args:
         where: a selector.
         factor: a number, a tensor broadcast to the output, or ``fh.arg(name)``.
-        index, dim, nth, element, op: as for :func:`patch`.
+        index, dim, nth, element, op, per_row: as for :func:`patch`.
 
     Returns:
         A Spec.
@@ -246,7 +253,7 @@ def ablate(where: Where | Located, *, mean: Source | None = None, index: Index =
             its values at the module over their calls and first dimension: the outputs of
             a reference run, or the result of folding :class:`funhooks.OutputMeans`), or
             ``fh.arg(name)``.
-        index, dim, nth, element, name, op: as for :func:`patch`.
+        index, dim, nth, element, name, op, per_row: as for :func:`patch`.
 
     Returns:
         A Spec.
