@@ -14,6 +14,9 @@ difference of two tokens: ``LAYERS x POSITIONS = 32`` patches. Cases, each retur
 - ``hand-batched torch hooks``: the careful idiom without a library, its floor: one forward
   of the corrupted prompt repeated 32 times, a ``register_forward_hook`` per ``resid_pre``
   module writing row i's position from the clean run's values by hand indexing;
+- ``fh per-row patch (one batched forward)``: the same idiom in funhooks, the loop's spec
+  with ``per_row=True``: ``f(corrupt repeated 32 times, layer=layers, pos=positions)``,
+  row i patched at ``layers[i]``, ``positions[i]``;
 - peers, each only when importable (``pip install funhooks[bench]``): TransformerLens'
   ``patching.get_act_patch_resid_pre`` on a ``TransformerBridge`` wrapping a copy of the HF
   model (same weights); nnsight, one ``trace`` per patch setting the module's output; and
@@ -96,9 +99,15 @@ def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tens
     def vmapped() -> torch.Tensor:
         return swept(*pairs).reshape(layers, positions)
 
-    cases = {"python loop": loop, "fh vmap": vmapped}
+    batch = corrupt.expand(layers * positions, -1)
+    rows = fh.capture(model, fh.patch(RESID_PRE, rec, nth=fh.arg("layer"), index=fh.arg("pos"), per_row=True))
+
+    def per_row() -> torch.Tensor:
+        return logit_diff(rows(batch, layer=pairs[0], pos=pairs[1], use_cache=False)[0].logits).reshape(layers, positions)
+
+    cases = {"python loop": loop, "fh vmap": vmapped, PER_ROW: per_row}
     if peers:
-        cases["hand-batched torch hooks"] = _hand_batched(model, rec, corrupt, layers, positions)
+        cases[HAND] = _hand_batched(model, rec, corrupt, layers, positions)
     for name, (module, build) in (PEERS if peers else {}).items():
         if importlib.util.find_spec(module) is None:
             continue
@@ -107,6 +116,10 @@ def sweep_cases(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tens
         except Exception as err:  # a peer that imports but fails here is reported, not fatal
             print(f"{name} skipped: {type(err).__name__}: {err}")
     return cases
+
+
+PER_ROW = "fh per-row patch (one batched forward)"
+HAND = "hand-batched torch hooks"
 
 
 def _resid_pre(layers: int) -> list[str]:
@@ -351,6 +364,8 @@ def main() -> None:
     print(_common.format_table(f"patching sweep, {patches} patches (ratio: time / python loop)", swept))
     speedup = 1 / swept["fh vmap"]["ratio"]["median"]
     print(f"vmap speed-up over the python loop: {speedup:.1f}x")
+    per_row = swept[PER_ROW]["ratio"]["median"] / swept[HAND]["ratio"]["median"]
+    print(f"fh per-row / hand-batched torch hooks: {per_row:.2f}x (goal <= 1.0)")
     print(_common.format_table(f"attention pattern on every forward, batch {tuple(x.shape)}", recorded))
     print(_common.format_table("an unselected module while an op run is open", alone))
     print(_common.format_table("issue 28's model, eager attention (ratio: time / bare eager forward)", eager_attn))
@@ -358,7 +373,7 @@ def main() -> None:
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "rounds": args.rounds, "warmup": args.warmup,
         "model": size, "correct": all(checks.values()), "checks": checks,
-        "results": {"sweep": {"patches": patches, "cases": swept, "speedup": speedup},
+        "results": {"sweep": {"patches": patches, "cases": swept, "speedup": speedup, "per_row_to_hand": per_row},
                     "record": {"batch": list(x.shape), "cases": recorded},
                     "unselected": {"cases": alone},
                     "attention": {"model": ISSUE_MODEL, "eager": eager_attn, "sdpa": sdpa_attn}},

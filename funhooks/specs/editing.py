@@ -8,8 +8,12 @@ run so far, and the call's per-call values (``fh.arg`` placeholders). Everything
 a differentiable, ``vmap``-able tensor op: ``torch.where`` over a position mask and a module
 gate, never an in-place write, so a sweep maps over positions, modules and values alike.
 
-Cost: per edited call, one new tensor the size of the edited value, and for ``index`` a
-position mask; a Record source is a dict lookup.
+With ``per_row`` the module gate and the position mask are per row of the batch, so one
+batched forward runs a sweep, one patch per row.
+
+Cost: per edited call, one new tensor the size of the edited value; for ``index``/``nth`` a
+mask, made once and kept per rank while calls pass the same per-call ints and tensors (outside
+transforms and traces); a Record source is a dict lookup.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class View(abc.ABC):
 
 Index: TypeAlias = "int | Sequence[int] | Tensor | Arg | Steps | None"
 """The positions an intervention edits along its `dim` (None: all of them)."""
-Nth: TypeAlias = "int | Tensor | Arg | None"
-"""Which of the modules a selector matched an intervention edits (None: every one)."""
+Nth: TypeAlias = "int | Sequence[int] | Tensor | Arg | None"
+"""Which of the modules a selector matched an intervention edits (None: every one; ints: one
+per row, with ``per_row``)."""
 Source: TypeAlias = "Tensor | float | Record | Arg"
 """What a patch puts in, or an ablation's mean: a value, or a Record holding one per module."""
 Operand: TypeAlias = "Tensor | float | Arg"
@@ -120,6 +125,10 @@ class Intervention:
     coef: Operand = 1.0
     view: View | None = None
     """Edit this view of the value (a standard point's), written back through it."""
+    per_row: bool = False
+    """`nth`, `index` and a steer's `coef` give one entry per row (dim 0) of the edited value."""
+    _masks: _Masks = attrs.field(factory=lambda: _Masks(), init=False)
+    """The last mask made per rank, with the per-call values it was made from (see :meth:`_where`)."""
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -130,7 +139,7 @@ class Intervention:
         first = {"ablate": []}.get(self.kind, [show(self.value)])
         named = [("mean", self.value if self.kind == "ablate" else None), ("scale", None if _is_one(self.coef) else self.coef),
                  ("index", self.index), ("dim", self.dim if self.dim != 1 else None), ("nth", self.nth),
-                 ("element", self.element or None)]
+                 ("element", self.element or None), ("per_row", self.per_row or None)]
         if self.name != "output" and isinstance(self.value, (Record, Arg)):
             named.append(("name", self.name))
         return ", ".join(first + [f"{k}={show(v)}" for k, v in named if v is not None])
@@ -142,18 +151,18 @@ class Intervention:
         """The edited `output` of the `count`-th call (in the run) of the module at `path`,
         the `rank`-th its spec selected; None to leave it as it was."""
         at = _At(self, spec, path, caller)
-        gate = self._gate(rank, values, at)
-        if gate is False:
+        nth = self._nth(values, at)
+        if nth is not None and not isinstance(nth, Tensor) and nth != rank:
             return None
         if isinstance(output, Tensor) and self.element != 0:
             raise at.error(f"`element` picks an item of a tuple, list or dict output, got element {self.element!r} of "
                            "a Tensor", "Leave `element` out for a module returning a tensor")
         whole = output if isinstance(output, Tensor) else _item(output, self.element, at)
         target = whole if self.view is None else self.view.get(whole)
+        mask = self._where(nth, rank, target, values, at)
+        if mask is False:
+            return None
         new, fresh = self._new(target, values, count, at)
-        mask = self._mask(target, values, at)
-        if gate is not None:
-            mask = gate if mask is None else mask & gate
         if mask is not None:
             new = torch.where(mask, new, target)  # broadcasts `new` (`_check_fits` checked it fits)
         elif not fresh:  # never hand the model a tensor a Record or the caller still holds (`put` copies)
@@ -177,7 +186,11 @@ class Intervention:
         if role == "nth":
             if isinstance(value, Tensor) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 return value
-            raise at.error(f"`nth` is an int >= 0 or an integer tensor, got {show(value)}",
+            if self.per_row and isinstance(value, (list, tuple)) and all(map(_is_int, value)):
+                return torch.tensor(value)
+            what = "an int >= 0, ints (one per row) or an integer tensor" if self.per_row else \
+                "an int >= 0 or an integer tensor"
+            raise at.error(f"`nth` is {what}, got {show(value)}",
                            "Pass the index of the module to edit among those the selector matches")
         if role != "index" and not (isinstance(value, Tensor) or is_number(value)
                                     or (isinstance(value, Record) and role in ("value", "mean"))):
@@ -185,16 +198,44 @@ class Intervention:
             raise at.error(f"`{role}` is {what}, got {show(value)}", "Pass one of those per call")
         return value
 
-    def _gate(self, rank: int, values: PerCall, at: _At) -> Tensor | Literal[False] | None:
-        nth = self._get(self.nth, values, at, "nth")
-        if nth is None:
-            return None
+    def _nth(self, values: PerCall, at: _At) -> int | Tensor | None:
+        """The call's `nth`, checked: an int, or an integer tensor (1-d: one per row, with `per_row`)."""
+        nth = cast("int | Tensor | None", self._get(self.nth, values, at, "nth"))  # `_get` checked it
         if isinstance(nth, Tensor):
-            if nth.ndim != 0 or nth.is_floating_point() or nth.is_complex():
+            if self.per_row and (nth.ndim > 1 or nth.is_floating_point() or nth.is_complex()):
+                raise at.error(f"`nth` is one integer module index per row (per_row=True), got a tensor of shape "
+                               f"{_shape(nth)}", "Pass an int, or a list or 1-d integer tensor of one index per row")
+            if not self.per_row and (nth.ndim != 0 or nth.is_floating_point() or nth.is_complex()):
                 raise at.error(f"`nth` is one integer module index per call, got a tensor of shape {_shape(nth)}",
-                               "Map over a 1-d tensor of indices with `torch.func.vmap`, which gives each call one")
-            return nth == rank
-        return None if nth == rank else False
+                               "Map over a 1-d tensor of indices with `torch.func.vmap`, which gives each call one, "
+                               "or pass `per_row=True` for one per row of the batch")
+        return nth
+
+    def _where(self, nth: int | Tensor | None, rank: int, target: Tensor, values: PerCall,
+               at: _At) -> Tensor | Literal[False] | None:
+        """Where `target` is edited (None: everywhere): at `index`, in the calls (or with `per_row`
+        the rows) whose `nth` is `rank`. Outside transforms and traces the mask is kept per rank
+        and reused while calls pass the same ints and tensors (unchanged in place), so a sweep's
+        masks are made once per module, not once per call of it; there a per-row mask no row
+        selects is False: the module is left alone, as an int `nth` leaves the others."""
+        index = self._get(self.index, values, at)
+        if index is None and nth is None:
+            return None
+        key = _key(rank, nth, index, target)
+        kept = self._masks.get(rank) if key is not None else None
+        if kept is not None and kept[0] == key:
+            return kept[-1]
+        mask = self._mask(index, target, values, at)
+        if isinstance(nth, Tensor):
+            gate = nth == rank
+            gate = self._rows(gate, target, "nth", at) if self.per_row else gate
+            mask = gate if mask is None else mask & gate
+        if key is None:
+            return mask
+        # one host read per kept mask
+        where: Tensor | Literal[False] | None = False if self.per_row and mask is not None and not bool(mask.any()) else mask
+        self._masks[rank] = (key, nth, index, where)  # `nth` and `index` kept alive: their ids stay theirs
+        return where
 
     def _new(self, target: Tensor, values: PerCall, count: int, at: _At) -> tuple[Tensor, bool]:
         """The replacement of `target` (before `index`/`nth`; broadcast to it, not expanded), and
@@ -215,13 +256,14 @@ class Intervention:
             coef = cast("Tensor | float", self._get(self.coef, values, at, "scale"))  # `_get` checked it
             if isinstance(coef, Tensor):
                 _check_real(coef, target, at)
+                if self.per_row and coef.ndim == 1:
+                    coef = self._rows(coef, target, "scale", at)
             return (target + coef * value).to(target.dtype), True
         if kind == "scale":
             return (target * value).to(target.dtype), True
         return value, False
 
-    def _mask(self, target: Tensor, values: PerCall, at: _At) -> Tensor | None:
-        index = self._get(self.index, values, at)
+    def _mask(self, index: object, target: Tensor, values: PerCall, at: _At) -> Tensor | None:
         if index is None:
             return None
         ndim = target.ndim
@@ -231,6 +273,8 @@ class Intervention:
         dim = self.dim % ndim
         size = target.shape[dim]
         shape = (size,) + (1,) * (ndim - dim - 1)  # the mask's, broadcast over the dims after `dim`
+        if self.per_row and (isinstance(index, (list, tuple)) or isinstance(index, Tensor) and index.ndim):
+            return self._row_mask(index, target, dim, at)
         if isinstance(index, Steps):
             return self._steps(index, size, values, at, target.device).reshape(shape)
         if not _is_positions(index):
@@ -257,6 +301,44 @@ class Intervention:
         return (both.unsqueeze(-1) == index.reshape(-1)).any(-1).any(0)
 
 
+    def _row_mask(self, index: Sequence[object] | Tensor, target: Tensor, dim: int, at: _At) -> Tensor:
+        """The mask of one position per row (``per_row``): row b along `dim` is true at
+        ``index[b]`` only, shaped ``(rows, 1..., size, 1...)``."""
+        if dim == 0:
+            raise at.error(f"`dim` is the position axis, which is not the rows' (dim 0) with `per_row=True`, got "
+                           f"{self.dim}", "Pass the dimension holding the positions")
+        if isinstance(index, Tensor) and index.ndim == 1 and not (
+                index.dtype == torch.bool or index.is_floating_point() or index.is_complex()):
+            positions = index
+        elif not isinstance(index, Tensor) and all(map(_is_int, index)):
+            positions = torch.tensor(index, device=target.device)
+        else:
+            raise at.error(f"`index` is one int position per row (per_row=True), got {show(index)}",
+                           "Pass an int, or a list or 1-d integer tensor of one position per row")
+        rows = self._rows(positions, target, "index", at).reshape(-1, 1, 1)
+        size = target.shape[dim]
+        # row b's position is index[b] or index[b] - size: one comparison with both, as in `_mask`
+        mask = (torch.arange(-size, size, device=target.device).reshape(2, size) == rows).any(1)
+        if not (_torch.is_functorch_active() or _torch.is_compiling()) and not bool(mask.any(1).all()):
+            row = int((~mask.any(1)).nonzero()[0])
+            raise at.error(f"`index` is a position along dim {dim} (size {size}) in each row, got "
+                           f"{int(positions[row])} in row {row}", f"Pass an index in [{-size}, {size})")
+        return mask.reshape((len(mask),) + (1,) * (dim - 1) + (size,) + (1,) * (target.ndim - dim - 1))
+
+    def _rows(self, x: Tensor, target: Tensor, role: str, at: _At) -> Tensor:
+        """`x`, one entry per row of `target` (``per_row``), shaped to broadcast over the
+        rest of each row; a 0-d `x` is every row's."""
+        if x.ndim == 0:
+            return x
+        rows = target.shape[0] if target.ndim else 0
+        if len(x) != rows:
+            raise at.error(f"`{role}` is one entry per row of the batch (per_row=True: {rows} rows along dim 0), got "
+                           f"{len(x)} entries", f"Pass {rows} entries, or run the model on a batch of {len(x)} rows "
+                           f"(the input repeated {len(x)} times)")
+        if x.device != target.device:
+            x = x.to(target.device)
+        return x.reshape((rows,) + (1,) * (target.ndim - 1))
+
     def _steps(self, index: Steps, size: int, values: PerCall, at: _At, device: torch.device) -> Tensor:
         """The mask of ``index=fh.steps(...)`` over a call's `size` positions."""
         decoding = values.get(DECODING)
@@ -268,6 +350,31 @@ class Intervention:
                            f"{decoding.prompt + decoding.step} tokens of step {decoding.step}, got {size}",
                            "Pass the `dim` of the positions")
         return index.mask(size, decoding, device)
+
+
+class _Masks(dict):
+    """An intervention's kept masks, by rank: ``(key, nth, index, mask)``. Copies and pickles
+    of the intervention start empty."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _Masks, ()
+
+
+def _key(rank: int, nth: object, index: object, target: Tensor) -> tuple[object, ...] | None:
+    """What a kept mask was made from: ints by value, tensors by identity and version, and the
+    edited value's shape, device and inference mode; None where a mask cannot be kept (other
+    per-call values, values inside a ``torch.func`` transform or a trace)."""
+    if _torch.is_functorch_active() or _torch.is_compiling():
+        return None
+    parts: list[object] = [rank, tuple(target.shape), target.device, torch.is_inference_mode_enabled()]
+    for x in (nth, index):
+        if isinstance(x, Tensor):
+            parts.append((id(x), x._version))
+        elif x is None or _is_int(x):
+            parts.append(x)
+        else:
+            return None
+    return tuple(parts)
 
 
 _ROLES = {"patch": "value", "steer": "vector", "scale": "factor", "ablate": "mean"}

@@ -14,7 +14,10 @@ edited value). Options shared by all of them:
   over ``"h.*"`` can patch a different layer per call;
 - ``element``: for a module returning a tuple, list or dict, the item edited (default 0);
   the rest of the output is passed on untouched;
-- ``op``: edit an op's result inside the module instead of the module's output.
+- ``op``: edit an op's result inside the module instead of the module's output;
+- ``per_row=True``: ``nth``, ``index`` and a steer's ``scale`` give one entry per row (dim 0)
+  of the batch, ints or a 1-d tensor, so row b is edited at module ``nth[b]``, position
+  ``index[b]`` only: a sweep as one batched forward of the input repeated once per patch.
 
 **Per-call values.** Any value, ``index`` and ``nth`` can be ``fh.arg(name)``: the value
 then comes from the keyword argument `name` of the function ``fh.capture`` /
@@ -81,7 +84,18 @@ def arg(name: str) -> Arg:
 
 # -- the constructors ----------------------------------------------------------------------------
 
-def _checked(label: str, *, index: object, dim: object, nth: object, element: object, name: object) -> None:
+def _checked(label: str, *, index: object, dim: object, nth: object, element: object, name: object,
+             per_row: object) -> Nth:
+    """Refuses an argument of the wrong kind; returns `nth`, a tensor where ``per_row`` gives ints."""
+    if not isinstance(per_row, bool):
+        raise SpecError(f"{label}: `per_row` is a bool, got {per_row!r}. Pass True to give `nth`, `index` and a "
+                        "steer's `scale` one entry per row of the batch.")
+    if per_row and isinstance(nth, (list, tuple)) and nth and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nth):
+        nth = torch.tensor(nth)  # one module per row: checked against the modules matched like a tensor
+    if per_row and dim == 0:
+        raise SpecError(f"{label}: `dim` is the position axis, which is not the rows' (dim 0) with `per_row=True`, "
+                        f"got {dim!r}. Pass the dimension holding the positions.")
     ints = isinstance(index, Sequence) and not isinstance(index, str) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in index)
     if not (index is None or ints or isinstance(index, (Tensor, Arg, Steps)) or (isinstance(index, int) and not isinstance(index, bool))):
@@ -98,6 +112,7 @@ def _checked(label: str, *, index: object, dim: object, nth: object, element: ob
                         "item to edit in a tuple, list or dict output.")
     if name is not None and (not isinstance(name, str) or not name):
         raise SpecError(f"{label}: `name` is a non-empty str or None, got {name!r}. Pass the record name to read.")
+    return nth
 
 
 def _checked_value(label: str, arg_name: str, value: _V, *, record: bool = True, none: bool = False) -> _V:
@@ -124,7 +139,7 @@ def _named(name: str | None, op: OpLike | None) -> str:
 
 
 def patch(where: Where | Located, value: Source, *, index: Index = None, dim: int = 1, nth: Nth = None, element: int | str = 0,
-          name: str | None = None, op: OpLike | None = None) -> Spec:
+          name: str | None = None, op: OpLike | None = None, per_row: bool = False) -> Spec:
     """Replace each selected module's output (or `op`'s result inside it) with `value`.
 
     `value` is a tensor or number broadcast to the output's shape, or a Record: the value it
@@ -140,6 +155,9 @@ def patch(where: Where | Located, value: Source, *, index: Index = None, dim: in
         element: the item of a tuple, list or dict output to patch.
         name: the record name read from a Record (default ``"output"``, or the op's name).
         op: patch the result of this op inside the module (see :func:`funhooks.op`).
+        per_row: `nth` and `index` give one entry per row of the batch (ints or a 1-d
+            tensor; an int is every row's): row b is patched at module ``nth[b]``, position
+            ``index[b]`` only.
 
     Returns:
         A Spec.
@@ -159,20 +177,22 @@ def patch(where: Where | Located, value: Source, *, index: Index = None, dim: in
         >>> torch.equal(patched, model(clean))
         True
     """
-    _checked("patch", index=index, dim=dim, nth=nth, element=element, name=name)
+    nth = _checked("patch", index=index, dim=dim, nth=nth, element=element, name=name, per_row=per_row)
     value = _checked_value("patch", "value", value)
-    return _spec("patch", where, Intervention("patch", value, index, dim, nth, element, _named(name, op)), op)
+    return _spec("patch", where, Intervention("patch", value, index, dim, nth, element, _named(name, op),
+                                                  per_row=per_row), op)
 
 
 def steer(where: Where | Located, vector: Operand, *, scale: Operand = 1.0, index: Index = None, dim: int = 1,
-          nth: Nth = None, element: int | str = 0, op: OpLike | None = None) -> Spec:
+          nth: Nth = None, element: int | str = 0, op: OpLike | None = None, per_row: bool = False) -> Spec:
     """Add ``scale * vector`` to each selected module's output (a steering vector).
 
     Args:
         where: a selector.
         vector: a tensor broadcast to the output (e.g. ``(d_model,)``), or ``fh.arg(name)``.
-        scale: a number, a tensor or ``fh.arg(name)``.
-        index, dim, nth, element, op: as for :func:`patch`.
+        scale: a number, a tensor or ``fh.arg(name)``; with `per_row`, a 1-d tensor is one
+            scale per row of the batch (a dose-response curve in one forward).
+        index, dim, nth, element, op, per_row: as for :func:`patch`.
 
     Returns:
         A Spec.
@@ -188,20 +208,21 @@ def steer(where: Where | Located, vector: Operand, *, scale: Operand = 1.0, inde
                 [2., 0.],
                 [2., 0.]])
     """
-    _checked("steer", index=index, dim=dim, nth=nth, element=element, name=None)
+    nth = _checked("steer", index=index, dim=dim, nth=nth, element=element, name=None, per_row=per_row)
     vector = _checked_value("steer", "vector", vector, record=False)
     scale = _checked_value("steer", "scale", scale, record=False)
-    return _spec("steer", where, Intervention("steer", vector, index, dim, nth, element, "output", scale), op)
+    return _spec("steer", where, Intervention("steer", vector, index, dim, nth, element, "output", scale,
+                                                   per_row=per_row), op)
 
 
 def scale(where: Where | Located, factor: Operand, *, index: Index = None, dim: int = 1, nth: Nth = None,
-          element: int | str = 0, op: OpLike | None = None) -> Spec:
+          element: int | str = 0, op: OpLike | None = None, per_row: bool = False) -> Spec:
     """Multiply each selected module's output by `factor`.
 
     Args:
         where: a selector.
         factor: a number, a tensor broadcast to the output, or ``fh.arg(name)``.
-        index, dim, nth, element, op: as for :func:`patch`.
+        index, dim, nth, element, op, per_row: as for :func:`patch`.
 
     Returns:
         A Spec.
@@ -216,13 +237,14 @@ def scale(where: Where | Located, factor: Operand, *, index: Index = None, dim: 
         tensor([[[0.5000, 0.5000],
                  [1.0000, 1.0000]]])
     """
-    _checked("scale", index=index, dim=dim, nth=nth, element=element, name=None)
+    nth = _checked("scale", index=index, dim=dim, nth=nth, element=element, name=None, per_row=per_row)
     factor = _checked_value("scale", "factor", factor, record=False)
-    return _spec("scale", where, Intervention("scale", factor, index, dim, nth, element), op)
+    return _spec("scale", where, Intervention("scale", factor, index, dim, nth, element, per_row=per_row), op)
 
 
 def ablate(where: Where | Located, *, mean: Source | None = None, index: Index = None, dim: int = 1,
-           nth: Nth = None, element: int | str = 0, name: str | None = None, op: OpLike | None = None) -> Spec:
+           nth: Nth = None, element: int | str = 0, name: str | None = None, op: OpLike | None = None,
+           per_row: bool = False) -> Spec:
     """Zero each selected module's output, or with `mean` put a mean in its place.
 
     Args:
@@ -231,7 +253,7 @@ def ablate(where: Where | Located, *, mean: Source | None = None, index: Index =
             its values at the module over their calls and first dimension: the outputs of
             a reference run, or the result of folding :class:`funhooks.OutputMeans`), or
             ``fh.arg(name)``.
-        index, dim, nth, element, name, op: as for :func:`patch`.
+        index, dim, nth, element, name, op, per_row: as for :func:`patch`.
 
     Returns:
         A Spec.
@@ -246,6 +268,7 @@ def ablate(where: Where | Located, *, mean: Source | None = None, index: Index =
         >>> y
         tensor([[2., 3.]])
     """
-    _checked("ablate", index=index, dim=dim, nth=nth, element=element, name=name)
+    nth = _checked("ablate", index=index, dim=dim, nth=nth, element=element, name=name, per_row=per_row)
     mean = _checked_value("ablate", "mean", mean, none=True)
-    return _spec("ablate", where, Intervention("ablate", mean, index, dim, nth, element, _named(name, op)), op)
+    return _spec("ablate", where, Intervention("ablate", mean, index, dim, nth, element, _named(name, op),
+                                                   per_row=per_row), op)

@@ -163,17 +163,27 @@ _SHOWN_PATHS = 8
 
 def check_nth(spec: Spec, nth: object, paths: list[str], caller: str) -> None:
     """An intervention's `nth` (an int, or an integer tensor outside transforms and traces,
-    read with one host sync) must index one of the `paths` its spec selected."""
+    read with one host sync; ints or a 1-d tensor give one per row, ``per_row``) must index
+    one of the `paths` its spec selected."""
+    row = ""
+    if isinstance(nth, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in nth):
+        nth = torch.tensor(nth, dtype=torch.long)
     if isinstance(nth, torch.Tensor):
-        if nth.ndim or nth.is_floating_point() or nth.is_complex() or _torch.is_functorch_active() \
+        if nth.ndim > 1 or nth.is_floating_point() or nth.is_complex() or _torch.is_functorch_active() \
                 or _torch.is_compiling():
             return  # a batched value cannot be read; a wrong kind is said when the intervention applies
+        if nth.ndim:  # one per row
+            low, high = (int(x) for x in torch.aminmax(nth)) if len(nth) else (0, 0)
+            if 0 <= low and high < len(paths):
+                return
+            first = int(((nth < 0) | (nth >= len(paths))).nonzero()[0])
+            row, nth = f" in row {first}", nth[first]
         nth = int(nth)
     if not isinstance(nth, int) or isinstance(nth, bool) or 0 <= nth < len(paths):
         return
     shown = paths[:_SHOWN_PATHS] + (["..."] if len(paths) > _SHOWN_PATHS else [])
     raise InterventionError(
-        f"{caller}: `nth` is the index of a module the selector matched ({len(paths)} here: {shown}), got {nth}, "
+        f"{caller}: `nth` is the index of a module the selector matched ({len(paths)} here: {shown}), got {nth}{row}, "
         f"for {spec!r}. Pass an `nth` below {len(paths)}."
     )
 
