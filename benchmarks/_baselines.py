@@ -1,5 +1,5 @@
-"""What bench_capture.py measures funhooks against: hand-written hooks (registered once, or
-per call), fastai's ``hook_outputs`` or an emulation of it, one no-op global hook (PyTorch's
+"""What bench_capture.py measures funhooks against: one-line forward wrappers (the floor of
+funhooks' design), hand-written hooks (registered once, or per call), fastai's ``hook_outputs`` or an emulation of it, one no-op global hook (PyTorch's
 hooked call path), and peers (nnsight, TransformerLens, torchlens) when importable. Each
 builds ``f(x) -> (output, captured outputs in module order)``."""
 
@@ -16,6 +16,34 @@ import torch.nn.modules.module as global_hooks
 from torch import nn
 
 import _common
+
+
+def wrappers_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """The floor of a design that wraps forwards: on a private copy, each module's ``forward``
+    replaced once by a one-line wrapper appending ``(path, out.detach())`` to a list; a call
+    starts a new list and runs the model (the list is in call order, as captured)."""
+    model = copy.deepcopy(model)
+    store: list[tuple[str, torch.Tensor]] = []
+
+    def wrap(path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            store.append((path, out.detach()))
+            return out
+
+        return wrapper
+
+    for path, m in model.named_modules():
+        if path:
+            m.forward = wrap(path, m.forward)
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        store.clear()
+        y = model(x)
+        return y, store[:]
+
+    return call
+
 
 def hand_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
     """Hooks registered once on a private copy; a call resets their dict and runs the model."""
