@@ -5,6 +5,7 @@ builds ``f(x) -> (output, captured outputs in module order)``."""
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import importlib.util
 import inspect
@@ -41,6 +42,51 @@ def wrappers_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]
         store.clear()
         y = model(x)
         return y, store[:]
+
+    return call
+
+
+def wrappers_with_contract(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """The floor with the contract's own work, each step in one-line form: per call, every
+    module's ``forward`` (and ``__reduce_ex__``, so copies stay plain) set in its ``__dict__``
+    and removed after, a context-variable read per module call (scope), a version read per
+    stored output and its check when the tree ``{path: {"output": (value,)}}`` is built (on a
+    private copy, like the other floor)."""
+    model = copy.deepcopy(model)
+    scope: contextvars.ContextVar[tuple] = contextvars.ContextVar("floor", default=())
+    named = [(path, m, m.__dict__) for path, m in model.named_modules() if path]
+    store: list[tuple[str, torch.Tensor, int]] = []
+
+    def wrap(path: str, m: nn.Module) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = type(m).forward(m, *args, **kwargs)
+            if scope.get():
+                store.append((path, out, out._version))
+            return out
+
+        return wrapper
+
+    wrappers = [(d, wrap(path, m), m.__reduce_ex__) for path, m, d in named]
+
+    def call(x: torch.Tensor) -> tuple[Any, dict]:
+        store.clear()
+        for d, w, r in wrappers:
+            d["forward"] = w
+            d["__reduce_ex__"] = r
+        token = scope.set((call,))
+        try:
+            y = model(x)
+        finally:
+            scope.reset(token)
+            for d, _, _ in wrappers:
+                del d["forward"]
+                del d["__reduce_ex__"]
+        tree: dict[str, dict[str, tuple]] = {}
+        for path, t, version in store:
+            if t._version != version:
+                raise RuntimeError(f"{path} changed in place")
+            tree[path] = {"output": (t,)}
+        return y, tree
 
     return call
 

@@ -13,6 +13,10 @@ root, so all of them do the same work; checked equal before timing):
   replaced once (before timing) by a one-line wrapper appending ``(path, out.detach())`` to
   a list: the leanest forward wrapper doing the same job, the floor of funhooks' design
   (which wraps forwards and registers no hook).
+- ``floor with the contract's work``: the same wrappers set in each module's ``__dict__``
+  (with ``__reduce_ex__``) and removed around every call, a context-variable read per module
+  call, a version read per output and its check while a ``{path: {"output": (t,)}}`` tree is
+  built: the least any run doing what the contract promises can cost.
 - ``bare, beside a live fh.capture``: the bare forward while a capture function of an
   unrelated model exists: what holding one costs everything else in the process.
 - ``floor: a no-op global forward hook``: the bare forward with one global forward hook
@@ -98,6 +102,7 @@ def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Te
 
         cases["bare, beside a live fh.capture"] = _common.PerRound(bare_beside_capture)
     cases["floor: one-line forward wrappers"] = _baselines.wrappers_once(model)
+    cases["floor with the contract's work"] = _baselines.wrappers_with_contract(model)
     cases["floor: a no-op global forward hook"] = _common.PerRound(lambda: _baselines.NoOpGlobalHook(model))
     cases["hand hooks, registered once"] = _baselines.hand_once(model)
     cases["hand hooks, per call"] = _baselines.hand_per_call(model)
@@ -125,6 +130,8 @@ def _as_list(captured: Any, paths: list[str]) -> list[torch.Tensor] | None:
         return None
     if isinstance(captured, fh.Record):
         return captured.stored()
+    if isinstance(captured, dict):  # {path: {"output": (value,)}}
+        return [captured[p]["output"][0] for p in paths if p in captured]
     if isinstance(captured, list) and captured and isinstance(captured[0], tuple):  # (path, value) in call order
         by_path = dict(captured)
         return [by_path[p] for p in paths if p in by_path]
