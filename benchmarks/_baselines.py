@@ -1,10 +1,11 @@
-"""What bench_capture.py measures funhooks against: hand-written hooks (registered once, or
-per call), fastai's ``hook_outputs`` or an emulation of it, one no-op global hook (PyTorch's
+"""What bench_capture.py measures funhooks against: one-line forward wrappers (the floor of
+funhooks' design), hand-written hooks (registered once, or per call), fastai's ``hook_outputs`` or an emulation of it, one no-op global hook (PyTorch's
 hooked call path), and peers (nnsight, TransformerLens, torchlens) when importable. Each
 builds ``f(x) -> (output, captured outputs in module order)``."""
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import importlib.util
 import inspect
@@ -16,6 +17,79 @@ import torch.nn.modules.module as global_hooks
 from torch import nn
 
 import _common
+
+
+def wrappers_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """The floor of a design that wraps forwards: on a private copy, each module's ``forward``
+    replaced once by a one-line wrapper appending ``(path, out.detach())`` to a list; a call
+    starts a new list and runs the model (the list is in call order, as captured)."""
+    model = copy.deepcopy(model)
+    store: list[tuple[str, torch.Tensor]] = []
+
+    def wrap(path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            store.append((path, out.detach()))
+            return out
+
+        return wrapper
+
+    for path, m in model.named_modules():
+        if path:
+            m.forward = wrap(path, m.forward)
+
+    def call(x: torch.Tensor) -> tuple[Any, list]:
+        store.clear()
+        y = model(x)
+        return y, store[:]
+
+    return call
+
+
+def wrappers_with_contract(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
+    """The floor with the contract's own work, each step in one-line form: per call, every
+    module's ``forward`` (and ``__reduce_ex__``, so copies stay plain) set in its ``__dict__``
+    and removed after, a context-variable read per module call (scope), a version read per
+    stored output and its check when the tree ``{path: {"output": (value,)}}`` is built (on a
+    private copy, like the other floor)."""
+    model = copy.deepcopy(model)
+    scope: contextvars.ContextVar[tuple] = contextvars.ContextVar("floor", default=())
+    named = [(path, m, m.__dict__) for path, m in model.named_modules() if path]
+    store: list[tuple[str, torch.Tensor, int]] = []
+
+    def wrap(path: str, m: nn.Module) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = type(m).forward(m, *args, **kwargs)
+            if scope.get():
+                store.append((path, out, out._version))
+            return out
+
+        return wrapper
+
+    wrappers = [(d, wrap(path, m), m.__reduce_ex__) for path, m, d in named]
+
+    def call(x: torch.Tensor) -> tuple[Any, dict]:
+        store.clear()
+        for d, w, r in wrappers:
+            d["forward"] = w
+            d["__reduce_ex__"] = r
+        token = scope.set((call,))
+        try:
+            y = model(x)
+        finally:
+            scope.reset(token)
+            for d, _, _ in wrappers:
+                del d["forward"]
+                del d["__reduce_ex__"]
+        tree: dict[str, dict[str, tuple]] = {}
+        for path, t, version in store:
+            if t._version != version:
+                raise RuntimeError(f"{path} changed in place")
+            tree[path] = {"output": (t,)}
+        return y, tree
+
+    return call
+
 
 def hand_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
     """Hooks registered once on a private copy; a call resets their dict and runs the model."""

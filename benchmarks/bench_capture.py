@@ -9,6 +9,14 @@ root, so all of them do the same work; checked equal before timing):
 - ``fh.capture``: ``f(x)`` with ``f = fh.capture(model, fh.outputs("**"))`` built once
   per round, untimed, and dropped after its turn (included when funhooks has ``capture``;
   older funhooks versions kept global hooks installed while a capture function lived).
+- ``floor: one-line forward wrappers``: on a copy of the model, each module's ``forward``
+  replaced once (before timing) by a one-line wrapper appending ``(path, out.detach())`` to
+  a list: the leanest forward wrapper doing the same job, the floor of funhooks' design
+  (which wraps forwards and registers no hook).
+- ``floor with the contract's work``: the same wrappers set in each module's ``__dict__``
+  (with ``__reduce_ex__``) and removed around every call, a context-variable read per module
+  call, a version read per output and its check while a ``{path: {"output": (t,)}}`` tree is
+  built: the least any run doing what the contract promises can cost.
 - ``bare, beside a live fh.capture``: the bare forward while a capture function of an
   unrelated model exists: what holding one costs everything else in the process.
 - ``floor: a no-op global forward hook``: the bare forward with one global forward hook
@@ -93,6 +101,8 @@ def cases_for(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Te
             return call
 
         cases["bare, beside a live fh.capture"] = _common.PerRound(bare_beside_capture)
+    cases["floor: one-line forward wrappers"] = _baselines.wrappers_once(model)
+    cases["floor with the contract's work"] = _baselines.wrappers_with_contract(model)
     cases["floor: a no-op global forward hook"] = _common.PerRound(lambda: _baselines.NoOpGlobalHook(model))
     cases["hand hooks, registered once"] = _baselines.hand_once(model)
     cases["hand hooks, per call"] = _baselines.hand_per_call(model)
@@ -115,11 +125,16 @@ def sparse_cases(model: nn.Module, paths: tuple[str, ...]) -> dict[str, Callable
             "hand hooks, per call": _baselines.hand_per_call(model, modules)}
 
 
-def _as_list(captured: Any) -> list[torch.Tensor] | None:
+def _as_list(captured: Any, paths: list[str]) -> list[torch.Tensor] | None:
     if captured is None:
         return None
     if isinstance(captured, fh.Record):
         return captured.stored()
+    if isinstance(captured, dict):  # {path: {"output": (value,)}}
+        return [captured[p]["output"][0] for p in paths if p in captured]
+    if isinstance(captured, list) and captured and isinstance(captured[0], tuple):  # (path, value) in call order
+        by_path = dict(captured)
+        return [by_path[p] for p in paths if p in by_path]
     if isinstance(captured, list):
         return captured
     return None  # a peer's own log: only its output is compared
@@ -155,8 +170,9 @@ def _drop(fn: Any) -> None:
         close()
 
 
-def check_cases(cases: dict[str, Callable], x: torch.Tensor) -> dict[str, bool]:
-    """Every case's output equals the bare output, and its captured list the hand-written one."""
+def check_cases(cases: dict[str, Callable], x: torch.Tensor, paths: list[str]) -> dict[str, bool]:
+    """Every case's output equals the bare output, and its captured list (in the module order
+    of `paths`) the hand-written one."""
     y_ref, _ = cases["bare"](x)
     _, ref = cases["hand hooks, per call"](x)
     ok = {}
@@ -164,7 +180,7 @@ def check_cases(cases: dict[str, Callable], x: torch.Tensor) -> dict[str, bool]:
         fn = case.factory() if isinstance(case, _common.PerRound) else case
         y, captured = fn(x)
         _drop(fn)
-        got = _as_list(captured)
+        got = _as_list(captured, paths)
         ok[name] = torch.equal(y, y_ref) and (got is None or _common.tensors_equal(got, ref))
     return ok
 
@@ -263,7 +279,7 @@ def main() -> None:
         for label, (model, x) in models.items():
             model, x = model.to(args.device), x.to(args.device)
             cases = cases_for(model, x)
-            checks[label] = check_cases(cases, x)
+            checks[label] = check_cases(cases, x, [n for n, _ in model.named_modules() if n])
             _common.check(all(checks[label].values()), f"{label}: {checks[label]}")
             timed = {name: _bind(case, x) for name, case in cases.items()}
             results[label] = {
@@ -275,7 +291,7 @@ def main() -> None:
             if label == "deep-narrow":
                 paths = QUICK_SPARSE_PATHS if args.quick else SPARSE_PATHS
                 sparse = sparse_cases(model, paths)
-                checks["deep-narrow, 3 modules"] = check_cases(sparse, x)
+                checks["deep-narrow, 3 modules"] = check_cases(sparse, x, list(paths))
                 _common.check(all(checks["deep-narrow, 3 modules"].values()), f"sparse: {checks['deep-narrow, 3 modules']}")
                 results["deep-narrow, 3 modules"] = {
                     "modules_hooked": len(paths),

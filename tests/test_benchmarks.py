@@ -56,7 +56,8 @@ def test_capture_smoke(tmp_path: pathlib.Path) -> None:
     assert result["correct"] is True
     for model in ("deep-narrow", "cnn"):
         cases = result["results"][model]["cases"]
-        assert {"bare", "fh.with_hooks", "hand hooks, registered once", "hand hooks, per call"} <= set(cases)
+        assert {"bare", "fh.with_hooks", "floor: one-line forward wrappers", "hand hooks, registered once",
+                "hand hooks, per call"} <= set(cases)
         assert all(set(c) == {"seconds", "ratio", "calls_per_round"} for c in cases.values())
         assert all({"median", "p25", "p75"} == set(c["ratio"]) for c in cases.values())
         assert cases["bare"]["ratio"]["median"] == 1.0

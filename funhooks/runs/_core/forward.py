@@ -170,8 +170,7 @@ class Forward(Generic[T]):
     between runs it holds the module only weakly.
     """
 
-    __slots__ = ("__weakref__", "attr", "inner", "module", "reducer", "reducing", "ref", "route", "saved", "solo",
-                 "users")
+    __slots__ = ("__weakref__", "attr", "inner", "module", "obs", "reducer", "ref", "route", "saved", "solo", "users")
 
     def __init__(self, module: nn.Module, attr: str, route: Route[T]) -> None:
         self.ref = weakref.ref(module)
@@ -180,12 +179,12 @@ class Forward(Generic[T]):
         self.module: Any = None  # the module while installed, else None
         self.inner: UserCall | None = None  # what `module.<attr>` was, while installed
         self.saved: object = None  # the instance attribute it replaced, if any
-        self.reducer = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
-        self.reducing = False  # whether it is set now
+        self.reducer = self.reduce_ex  # made once: the module's `__reduce_ex__` while installed, if it had none
         self.users: Users[T] = ()
-        # the common case, read by one load: `(frame, observers)` of the one user, when it only
-        # observes and was entered outside transforms; else None
-        self.solo: tuple[Frame, tuple[PostEntry, ...]] | None = None
+        # the common case, read by one load: the frame of the one user, when it only observes and
+        # was entered outside transforms (its table's observers then in `obs`); else None
+        self.solo: Frame | None = None
+        self.obs: tuple[PostEntry, ...] = ()
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
         module, inner = self.module, self.inner
@@ -194,13 +193,12 @@ class Forward(Generic[T]):
         active = _active()
         if not active:
             return inner(*args, **kwargs)
-        solo = self.solo
-        if solo is not None and solo[0] in active and not solo[0].calling and _peek() is None:
+        frame = self.solo
+        if frame is not None and frame in active and not frame.calling and _peek() is None:
             # the common case, inlined from `call`: one run, observers only, no transform
             output = inner(*args, **kwargs)
             if _graph_task() == -1:  # not a recomputation during backward
-                frame = solo[0]
-                for entry in solo[1]:
+                for entry in self.obs:
                     entry(frame, module, args, kwargs, output)
             return output
         mine = tuple([u for u in self.users if u[0] in active and not u[0].calling])
@@ -241,17 +239,18 @@ class Forward(Generic[T]):
             if v is self:  # what it replaced, if anything (a state that leaves the attribute out stays so)
                 if self.saved is not None:
                     state[k] = self.saved
-            elif not (k == "__reduce_ex__" and self.reducing):
+            elif v is not self.reducer:
                 state[k] = v
         return (reduced[0], reduced[1], state, *reduced[3:])
 
 
-def _solo(users: Users[Table]) -> tuple[Frame, tuple[PostEntry, ...]] | None:
-    """``Forward.solo`` for `users`."""
-    if len(users) != 1:
-        return None
-    frame, hooked = users[0]
-    return (frame, hooked.obs) if hooked.plain and not frame.level else None
+def _set_solo(fwd: Forward[T], users: Users[T]) -> None:
+    """Set ``fwd.solo`` (and the observers beside it) for `users`."""
+    fwd.solo = None
+    if len(users) == 1:
+        frame, hooked = users[0]
+        if hooked.plain and not frame.level:
+            fwd.obs, fwd.solo = hooked.obs, frame
 
 
 def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
@@ -259,6 +258,7 @@ def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
     (``(module_ref, forward, hooked)``, from the plan), wrapping the modules not wrapped
     yet; returns the ``Forward`` objects `frame` uses."""
     installed: list[Forward[T]] = []
+    add, solo = installed.append, not frame.level
     with _LOCK:
         try:
             for ref, fwd, hooked in items:
@@ -266,22 +266,23 @@ def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
                 if module is None:
                     continue
                 d = module.__dict__
-                current = d.get(fwd.attr)
+                attr = fwd.attr
+                current = d.get(attr)
                 if type(current) is Forward and current.module is module:  # wrapped by a run already
                     current.solo = None
                     current.users = (*current.users, (frame, hooked))
-                    installed.append(current)
+                    add(current)
                     continue
                 if fwd.inner is not None:  # still in use under someone else's forward: never reuse
-                    fwd = Forward(module, fwd.attr, fwd.route)
+                    fwd = Forward(module, attr, fwd.route)
                 fwd.saved, fwd.module, fwd.users = current, module, ((frame, hooked),)
-                fwd.solo = (frame, hooked.obs) if hooked.plain and not frame.level else None
-                fwd.inner = getattr(module, fwd.attr)
-                d[fwd.attr] = fwd
+                if solo and hooked.plain:  # (an unused Forward's `solo` is None)
+                    fwd.obs, fwd.solo = hooked.obs, frame
+                fwd.inner = getattr(module, attr)
+                d[attr] = fwd
                 if "__reduce_ex__" not in d:
                     d["__reduce_ex__"] = fwd.reducer
-                    fwd.reducing = True
-                installed.append(fwd)
+                add(fwd)
         except BaseException:  # interrupted half-way: leave no module wrapped
             _uninstall(frame, installed)
             raise
@@ -306,13 +307,11 @@ def _uninstall(frame: Frame, installed: Sequence[Forward[Table]]) -> None:
         else:
             fwd.users = users = tuple([u for u in users if u[0] is not frame])
             if users:
-                fwd.solo = _solo(users)
+                _set_solo(fwd, users)
                 continue
         d = fwd.module.__dict__
-        if fwd.reducing:
-            if d.get("__reduce_ex__") is fwd.reducer:
-                del d["__reduce_ex__"]
-            fwd.reducing = False
+        if d.get("__reduce_ex__") is fwd.reducer:
+            del d["__reduce_ex__"]
         if d.get(fwd.attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
             continue
         if fwd.saved is None:
