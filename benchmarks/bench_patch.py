@@ -351,9 +351,9 @@ class _SdpaPattern(_Softmax):
         if func is _SDPA:
             a = {"attn_mask": None, "is_causal": False, "scale": None, **dict(zip(("query", "key"), args)), **kwargs}
             q, k = a["query"], a["key"]
-            scores = torch.matmul(q, k.transpose(-2, -1)) * (a["scale"] or q.size(-1) ** -0.5)
+            scores = torch.matmul(q, k.transpose(-2, -1)).mul_(a["scale"] or q.size(-1) ** -0.5)
             if a["is_causal"]:
-                scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+                scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool).triu_(1), -math.inf)
             if a["attn_mask"] is not None:
                 mask = a["attn_mask"]
                 scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
