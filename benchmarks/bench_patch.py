@@ -30,6 +30,11 @@ block 0 called alone, bare and inside an open op run on the attention modules; o
 model (GPT-2, n_embd 64, 4 layers, batch 8 x 12), ``op_outputs(attn, "softmax")`` and
 ``outputs(attn)`` against the bare eager forward (goal <= 1.15x), and
 ``op_outputs(attn, fh.attention_pattern)`` under SDPA against the bare SDPA forward (goal <= 1.20x).
+Beside them, the floors of the design (a ``TorchFunctionMode`` entered for the selected
+modules' own calls): a one-line forward wrapper on each attention module entering an empty
+mode (``__torch_function__`` just calls func), and the same wrapper entering the leanest mode
+doing the job the same way (storing ``softmax``'s output; under SDPA, computing the pattern
+from the call's query, key and mask).
 
 Models: GPT-2 with 4 layers, width 128, 4 heads, vocabulary 512; the sweep on one prompt of
 8 tokens, the recording on a batch of 8 x 32 tokens; eval mode, ``torch.no_grad()``.
@@ -40,6 +45,7 @@ Run: ``python benchmarks/bench_patch.py`` (``--quick`` for a smoke run).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +53,7 @@ from typing import Any
 os.environ.setdefault("TQDM_DISABLE", "1")  # TransformerLens' patching shows a progress bar per call
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 import _common
 import funhooks as fh
@@ -291,9 +298,10 @@ ISSUE_MODEL = {"layers": 4, "width": 64, "heads": 4, "batch": 8, "length": 12}
 
 def attention_cases(size: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any], bool]:
     """Issue 28's rows: under eager attention, the bare forward, ``outputs(attn)``,
-    ``op_outputs(attn, "softmax")`` and ``op_outputs(attn, fh.attention_pattern)``; under SDPA,
-    the bare SDPA forward and ``op_outputs(attn, fh.attention_pattern)``; and whether the SDPA
-    patterns equal eager's (``output_attentions``)."""
+    ``op_outputs(attn, "softmax")``, ``op_outputs(attn, fh.attention_pattern)`` and the two
+    floors (:func:`floor_cases`); under SDPA, the bare SDPA forward,
+    ``op_outputs(attn, fh.attention_pattern)`` and its floors; and whether every recorded
+    pattern (SDPA's, the floors') equals eager's ``output_attentions``."""
     import copy
 
     torch.manual_seed(0)
@@ -309,14 +317,110 @@ def attention_cases(size: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any
     eager_cases = {"bare (eager)": lambda: eager(x, use_cache=False),
                    "fh.capture outputs(attn)": captured(eager, fh.outputs(ATTN)),
                    "fh.capture op_outputs(attn, softmax)": captured(eager, fh.op_outputs(ATTN, "softmax")),
-                   "fh.capture op_outputs(attn, fh.attention_pattern)": captured(eager, pattern)}
+                   "fh.capture op_outputs(attn, fh.attention_pattern)": captured(eager, pattern),
+                   **floor_cases(eager, x, _Softmax, "softmax")}
     sdpa_cases = {"bare SDPA forward": lambda: sdpa(x, use_cache=False),
-                  "fh.capture op_outputs(attn, fh.attention_pattern)": captured(sdpa, pattern)}
+                  "fh.capture op_outputs(attn, fh.attention_pattern)": captured(sdpa, pattern),
+                  **floor_cases(sdpa, x, _SdpaPattern, "SDPA pattern")}
     expected = eager(x, output_attentions=True, use_cache=False).attentions
     _, rec = fh.capture(sdpa, pattern)(x, use_cache=False)
+    floors = [_resolve_floor(case) for case in (eager_cases["floor: that mode taking the softmax"],
+                                                sdpa_cases["floor: that mode taking the SDPA pattern"])]
     same = all(torch.allclose(rec[f"transformer.h.{i}.attn"]["attention_pattern"], a, atol=1e-6)
+               and torch.equal(floors[0][i], a) and torch.allclose(floors[1][i], a, atol=1e-6)
                for i, a in enumerate(expected))
     return eager_cases, sdpa_cases, same
+
+
+class _Pass(TorchFunctionMode):
+    """The floor of an op spec's design: a mode whose ``__torch_function__`` just calls func."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+class _Softmax(_Pass):
+    """The leanest mode taking eager attention's pattern: store ``softmax``'s output."""
+
+    def __init__(self, stored: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.stored = stored
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if func is _SOFTMAX:
+            self.stored.append(out.detach())
+        return out
+
+
+class _SdpaPattern(_Softmax):
+    """The leanest mode computing an SDPA call's pattern from its query, key and mask (``q @
+    kᵀ`` scaled, the mask applied, a softmax), stored; the call itself is SDPA's."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func is _SDPA:
+            a = {"attn_mask": None, "is_causal": False, "scale": None, **dict(zip(("query", "key"), args)), **kwargs}
+            q, k = a["query"], a["key"]
+            scores = torch.matmul(q, k.transpose(-2, -1)).mul_(a["scale"] or q.size(-1) ** -0.5)
+            if a["is_causal"]:
+                scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool).triu_(1), -math.inf)
+            if a["attn_mask"] is not None:
+                mask = a["attn_mask"]
+                scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+            self.stored.append(torch.softmax(scores, -1))
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+_SOFTMAX, _SDPA = torch.nn.functional.softmax, torch.nn.functional.scaled_dot_product_attention
+
+
+class _Floor:
+    """`model(x)` with a one-line forward wrapper on each attention module entering a mode
+    (``mode(stored)``, made once per module) around its call; the wrappers are put on per
+    round and taken off by ``close``. Returns what the modes stored."""
+
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor, mode: Callable[[list], TorchFunctionMode]) -> None:
+        self.model, self.x, self.stored = model, x, []
+        self.modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+        for m in self.modules:
+            m.forward = self._wrap(m.forward, mode(self.stored))
+
+    @staticmethod
+    def _wrap(forward: Callable[..., Any], mode: TorchFunctionMode) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with mode:
+                return forward(*args, **kwargs)
+
+        return wrapper
+
+    def __call__(self) -> list[torch.Tensor]:
+        self.stored.clear()
+        self.model(self.x, use_cache=False)
+        return list(self.stored)
+
+    def close(self) -> None:
+        for m in self.modules:
+            del m.forward
+
+
+def floor_cases(model: torch.nn.Module, x: torch.Tensor, mode: Callable[[list], TorchFunctionMode],
+                name: str) -> dict[str, _common.PerRound]:
+    """The two floor rows of `model`: the empty mode around each attention call, and `mode`
+    taking the pattern (`name`)."""
+    return {"floor: empty TorchFunctionMode per attn call": _common.PerRound(lambda: _Floor(model, x, lambda _: _Pass())),
+            f"floor: that mode taking the {name}": _common.PerRound(lambda: _Floor(model, x, mode))}
+
+
+def _resolve_floor(case: _common.PerRound) -> list[torch.Tensor]:
+    """What a floor case stores in one call (its wrappers taken off after)."""
+    floor = case.factory()
+    try:
+        return floor()
+    finally:
+        floor.close()
 
 
 def _bound(f: Callable[..., Any], x: torch.Tensor) -> Callable[[], Any]:

@@ -32,11 +32,12 @@ from .editing import Intervention, Nth
 from .selector import Where, select
 from .spec import Located, Spec, check_flags, check_fn
 
-__all__ = ["PROPERTY_READS", "Derived", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
+__all__ = ["OP_NAMES", "PROPERTY_READS", "Derived", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
 
 
-_NAMES: dict[Callable[..., object], str] = {}
-"""Each torch function seen so far -> its op name."""
+OP_NAMES: dict[Callable[..., object], str] = {}
+"""Each torch function seen so far -> its op name (:func:`op_name` fills it; a hot loop reads
+it with one ``OP_NAMES.get(func)`` and calls :func:`op_name` on a miss)."""
 _REFLECTED = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod", "and", "or",
                         "xor", "lshift", "rshift"})
 """Operators whose ``__r<op>__`` / ``__i<op>__`` spellings name the same op."""
@@ -50,7 +51,7 @@ OpLike: TypeAlias = "str | Callable[..., object] | Op"
 def op_name(func: Callable[..., object]) -> str:
     """The op a torch function is: its name, with operator spellings folded
     (``__add__``/``__radd__`` -> ``add``, ``__iadd__`` -> ``add_``, ``__truediv__`` -> ``div``)."""
-    found = _NAMES.get(func)
+    found = OP_NAMES.get(func)
     if found is not None:
         return found
     name = getattr(func, "__name__", None) or type(func).__name__
@@ -62,7 +63,7 @@ def op_name(func: Callable[..., object]) -> str:
         if core[:1] in ("r", "i") and core[1:] in _REFLECTED:
             core = _ALIASES.get(core[1:], core[1:]) + ("_" if core[0] == "i" else "")
         name = _ALIASES.get(core, core)
-    _NAMES[func] = name
+    OP_NAMES[func] = name
     return name
 
 

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from funhooks import _torch
 from funhooks.errors import TransformError
-from funhooks.specs.ops import At, Derived, Op, op_name
+from funhooks.specs.ops import OP_NAMES, At, Derived, Op, op_name
 from funhooks.specs.selector import path_label as where
 from funhooks.specs.spec import Spec
 
@@ -45,6 +45,9 @@ from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
 
 __all__ = ["OpEntry", "OpTable", "call", "op_entry"]
+
+_named = OP_NAMES.get
+"""A torch function's op name once seen (one builtin call per op in the hot loop), else None."""
 
 
 class OpEntry:
@@ -138,7 +141,7 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., object], types: object, args: tuple = (),
                            kwargs: dict | None = None) -> object:
-        name = op_name(func)
+        name = _named(func) or op_name(func)
         self.seen.add(name)
         if name not in self.taken:
             return func(*args, **kwargs) if kwargs else func(*args)
