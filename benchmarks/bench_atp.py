@@ -8,6 +8,7 @@ table:
 
 - ``python loop``: one ``fh.capture`` call per patch, the baseline of the ratios;
 - ``fh vmap``: ``torch.func.vmap`` over the 32 patches, one call;
+- ``fh per-row patch (one batched forward)``: the 32 patches as the rows of one batch (``per_row=True``);
 - ``fh attribution_patching``: the estimate of the same table (minus the corrupted metric).
 
 Checked before timing: the loop and vmap tables are equal; the estimate's Pearson correlation

@@ -153,7 +153,8 @@ def test_atp_smoke(tmp_path: pathlib.Path) -> None:
     assert_common_keys(result, "atp")
     assert result["correct"] is True
     sweep = result["results"]["sweep"]
-    assert set(sweep["cases"]) == {"python loop", "fh vmap", "fh attribution_patching"}
+    per_row = "fh per-row patch (one batched forward)"
+    assert set(sweep["cases"]) == {"python loop", "fh vmap", per_row, "fh attribution_patching"}
     assert 0 < sweep["correlation"] <= 1
     passes = result["results"]["forward_passes"]
     assert {"bare forward (corrupted)", "fh attribution_patching, 1 point"} <= set(passes["cases"])
