@@ -22,6 +22,14 @@ timing):
   keeping its output, then the step's outputs stacked and reduced by the exact batched
   reduction ``ActivationStats`` uses (``funhooks.reducers._exact.row_stats``); checked equal to
   ``ActivationStats``' numbers.
+- ``floor: + the contract's work``: the floor above plus, written by hand, what the contract
+  asks of ``fit + ActivationStats()`` (issue 31): wrappers installed once per call and taken
+  off at its end, each reading a ``ContextVar`` (scope to the context) and a paused flag;
+  each kept output an alias with its version noted, compared at the end of the step (in-place
+  safety); per step the children tables compared with copies (a module added mid-training),
+  every module's train flag read, the outputs keyed by path (the step's Record) and the
+  rows read to the host with ``.tolist()`` (the state, issue 26); checked equal to
+  ``ActivationStats``' numbers.
 - ``floor: gradient + update kernels``: the kernels ``GradientStats`` and ``UpdateRatio`` run
   per step (stack each shape's gradients and sum / sum of squares / zero count them; copy the
   parameters before the update, subtract after it, two norms), written into the loop by hand;
@@ -48,7 +56,9 @@ to skip the trainers).
 from __future__ import annotations
 
 import collections
+import contextvars
 import copy
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +75,7 @@ FRAMEWORK_ROUNDS = 7
 NAME = "train"
 PARAMS_CASE = "fh.fit + GradientStats() + UpdateRatio()"
 FLOOR_STATS = "floor: one-line wrappers + exact reduction"
+FLOOR_CONTRACT = "floor: + the contract's work"
 FLOOR_PARAMS = "floor: gradient + update kernels"
 FLOOR_KEPT = "floor: kernels + one value per layer"
 BATCHES_PER_CALL = 8
@@ -167,6 +178,56 @@ def _floor_stats(model: nn.Module, batches: list, opt: torch.optim.Optimizer) ->
     return call
 
 
+def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], list]:
+    """The exact-reduction floor with the contract's work written in: see the module docstring."""
+    paths = {m: p for p, m in model.named_modules() if isinstance(m, nn.Linear)}
+    modules = list(model.modules())
+    active: contextvars.ContextVar[bool] = contextvars.ContextVar("floor", default=False)
+    state = {"paused": True}
+    kept: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+    rows: list[list] = []
+    training = operator.attrgetter("training")
+
+    def wrap(module: nn.Module) -> Callable[..., torch.Tensor]:
+        forward, path = module.forward, paths[module]
+
+        def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = forward(*args, **kwargs)
+            if active.get() and not state["paused"]:
+                kept.append((path, out.data, out, out._version))
+            return out
+
+        return wrapped
+
+    def call() -> list:
+        rows.clear()
+        tables = [m._modules for m in modules]
+        copies = [dict(t) for t in tables]
+        for m in paths:
+            m.forward = wrap(m)  # type: ignore[method-assign]
+        token = active.set(True)
+        try:
+            for x, y in batches:
+                _common.check(tables == copies and all(map(training, modules)), "the model changed")
+                kept.clear()
+                state["paused"] = False
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                state["paused"] = True
+                _common.check(all(out._version == v for _, _, out, v in kept), "an output changed in place")
+                record = {p: (alias,) for p, alias, _, _ in kept}
+                x = torch.stack([v[0] for v in record.values()]).flatten(1)
+                rows.append(fh.reducers._exact.row_stats(x, fh.reducers.activation_stats.NEAR_ZERO).tolist())
+        finally:
+            active.reset(token)
+            for m in paths:
+                del m.forward
+        return rows
+
+    return call
+
+
 def _keeping(forward: Callable[..., torch.Tensor], kept: list) -> Callable[..., torch.Tensor]:
     def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = forward(*args, **kwargs)
@@ -217,11 +278,13 @@ def _floor_params(model: nn.Module, batches: list, opt: torch.optim.Optimizer, *
     return call
 
 
-def _check_floors(stats: Any, params: Any, floor_stats: list, floor_params: list) -> None:
+def _check_floors(stats: Any, params: Any, floor_stats: list, contract: list, floor_params: list) -> None:
     """The floors compute what the reducers do: ActivationStats' rows to the bit, the gradient
     norms and update ratios to float tolerance (the reducers add in float64)."""
     _common.check(all(torch.equal(e.rows, r) for e, r in zip(stats.entries, floor_stats, strict=True)),
                   "the exact-reduction floor differs from ActivationStats")
+    _common.check(all(e.rows.tolist() == r for e, r in zip(stats.entries, contract, strict=True)),
+                  "the contract floor differs from ActivationStats")
     grads, updates = params
     for step, (w, b, dw, db) in enumerate(floor_params):
         norms = (w[:, 1].double() + b[:, 1].double()).sqrt()
@@ -301,6 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         PARAMS_CASE: lambda m, o: _fit_params(m, batches, o),
         "hand hooks, fastai-style stats": lambda m, o: _fastai_style(m, batches, o),
         FLOOR_STATS: lambda m, o: _floor_stats(m, batches, o),
+        FLOOR_CONTRACT: lambda m, o: _floor_contract(m, batches, o),
         FLOOR_PARAMS: lambda m, o: _floor_params(m, batches, o),
         FLOOR_KEPT: lambda m, o: _floor_params(m, batches, o, kept=True),
     }
@@ -316,9 +380,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hand = cases["hand hooks, fastai-style stats"]()
     # fastai's own test compares with ==: every statistic must be the hooks' to the bit
     _common.check(res.stats == hand, "ActivationStats differs from the hand-written fastai-style hooks")
-    params, floor_stats = cases[PARAMS_CASE](), cases[FLOOR_STATS]()
-    _check_floors(res, params, floor_stats, cases[FLOOR_PARAMS]())
-    _check_floors(res, params, floor_stats, cases[FLOOR_KEPT]())
+    params, floor_stats, contract = cases[PARAMS_CASE](), cases[FLOOR_STATS](), cases[FLOOR_CONTRACT]()
+    _check_floors(res, params, floor_stats, contract, cases[FLOOR_PARAMS]())
+    _check_floors(res, params, floor_stats, contract, cases[FLOOR_KEPT]())
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = _common.time_cases(cases, baseline="bare loop", rounds=args.rounds, warmup=args.warmup,

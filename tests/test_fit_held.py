@@ -97,3 +97,26 @@ def test_reducer_raising_mid_fit_leaves_no_hook_and_modes() -> None:
         fh.fit(model, batches(4), MSE, opt, [fh.ActivationStats(), fh.GradientStats(), Raises(model)])
     fh.testing.assert_no_hooks(model)
     assert not model.training and not model[1].training
+
+
+def test_eval_block_added_mid_epoch_trains_in_train_mode_and_is_put_back() -> None:
+    """A block in eval mode that a user step appends is in train mode on every later step
+    (fit sees the new module though it reuses its walk of the model) and in eval mode again
+    after fit; the rest of the model is in the modes the user left."""
+    model = Blocks().eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[bool] = []
+
+    def step(model: Blocks, batch: tuple) -> torch.Tensor:
+        seen.append(all(m.training for m in model.modules()))
+        opt.zero_grad()
+        loss = MSE(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        if len(model.blocks) == 1:
+            model.blocks.append(nn.Linear(3, 3).eval())
+        return loss
+
+    fh.fit(model, batches(3), opt=opt, reducers=fh.ActivationStats(), step=step)
+    assert seen == [True, True, True]
+    assert [m.training for m in model.modules()] == [False] * 5

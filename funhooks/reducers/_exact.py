@@ -278,16 +278,14 @@ def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
     """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
     checked by :func:`_check` first: kept activations of one shape and dtype are stacked
     and reduced together; ``order[i]`` is value i's row."""
-    first, uniform = values[0], type(values[0]) is not tuple
-    for v, p in zip(values, paths):  # one pass: check each, and see whether all share a shape
-        if type(v) is tuple:
-            uniform = False
-            continue
+    kept = [(v, p) for v, p in zip(values, paths) if type(v) is not tuple]
+    for v, p in kept:  # pop every note (it holds the output), check those that can have changed
         source = v.__dict__.pop(SOURCE, None)
-        if source is not None:
+        if source is not None and (source[3] or source[0]._version != source[1]):
             _check(source, p, iteration)
-        if uniform and (v.shape != first.shape or v.dtype != first.dtype):
-            uniform = False
+    first = values[0]
+    uniform = len(kept) == len(values) and ([v.shape for v in values].count(first.shape) == len(values)
+                                            and [v.dtype for v in values].count(first.dtype) == len(values))
     if uniform:  # the common case: every activation kept, all of one shape
         x = torch.stack(values).flatten(1)
         if x.dtype != torch.float32:
@@ -336,8 +334,12 @@ def reduce_calls(calls: dict[str, tuple[Tensor | Reduced, ...]], snap: Snapshot,
     (Chan's exact merge, as two ranks' parts of one step).
     """
     paths, values = list(calls), list(calls.values())
+    rounds = max(map(len, values))
+    if rounds == 1:  # the common case: one call per module
+        order, ns, rows, hist = reduce_step([v[0] for v in values], paths, snap, iteration)
+        return Entry(iteration, tuple(paths), ns, order, rows, hist)
     entries = []
-    for k in range(max(len(v) for v in values)):
+    for k in range(rounds):
         here = [(p, v[k]) for p, v in zip(paths, values) if len(v) > k]
         ps = [p for p, _ in here]
         order, ns, rows, hist = reduce_step([v for _, v in here], ps, snap, iteration)

@@ -30,7 +30,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from funhooks._modes import in_mode
+from funhooks._modes import Walked, in_mode
 from funhooks.errors import LoopError
 from funhooks.records.record import Record
 from funhooks.specs.spec import Spec
@@ -101,6 +101,7 @@ def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, O
            caller: str) -> Generator[Step, None, None]:
     loss_fn, opt = builtin
     device = _batch.model_device(model) if to_device else None
+    walked = Walked(model)
     for epoch in range(epochs):
         start = 0
         for group in (_batch.group(batches, accumulate) if accumulate > 1 else ([b] for b in batches)):
@@ -111,7 +112,7 @@ def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, O
                 if step is None:
                     return work.builtin_step(model, group, start, loss_fn, opt, caller), None
                 return work.outcome(step(model, group[0] if accumulate == 1 else group), caller)
-            with in_mode(model, True):
+            with in_mode(model, True, walked()):
                 if records is None or records(iteration, True):
                     (loss, metrics), record = recorder(run)
                 else:
