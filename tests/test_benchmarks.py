@@ -171,3 +171,20 @@ def test_train_smoke(tmp_path: pathlib.Path) -> None:
     trainers = result["frameworks"]["results"]
     assert {"lightning.Trainer", "transformers.Trainer"} <= set(trainers)
     assert set(result["frameworks"]["against_fit"]) == {n for n in trainers if "FoldCallback" in n}
+
+
+def test_points_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_points' pairs record the same tensors (resid_post as the blocks' outputs, z as the
+    output projections' inputs split into heads) and report points / paths for both."""
+    proc, result = run_quick("bench_points.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "points")
+    assert result["correct"] is True
+    assert all(result["checks"].values())
+    cases = result["results"]["cases"]
+    assert set(cases) == {"bare", "fh.capture outputs(transformer.h.*)", "fh.capture outputs(pts.resid_post)",
+                          "fh.capture inputs(h.*.attn.c_proj)", "fh.capture outputs(pts.z)"}
+    assert all(set(c) == {"seconds", "ratio", "calls_per_round"} for c in cases.values())
+    assert cases["bare"]["ratio"]["median"] == 1.0
+    assert set(result["results"]["points_to_paths"]) == {"resid_post", "z"}
+    assert all(r > 0 for r in result["results"]["points_to_paths"].values())
