@@ -243,7 +243,8 @@ def _nnsight(model: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], tupl
     """nnsight: one trace per call saving every module's output (asked for in call order)."""
     import nnsight
 
-    wrapped = nnsight.NNsight(model)
+    # NNsight installs its own forwards on the model it wraps, for good: a copy keeps them off the other cases
+    wrapped = nnsight.NNsight(copy.deepcopy(model))
     paths = [n for n, _ in model.named_modules() if n]
     order = _call_order(model, x)
 

@@ -44,6 +44,7 @@ Run: ``python benchmarks/bench_patch.py`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import os
@@ -176,7 +177,6 @@ def _transformer_lens(model: torch.nn.Module, clean: torch.Tensor, corrupt: torc
     """``get_act_patch_resid_pre`` on a bridge around a copy of the HF model, same weights (the
     bridge re-registers the model's modules, which would change the other cases' model); no
     tokenizer download: a word-level one made in memory."""
-    import copy
 
     import tokenizers
     import transformer_lens
@@ -199,7 +199,8 @@ def _nnsight(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch.Tensor,
     """One nnsight ``trace`` per patch, setting the module's output at the position."""
     import nnsight
 
-    wrapped = nnsight.NNsight(model)
+    # NNsight installs its own forwards on the model it wraps, for good: a copy keeps them off the other cases
+    wrapped = nnsight.NNsight(copy.deepcopy(model))
     envoys = [wrapped.transformer.drop] + [wrapped.transformer.h[i] for i in range(layers - 1)]
     _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
     sources = [rec[p]["output"] for p in _resid_pre(layers)]
@@ -224,7 +225,8 @@ def _nnsight_batched(model: torch.nn.Module, clean: torch.Tensor, corrupt: torch
     in the order they run, as nnsight requires), the logits saved."""
     import nnsight
 
-    wrapped = nnsight.NNsight(model)
+    # NNsight installs its own forwards on the model it wraps, for good: a copy keeps them off the other cases
+    wrapped = nnsight.NNsight(copy.deepcopy(model))
     envoys = [wrapped.transformer.drop] + [wrapped.transformer.h[i] for i in range(layers - 1)]
     saved = []
     with wrapped.trace(clean):
@@ -302,7 +304,6 @@ def attention_cases(size: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any
     floors (:func:`floor_cases`); under SDPA, the bare SDPA forward,
     ``op_outputs(attn, fh.attention_pattern)`` and its floors; and whether every recorded
     pattern (SDPA's, the floors') equals eager's ``output_attentions``."""
-    import copy
 
     torch.manual_seed(0)
     eager = gpt2(size["layers"], size["width"], size["heads"])
