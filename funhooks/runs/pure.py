@@ -102,7 +102,7 @@ class CaptureFunction:
 
     def current(self) -> Plan:
         """The plan for the model as it is now (rebuilt after a structure change)."""
-        if not _torch.is_compiling():
+        if not _torch.is_compiling() and not self.plan.current():  # current: the common case, no lock
             self.plan = Plan.get(self.inner, self.specs, self.caller)
         return self.plan
 
@@ -120,10 +120,11 @@ class CaptureFunction:
             plan.check_values(values, self.caller)
         frame = Frame(plan, self.caller, values=values)
         attached = Attached(plan, frame, copies=bool(frame.level))
+        token = scope.swap((frame,))
         try:
-            with scope.only((frame,)):
-                out = fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
+            scope.reset(token)
             attached.detach()
             frame.close()
         frame.check()

@@ -32,8 +32,12 @@ class Attached:
         self.forwards: list[forward.Forward[forward.Table]] = []
         self.params: list[Handle] = []
         try:
-            with plan.attaching():
-                self.forwards += forward.install(frame, plan.copy_items() if copies else plan.items)
+            items = plan.copy_items() if copies else plan.items
+            if plan.pauses:
+                with plan.attaching():
+                    self.forwards = forward.install(frame, items)
+            else:
+                self.forwards = forward.install(frame, items)
             if plan.wrappers:
                 self.forwards += forward.install(frame, plan.wrappers)
             for hook in plan.params:

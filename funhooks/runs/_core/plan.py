@@ -393,6 +393,7 @@ class Plan:
         self.wrappers: list[forward.Item[trace.Compiled]] = [
             (weakref.ref(w), forward.Forward(w, _torch.compile_attr(w), trace.compiled_call), trace.Compiled(group, caller))
             for w, group in inside.values()]
+        self.pauses = len(self.items) >= _PAUSE_FROM  # whether `attaching` pauses the collector
         self._copy_items: list[forward.Item[Hooked]] | None = None
         self._traced: trace.Traced | None = None
 
@@ -463,7 +464,7 @@ class Plan:
 
     def attaching(self) -> contextlib.AbstractContextManager[None]:
         """Where the plan is attached: the collector paused for a big plan (``_CollectorPause``)."""
-        return _PAUSE if len(self.items) >= _PAUSE_FROM else contextlib.nullcontext()
+        return _PAUSE if self.pauses else contextlib.nullcontext()
 
     def copy_items(self) -> list[forward.Item[Hooked]]:
         """The eager items with entries that store copies (runs inside ``torch.func`` transforms)."""

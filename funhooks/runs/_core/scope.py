@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from .frame import Frame
 
-__all__ = ["active", "enter", "isolated", "leave", "only"]
+__all__ = ["active", "enter", "isolated", "leave", "only", "reset", "swap"]
 
 _ACTIVE: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar("funhooks.active", default=())
 
@@ -36,6 +36,14 @@ def leave(frame: Frame) -> None:
     frames = _ACTIVE.get()
     if frame in frames:
         _ACTIVE.set(tuple([f for f in frames if f is not frame]))
+
+
+swap = _ACTIVE.set
+"""``swap(frames) -> token``: from now on exactly `frames` see the calling context's calls,
+until ``reset(token)`` (:func:`only` without a generator, for the per-call path of ``capture``)."""
+
+reset = _ACTIVE.reset
+"""Undo a :func:`swap`, given its token."""
 
 
 @contextlib.contextmanager
