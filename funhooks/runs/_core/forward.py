@@ -268,7 +268,7 @@ def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
                 d = module.__dict__
                 attr = fwd.attr
                 current = d.get(attr)
-                if type(current) is Forward and current.module is module:  # wrapped by a run already
+                if current is not None and type(current) is Forward and current.module is module:  # wrapped already
                     current.solo = None
                     current.users = (*current.users, (frame, hooked))
                     add(current)
@@ -280,8 +280,7 @@ def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
                     fwd.obs, fwd.solo = hooked.obs, frame
                 fwd.inner = getattr(module, attr)
                 d[attr] = fwd
-                if "__reduce_ex__" not in d:
-                    d["__reduce_ex__"] = fwd.reducer
+                d.setdefault("__reduce_ex__", fwd.reducer)  # a module's own `__reduce_ex__` stays
                 add(fwd)
         except BaseException:  # interrupted half-way: leave no module wrapped
             _uninstall(frame, installed)
@@ -314,9 +313,11 @@ def _uninstall(frame: Frame, installed: Sequence[Forward[Table]]) -> None:
             del d["__reduce_ex__"]
         if d.get(fwd.attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
             continue
-        if fwd.saved is None:
+        saved = fwd.saved
+        if saved is None:
             del d[fwd.attr]
         else:
-            d[fwd.attr] = fwd.saved
+            d[fwd.attr] = saved
+            fwd.saved = None
         fwd.inner = None  # before `module`: a racing call reads `module` first, then `inner`
-        fwd.module = fwd.saved = None
+        fwd.module = None
