@@ -28,6 +28,21 @@ def frozen_opt(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.0)
 
 
+class Blocks(nn.Module):
+    """Residual Linear blocks in a ModuleList, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(3, 3)])
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
 class StochasticDepth(nn.Module):
     """Residual Linear blocks; call k runs the blocks that ``masks[k % len(masks)]`` keeps
     (stochastic depth, as in the issue: a module skipped on a step did not run there)."""

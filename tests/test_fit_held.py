@@ -9,22 +9,7 @@ import torch
 from torch import nn
 
 import funhooks as fh
-from reducer_kit import MSE, batches
-
-
-class Blocks(nn.Module):
-    """Residual Linear blocks in a ModuleList, then a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([nn.Linear(3, 3)])
-        self.head = nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
+from reducer_kit import MSE, Blocks, batches
 
 
 def test_block_added_mid_epoch_is_recorded_from_the_next_step() -> None:
