@@ -75,3 +75,25 @@ def assert_clean(model: nn.Module) -> None:
     fh.testing.assert_no_hooks(model)
     assert_no_global_state()
     assert all(getattr(m, "_is_full_backward_hook", None) is None for m in model.modules())
+
+
+PATCH_VOCAB, PATCH_LAYERS, PATCH_WIDTH, PATCH_POSITIONS = 40, 2, 16, 5
+"""The small GPT-2 of the intervention tests, and the length of their prompts."""
+
+
+def patching_gpt2(device: torch.device | str = "cpu", attn: str = "eager") -> nn.Module:
+    """A seeded GPT-2 from a config (random weights, no download), for the intervention tests."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=PATCH_LAYERS, n_embd=PATCH_WIDTH, n_head=2, vocab_size=PATCH_VOCAB,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0, attn_implementation=attn)
+    return transformers.GPT2LMHeadModel(config).eval().to(device)
+
+
+def patching_prompts(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A clean prompt and its corruption at position 2."""
+    clean = torch.tensor([[1, 2, 3, 4, 5]], device=device)
+    corrupt = clean.clone()
+    corrupt[0, 2] = 9
+    return clean, corrupt

@@ -11,7 +11,15 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
-from helpers import RECORDS_IN_COMPILE
+from helpers import (
+    PATCH_LAYERS,
+    PATCH_POSITIONS,
+    PATCH_VOCAB,
+    PATCH_WIDTH,
+    RECORDS_IN_COMPILE,
+    patching_gpt2,
+    patching_prompts,
+)
 from torch import nn
 
 import funhooks as fh
@@ -19,23 +27,9 @@ import funhooks as fh
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCAB, LAYERS, WIDTH, POSITIONS = 40, 2, 16, 5
+VOCAB, LAYERS, WIDTH, POSITIONS = PATCH_VOCAB, PATCH_LAYERS, PATCH_WIDTH, PATCH_POSITIONS
 RESID_PRE = ["transformer.drop", "transformer.h.*"]
 """resid_pre of layer L is the output of the module before block L: `drop`, then `h.0`, ..."""
-
-
-def _gpt2(device: torch.device | str = "cpu", attn: str = "eager") -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0, attn_implementation=attn)
-    return transformers.GPT2LMHeadModel(config).eval().to(device)
-
-
-def _prompts(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    clean = torch.tensor([[1, 2, 3, 4, 5]], device=device)
-    corrupt = clean.clone()
-    corrupt[0, 2] = 9
-    return clean, corrupt
 
 
 def _logit_diff(out: object) -> torch.Tensor:
@@ -54,8 +48,8 @@ def _mlp(device: torch.device | str = "cpu") -> nn.Sequential:
 def test_patching_from_a_clean_record_reproduces_the_clean_run(device: torch.device) -> None:
     """`patch(where, record)` puts the clean run's output in place: patching every block
     of a corrupted run with the clean Record gives the clean logits."""
-    model = _gpt2(device)
-    clean, corrupt = _prompts(device)
+    model = patching_gpt2(device)
+    clean, corrupt = patching_prompts(device)
     with torch.no_grad():
         clean_out, rec = fh.capture(model, fh.outputs("transformer.h.*"))(clean)
         with fh.with_hooks(model, fh.patch("transformer.h.1", rec)):
@@ -69,8 +63,8 @@ def test_patching_from_a_clean_record_reproduces_the_clean_run(device: torch.dev
 def test_a_vmapped_sweep_over_layers_and_positions_equals_the_python_loop(device: torch.device) -> None:
     """One `vmap` over (layer, position) pairs of `patch(..., nth=arg, index=arg)` gives the
     logit difference of every single patch, equal to calling the function once per patch."""
-    model = _gpt2(device)
-    clean, corrupt = _prompts(device)
+    model = patching_gpt2(device)
+    clean, corrupt = patching_prompts(device)
     f = fh.capture(model, fh.patch(RESID_PRE, fh.arg("clean"), nth=fh.arg("layer"), index=fh.arg("pos")))
     with torch.no_grad():
         _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
@@ -93,11 +87,11 @@ def test_the_sweep_equals_transformer_lens_get_act_patch_resid_pre() -> None:
     vmapped sweep equals `patching.get_act_patch_resid_pre`."""
     tl = pytest.importorskip("transformer_lens")
     tokenizers = pytest.importorskip("tokenizers")
-    model = _gpt2()
+    model = patching_gpt2()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(
         tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")))
     bridge = tl.TransformerBridge.boot_transformers("gpt2", hf_model=model, tokenizer=tok)
-    clean, corrupt = _prompts()
+    clean, corrupt = patching_prompts()
     with torch.no_grad():
         _, cache = bridge.run_with_cache(clean)
         expected = tl.patching.get_act_patch_resid_pre(bridge, corrupt, cache, lambda logits: logits[0, -1, 7] - logits[0, -1, 8])
@@ -160,8 +154,8 @@ def test_mean_ablation_from_a_record_equals_mean_ablation_from_a_fold(device: to
 def test_tuple_outputs_are_edited_on_one_element_and_the_rest_passes_on() -> None:
     """GPT-2's attention returns `(output, weights)`: a patch edits `element` 0 and hands
     the other item on as it was; namedtuples, lists and dicts keep their type."""
-    model = _gpt2()
-    clean, corrupt = _prompts()
+    model = patching_gpt2()
+    clean, corrupt = patching_prompts()
     with torch.no_grad():
         _, rec = fh.capture(model, fh.outputs("transformer.h.*.attn"))(clean)
         spec = fh.patch("transformer.h.*.attn", rec)

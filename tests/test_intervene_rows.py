@@ -9,6 +9,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
+from helpers import PATCH_LAYERS, PATCH_POSITIONS, PATCH_VOCAB, PATCH_WIDTH, patching_gpt2, patching_prompts
 from torch import nn
 
 import funhooks as fh
@@ -16,22 +17,8 @@ import funhooks as fh
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCAB, LAYERS, WIDTH, POSITIONS = 40, 2, 16, 5
+VOCAB, LAYERS, WIDTH, POSITIONS = PATCH_VOCAB, PATCH_LAYERS, PATCH_WIDTH, PATCH_POSITIONS
 RESID_PRE = ["transformer.drop", "transformer.h.*"]
-
-
-def _gpt2(device: torch.device | str = "cpu") -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-    return transformers.GPT2LMHeadModel(config).eval().to(device)
-
-
-def _prompts(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    clean = torch.tensor([[1, 2, 3, 4, 5]], device=device)
-    corrupt = clean.clone()
-    corrupt[0, 2] = 9
-    return clean, corrupt
 
 
 class Stack(nn.Module):
@@ -59,8 +46,8 @@ def _pairs(layers: int, positions: int, device: torch.device | str = "cpu") -> t
 def test_a_per_row_sweep_on_gpt2_equals_the_loop_of_single_patches(device: torch.device) -> None:
     """One forward of the corrupted prompt repeated N times, row b patched at layer[b] and
     position[b] from a clean Record of batch 1, gives the logits of each single patch."""
-    model = _gpt2(device)
-    clean, corrupt = _prompts(device)
+    model = patching_gpt2(device)
+    clean, corrupt = patching_prompts(device)
     layers, positions = _pairs(LAYERS + 1, POSITIONS, device)
     with torch.no_grad():
         _, rec = fh.capture(model, fh.outputs(RESID_PRE))(clean)
@@ -77,9 +64,9 @@ def test_a_per_row_sweep_on_gpt2_equals_the_loop_of_single_patches(device: torch
 def test_per_row_on_standard_points_takes_lists_and_a_clean_batch_of_n() -> None:
     """On `fh.transformer.points(model).resid_pre`, `nth` and `index` as Python lists, and a
     clean Record of a batch of N rows (each row patched from its own clean row)."""
-    model = _gpt2()
+    model = patching_gpt2()
     pts = fh.transformer.points(model)
-    clean, corrupt = _prompts()
+    clean, corrupt = patching_prompts()
     layers, positions = [0, 1, 1, 0], [2, 2, 0, 4]
     with torch.no_grad():
         _, rec = fh.capture(model, fh.outputs(pts.resid_pre))(clean.expand(4, -1))
