@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-from torch import nn
+from torch import Tensor, nn
 
 from funhooks import _frozen
 from funhooks.errors import SpecError
@@ -67,7 +67,7 @@ class _Read:
 
     def __call__(self, module: nn.Module, *hook_args: Any) -> Any:
         value = hook_args[self.at]
-        if not isinstance(value, type(None)) and not hasattr(value, "dim"):  # a tuple: its first tensor
+        if value is not None and not isinstance(value, Tensor):  # a tuple: its first tensor
             value = value[0]
         return value if self.view is None or value is None else self.view.get(value)
 
