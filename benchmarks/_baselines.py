@@ -9,6 +9,9 @@ import contextvars
 import copy
 import importlib.util
 import inspect
+import itertools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,40 +50,63 @@ def wrappers_once(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]
 
 
 def wrappers_with_contract(model: nn.Module) -> Callable[[torch.Tensor], tuple[Any, list]]:
-    """The floor with the contract's own work, each step in one-line form: per call, every
-    module's ``forward`` (and ``__reduce_ex__``, so copies stay plain) set in its ``__dict__``
-    and removed after, a context-variable read per module call (scope), a version read per
-    stored output and its check when the tree ``{path: {"output": (value,)}}`` is built (on a
-    private copy, like the other floor)."""
+    """The floor with the contract's own work, each step in one-line form (on a private copy,
+    like the other floor). Per call of the function:
+
+    - the model's structure checked (a model edited between runs is hooked as it is now):
+      every ``_modules`` table compared with a copy, every module's ``__dict__`` asked for a
+      compiled call (``module.compile()`` since);
+    - each module reached through a weak reference (a run holds no model alive between calls)
+      and its ``forward`` (and ``__reduce_ex__``, so copies stay plain) set in its
+      ``__dict__``, under a lock (runs in two threads share the wrapping), removed after;
+    - per module call: a context-variable read (scope to the context), the ``torch.func``
+      level read (a call inside ``vmap``/``grad`` of a block entered outside it must be
+      refused), the backward-pass id read (a recomputation under activation checkpointing
+      stores nothing), the output detached when it requires grad, and its version read;
+    - the tree ``{path: {"output": (value,)}}`` built, each version compared (in-place safety).
+    """
     model = copy.deepcopy(model)
     scope: contextvars.ContextVar[tuple] = contextvars.ContextVar("floor", default=())
-    named = [(path, m, m.__dict__) for path, m in model.named_modules() if path]
+    peek, task = torch._C._functorch.peek_interpreter_stack, torch._C._current_graph_task_id
+    lock = threading.RLock()
+    modules = [m for _, m in model.named_modules()]
+    full = [(m._modules, tuple(m._modules), tuple(m._modules.values())) for m in modules if m._modules]
+    empty = [m._modules for m in modules if not m._modules]
+    dicts = [m.__dict__ for m in modules]
     store: list[tuple[str, torch.Tensor, int]] = []
 
     def wrap(path: str, m: nn.Module) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             out = type(m).forward(m, *args, **kwargs)
-            if scope.get():
-                store.append((path, out, out._version))
+            if scope.get() and peek() is None and task() == -1:
+                kept = out.detach() if out.requires_grad else out
+                store.append((path, kept, kept._version))
             return out
 
         return wrapper
 
-    wrappers = [(d, wrap(path, m), m.__reduce_ex__) for path, m, d in named]
+    wrappers = [(weakref.ref(m), wrap(path, m), m.__reduce_ex__) for path, m in model.named_modules() if path]
 
     def call(x: torch.Tensor) -> tuple[Any, dict]:
+        if (any(empty) or any(tuple(t) != keys or tuple(t.values()) != values for t, keys, values in full)
+                or any(map(dict.get, dicts, itertools.repeat("_compiled_call_impl")))):
+            raise RuntimeError("the model changed")
         store.clear()
-        for d, w, r in wrappers:
-            d["forward"] = w
-            d["__reduce_ex__"] = r
+        with lock:
+            for ref, w, r in wrappers:
+                d = ref().__dict__
+                d["forward"] = w
+                d["__reduce_ex__"] = r
         token = scope.set((call,))
         try:
             y = model(x)
         finally:
             scope.reset(token)
-            for d, _, _ in wrappers:
-                del d["forward"]
-                del d["__reduce_ex__"]
+            with lock:
+                for ref, _, _ in wrappers:
+                    d = ref().__dict__
+                    del d["forward"]
+                    del d["__reduce_ex__"]
         tree: dict[str, dict[str, tuple]] = {}
         for path, t, version in store:
             if t._version != version:

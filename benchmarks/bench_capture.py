@@ -14,9 +14,13 @@ root, so all of them do the same work; checked equal before timing):
   a list: the leanest forward wrapper doing the same job, the floor of funhooks' design
   (which wraps forwards and registers no hook).
 - ``floor with the contract's work``: the same wrappers set in each module's ``__dict__``
-  (with ``__reduce_ex__``) and removed around every call, a context-variable read per module
-  call, a version read per output and its check while a ``{path: {"output": (t,)}}`` tree is
-  built: the least any run doing what the contract promises can cost.
+  (with ``__reduce_ex__``), reached through weak references under a lock, and removed around
+  every call, after the model's structure is compared with a copy (a model edited between
+  runs); per module call a context-variable read (scope), the ``torch.func`` level and
+  backward-pass id reads (refusing calls inside transforms, storing nothing on checkpoint
+  recomputation), a detach when the output requires grad and a version read; the versions
+  checked while a ``{path: {"output": (t,)}}`` tree is built: the least any run doing what
+  the contract promises can cost (``_baselines.wrappers_with_contract`` lists each step).
 - ``bare, beside a live fh.capture``: the bare forward while a capture function of an
   unrelated model exists: what holding one costs everything else in the process.
 - ``floor: a no-op global forward hook``: the bare forward with one global forward hook

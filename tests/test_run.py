@@ -99,7 +99,7 @@ def test_nested_runs_each_remove_only_their_own() -> None:
     with fh.with_hooks(model, [fh.outputs("0"), fh.observe("2", raise_value_error, event="backward", name="b")]) as outer:
         with fh.with_hooks(model, [fh.outputs("**"), fh.observe("2", output_mean, event="backward", name="b2")]) as inner:
             model(x)
-        assert len(model[2].forward.users) == 1  # the inner run left; the outer one stays
+        assert len(model[2].forward.current_users()) == 1  # the inner run left; the outer one stays
         model(x)
     assert_clean(model)
     assert len(inner.record.calls("0", "output")) == 1 and list(inner.record) == ["0", "1", "2"]

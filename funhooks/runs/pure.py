@@ -115,7 +115,9 @@ class CaptureFunction:
                 return self._traced(fn, args, kwargs, values)
             # dynamo cannot trace it on this torch: the same recording, in a frame dynamo skips
             return torch.compiler.disable(self._traced)(fn, args, kwargs, values)
-        plan = self.current()
+        plan = self.plan
+        if not plan.current():  # (not compiling: checked above)
+            plan = self.plan = Plan.get(self.inner, self.specs, self.caller)
         if values:
             plan.check_values(values, self.caller)
         frame = Frame(plan, self.caller, values=values)

@@ -55,7 +55,7 @@ per-call backward hook; ``param_grad``, hooks on the parameters."""
 
 
 @_frozen.frozen
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)  # hashed by every run's plan lookup
 class Spec:
     """A hook as a value: where, when, what, and whether the result is stored or replaces.
 

@@ -111,7 +111,7 @@ def assert_no_hooks(model: nn.Module, *, funhooks_only: bool = False) -> None:
             if is_run_forward(wrapped):
                 raise AssertionError(
                     f"assert_no_hooks: {where} still has its `{attr}` wrapped by funhooks, got {wrapped!r} with "
-                    f"{len(wrapped.users)} active run(s). Exit every `with_hooks` block and close every "
+                    f"{len(wrapped.current_users())} active run(s). Exit every `with_hooks` block and close every "
                     "`train`/`evaluate` generator."
                 )
         reducer = module.__dict__.get("__reduce_ex__")

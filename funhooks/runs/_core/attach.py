@@ -23,7 +23,7 @@ __all__ = ["Attached"]
 class Attached:
     """A plan's wrappers and parameter hooks, attached for one frame until :meth:`detach`."""
 
-    __slots__ = ("forwards", "frame", "params")
+    __slots__ = ("forwards", "frame", "params", "slot")
 
     def __init__(self, plan: Plan, frame: Frame, *, copies: bool = False) -> None:
         """Args: `copies` uses the entries that store copies (inside ``torch.func`` transforms,
@@ -31,13 +31,14 @@ class Attached:
         self.frame = frame
         self.forwards: list[forward.Forward[forward.Table]] = []
         self.params: list[Handle] = []
+        self.slot = None if copies else plan.slot
         try:
             items = plan.copy_items() if copies else plan.items
             if plan.pauses:
                 with plan.attaching():
-                    self.forwards = forward.install(frame, items)
+                    self.forwards = forward.install(frame, items, self.slot)
             else:
-                self.forwards = forward.install(frame, items)
+                self.forwards = forward.install(frame, items, self.slot)
             if plan.wrappers:
                 self.forwards += forward.install(frame, plan.wrappers)
             for hook in plan.params:
@@ -53,5 +54,5 @@ class Attached:
         for handle in reversed(self.params):
             handle.remove()
         self.params = []
-        forward.uninstall(self.frame, self.forwards)
+        forward.uninstall(self.frame, self.forwards, self.slot)
         self.forwards = []

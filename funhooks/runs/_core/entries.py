@@ -42,7 +42,7 @@ from .types import Key
 from .values import copies_of, preparer, snapshot, unchecked
 
 __all__ = ["BackwardEntry", "PostEntry", "PreEntry", "backward_hook", "call_spec", "checked_edit", "param_hook",
-           "post_entry", "pre_entry"]
+           "post_entry", "pre_entry", "stores_as_is"]
 
 Tensor = torch.Tensor
 V = TypeVar("V")
@@ -151,6 +151,13 @@ def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
     return observe_args
 
 
+def stores_as_is(spec: Spec, copies: bool = False) -> bool:
+    """Whether `spec`'s forward entry only stores the module's output (detached, no other
+    flag): the common case, which the wrapped forward does inline for a tensor output."""
+    return (spec.hook == "forward" and spec.role == "output" and spec.detach
+            and not (spec.cpu or spec.gather or spec.clone or copies))
+
+
 def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     """The entry of a ``forward`` spec (store the output, observe, edit it) or of a ``grads``
     spec (watch the output's gradient). `copies`: as for :func:`pre_entry`."""
@@ -158,7 +165,7 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     if copies and spec.role == "output" and not spec.gather:
         return copies_of(spec, key, pre=False)
     if spec.role == "output":
-        if spec.detach and not (spec.cpu or spec.gather or spec.clone or copies):
+        if stores_as_is(spec, copies):
 
             def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
                 if isinstance(output, Tensor):

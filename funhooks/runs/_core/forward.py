@@ -41,7 +41,7 @@ from . import scope
 from .entries import PostEntry
 from .frame import Frame
 from .hooked import Hooked
-from .types import UserCall
+from .types import Key, UserCall
 
 __all__ = ["Forward", "Item", "Table", "Users", "attribute", "call", "install", "uninstall"]
 
@@ -49,6 +49,8 @@ _ATTRIBUTE: dict[type, str] = {}
 _active = scope.active
 _peek = _torch.peek_transform
 _graph_task = _torch.graph_task_id
+_tracing = _torch.jit_tracing
+Tensor = torch.Tensor
 _LOCK = threading.RLock()
 """Guards wrapping and unwrapping: runs entered in two threads at once share the wrappers."""
 
@@ -68,6 +70,7 @@ class Table(Protocol):
 
 
 T = TypeVar("T", bound=Table, covariant=True)
+J = TypeVar("J", bound=Table)
 Users = tuple[tuple[Frame, T], ...]
 """The runs that use a wrapped forward: ``(frame, table)``, outermost run first."""
 Route = Callable[[nn.Module, UserCall, Users[T], tuple, dict], object]
@@ -160,19 +163,41 @@ def call(module: nn.Module, inner: UserCall, users: Users[Hooked], args: tuple, 
     return output
 
 
+class Slot:
+    """A plan's run in the common case: the one frame that wrapped the plan's modules itself.
+
+    Each ``Forward`` it installed then knows its user through this one object (its ``users``
+    None), so entering and leaving a run make no tuple per module: at a few hundred modules,
+    those allocations and their release after the forward cost more than the wrapping itself.
+    Taken and released under the wrapping lock; a frame inside a ``torch.func`` transform,
+    or a second run of the same plan at once, lists its users per module instead.
+    """
+
+    __slots__ = ("frame",)
+
+    def __init__(self) -> None:
+        self.frame: Frame | None = None
+
+
 class Forward(Generic[T]):
     """A module's ``forward`` (or ``_call_impl``) while at least one run hooks it.
 
-    ``users`` is a tuple of ``(frame, hooked)``, outermost run first, replaced (never
-    mutated) so a call in progress keeps the users it started with. ``route`` runs a call for
-    the users in scope: :func:`call`, or for a ``torch.compile`` wrapper the compiled recorder
-    of ``trace``. A plan keeps one ``Forward`` per hooked module and reuses it run after run;
-    between runs it holds the module only weakly.
+    Its users: ``users``, a tuple of ``(frame, table)``, outermost run first, replaced (never
+    mutated) so a call in progress keeps the users it started with; or, when ``users`` is
+    None, the one frame holding the plan's ``slot``, with the ``Forward``'s own table
+    (:meth:`current_users` says which). ``route`` runs a call for the users in scope:
+    :func:`call`, or for a ``torch.compile`` wrapper the compiled recorder of ``trace``. A plan
+    keeps one ``Forward`` per hooked module and reuses it run after run; between runs it holds
+    the module only weakly.
     """
 
-    __slots__ = ("__weakref__", "attr", "inner", "module", "obs", "reducer", "ref", "route", "saved", "solo", "users")
+    __slots__ = ("__weakref__", "attr", "eligible", "fast", "inner", "key", "module", "obs", "own", "reducer", "ref",
+                 "route", "saved", "slot", "users")
 
-    def __init__(self, module: nn.Module, attr: str, route: Route[T]) -> None:
+    def __init__(self, module: nn.Module, attr: str, route: Route[T], own: T | None = None,
+                 slot: Slot | None = None) -> None:
+        """Args: `own`, `slot`: the plan's table for the module and the plan's slot, for a
+        ``Forward`` whose users may be the slot's frame alone (see :class:`Slot`)."""
         self.ref = weakref.ref(module)
         self.attr = attr
         self.route = route
@@ -180,28 +205,47 @@ class Forward(Generic[T]):
         self.inner: UserCall | None = None  # what `module.<attr>` was, while installed
         self.saved: object = None  # the instance attribute it replaced, if any
         self.reducer = self.reduce_ex  # made once: the module's `__reduce_ex__` while installed, if it had none
-        self.users: Users[T] = ()
-        # the common case, read by one load: the frame of the one user, when it only observes and
-        # was entered outside transforms (its table's observers then in `obs`); else None
-        self.solo: Frame | None = None
-        self.obs: tuple[PostEntry, ...] = ()
+        self.own, self.slot = own, slot
+        self.users: Users[T] | None = ()
+        plain = own is not None and slot is not None and own.plain
+        # the common case, read by one load while the slot's frame is the only user and its table
+        # only observes: the slot; else None. The table's observers are `obs`, and `key` is set
+        # when they only store the output as is
+        self.eligible: Slot | None = slot if plain else None
+        self.fast: Slot | None = None
+        self.obs: tuple[PostEntry, ...] = own.obs if plain else ()  # type: ignore[union-attr]
+        self.key: Key | None = getattr(own, "stores", None) if plain else None
+
+    def current_users(self) -> Users[T]:
+        """The runs using this forward, ``(frame, table)`` each, outermost first."""
+        if self.users is not None:
+            return self.users
+        frame = self.slot.frame  # type: ignore[union-attr]  # users None: a slot's
+        return () if frame is None else ((frame, self.own),)  # type: ignore[return-value]
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
+        slot = self.fast
+        if slot is not None and (frame := slot.frame) in _active() and not frame.calling and _peek() is None:
+            # the common case, inlined from `call`: one run, observers only, no transform
+            # (`fast` is set after `inner` and cleared before it)
+            output = self.inner(*args, **kwargs)  # type: ignore[misc]
+            if _graph_task() == -1:  # not a recomputation during backward
+                key = self.key
+                if key is not None and type(output) is Tensor:  # `fh.outputs`: the entry's work, inlined
+                    stored = output.detach() if output.requires_grad and not _tracing() else output
+                    try:
+                        frame.buffer.append((key, stored, stored._version))
+                        return output
+                    except RuntimeError:  # an inference tensor, no version counter: the entry copies it
+                        pass
+                for entry in self.obs:
+                    entry(frame, self.module, args, kwargs, output)
+            return output
         module, inner = self.module, self.inner
         if inner is None:  # unwrapped since the caller looked it up: call what is there now
             return getattr(self.ref(), self.attr)(*args, **kwargs)
         active = _active()
-        if not active:
-            return inner(*args, **kwargs)
-        frame = self.solo
-        if frame is not None and frame in active and not frame.calling and _peek() is None:
-            # the common case, inlined from `call`: one run, observers only, no transform
-            output = inner(*args, **kwargs)
-            if _graph_task() == -1:  # not a recomputation during backward
-                for entry in self.obs:
-                    entry(frame, module, args, kwargs, output)
-            return output
-        mine = tuple([u for u in self.users if u[0] in active and not u[0].calling])
+        mine = tuple([u for u in self.current_users() if u[0] in active and not u[0].calling]) if active else ()
         return self.route(module, inner, mine, args, kwargs) if mine else inner(*args, **kwargs)
 
     # -- looking like the forward it wraps ------------------------------------------------
@@ -244,22 +288,17 @@ class Forward(Generic[T]):
         return (reduced[0], reduced[1], state, *reduced[3:])
 
 
-def _set_solo(fwd: Forward[T], users: Users[T]) -> None:
-    """Set ``fwd.solo`` (and the observers beside it) for `users`."""
-    fwd.solo = None
-    if len(users) == 1:
-        frame, hooked = users[0]
-        if hooked.plain and not frame.level:
-            fwd.obs, fwd.solo = hooked.obs, frame
-
-
-def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
+def install(frame: Frame, items: Sequence[Item[T]], slot: Slot | None = None) -> list[Forward[T]]:
     """Make `frame` a user of the wrapped forward of each module in `items`
     (``(module_ref, forward, hooked)``, from the plan), wrapping the modules not wrapped
-    yet; returns the ``Forward`` objects `frame` uses."""
+    yet; returns the ``Forward`` objects `frame` uses. `slot`: the plan's, which `frame`
+    takes when free and outside transforms (release it with :func:`uninstall`)."""
     installed: list[Forward[T]] = []
-    add, solo = installed.append, not frame.level
+    add = installed.append
     with _LOCK:
+        mine = slot is not None and slot.frame is None and not frame.level
+        if mine:
+            slot.frame = frame  # type: ignore[union-attr]
         try:
             for ref, fwd, hooked in items:
                 module = ref()
@@ -267,57 +306,84 @@ def install(frame: Frame, items: Sequence[Item[T]]) -> list[Forward[T]]:
                     continue
                 d = module.__dict__
                 attr = fwd.attr
-                current = d.get(attr)
-                if current is not None and type(current) is Forward and current.module is module:  # wrapped already
-                    current.solo = None
-                    current.users = (*current.users, (frame, hooked))
-                    add(current)
+                if not mine or attr in d or fwd.inner is not None:  # wrapped already, or in someone's way
+                    add(_join(frame, module, d, fwd, hooked))
                     continue
-                if fwd.inner is not None:  # still in use under someone else's forward: never reuse
-                    fwd = Forward(module, attr, fwd.route)
-                fwd.saved, fwd.module, fwd.users = current, module, ((frame, hooked),)
-                if solo and hooked.plain:  # (an unused Forward's `solo` is None)
-                    fwd.obs, fwd.solo = hooked.obs, frame
+                # the common case, each step once: a free Forward of the plan (`saved` None) on an
+                # unwrapped module, its one user the slot's frame
+                fwd.module = module
                 fwd.inner = getattr(module, attr)
+                fwd.users = None
+                fwd.fast = fwd.eligible  # after `inner`
                 d[attr] = fwd
-                d.setdefault("__reduce_ex__", fwd.reducer)  # a module's own `__reduce_ex__` stays
+                if "__reduce_ex__" not in d:  # a module's own `__reduce_ex__` stays
+                    d["__reduce_ex__"] = fwd.reducer
                 add(fwd)
         except BaseException:  # interrupted half-way: leave no module wrapped
-            _uninstall(frame, installed)
+            _uninstall(frame, installed, slot)
             raise
     return installed
 
 
-def uninstall(frame: Frame, installed: Sequence[Forward[Table]]) -> None:
-    """Remove `frame` from each wrapped forward; restore the modules it was the last user of.
+def _join(frame: Frame, module: nn.Module, d: dict[str, Any], fwd: Forward[J], hooked: J) -> Forward[J]:
+    """:func:`install` with `frame` listed among the users: for a module already wrapped by
+    a run (`frame` joins its users), or with a forward of its own in its ``__dict__`` (wrapped
+    around it), or whose ``Forward`` is still in use under someone else's forward (a new one
+    wraps it), or for a frame without the plan's slot."""
+    attr = fwd.attr
+    current = d.get(attr)
+    if current is not None and type(current) is Forward and current.module is module:  # wrapped already
+        current.fast = None
+        current.users = (*current.current_users(), (frame, hooked))
+        return current
+    if fwd.inner is not None:  # still in use under someone else's forward: never reuse
+        fwd = Forward(module, attr, fwd.route)
+    fwd.saved, fwd.module = current, module
+    fwd.inner = getattr(module, attr)
+    fwd.users = ((frame, hooked),)
+    d[attr] = fwd
+    d.setdefault("__reduce_ex__", fwd.reducer)
+    return fwd
+
+
+def uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | None = None) -> None:
+    """Remove `frame` from each wrapped forward; restore the modules it was the last user of;
+    release `slot` if `frame` holds it.
 
     A forward someone else replaced since (wrapping ours) stays in place, with no users.
     """
     with _LOCK:
-        _uninstall(frame, installed)
+        _uninstall(frame, installed, slot)
 
 
-def _uninstall(frame: Frame, installed: Sequence[Forward[Table]]) -> None:
+def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | None) -> None:
     for fwd in reversed(installed):
         users = fwd.users
-        fwd.solo = None
-        if len(users) == 1 and users[0][0] is frame:
-            fwd.users = ()
-        else:
-            fwd.users = users = tuple([u for u in users if u[0] is not frame])
+        if users is not None:  # listed: `frame` leaves the list
+            users = tuple([u for u in users if u[0] is not frame])
             if users:
-                _set_solo(fwd, users)
+                if len(users) == 1 and fwd.slot is not None and users[0] == (fwd.slot.frame, fwd.own):
+                    fwd.users, fwd.fast = None, fwd.eligible  # the slot's frame alone again: the common case
+                else:
+                    fwd.users = users
                 continue
+        fwd.fast = None
         d = fwd.module.__dict__
-        if d.get("__reduce_ex__") is fwd.reducer:
-            del d["__reduce_ex__"]
-        if d.get(fwd.attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
+        reducer = d.pop("__reduce_ex__", None)
+        if reducer is not fwd.reducer and reducer is not None:  # the module's own: it stays
+            d["__reduce_ex__"] = reducer
+        attr = fwd.attr
+        current = d.pop(attr, None)
+        if current is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
+            if current is not None:
+                d[attr] = current
+            fwd.users = ()
             continue
         saved = fwd.saved
-        if saved is None:
-            del d[fwd.attr]
-        else:
-            d[fwd.attr] = saved
+        if saved is not None:
+            d[attr] = saved
             fwd.saved = None
         fwd.inner = None  # before `module`: a racing call reads `module` first, then `inner`
         fwd.module = None
+    if slot is not None and slot.frame is frame:
+        slot.frame = None

@@ -155,6 +155,32 @@ def _add(data: dict[str, dict[str, Any]], key: Key, value: object) -> bool:
 
 def _build(frame: Frame) -> Record:
     """Group the buffer into a Record, checking that no stored tensor changed since."""
+    buffer, plan = frame.buffer, frame.plan
+    if len(buffer) == len(plan.paths) and not (frame.late or plan.notes):  # maybe one value per path
+        data = _one_each(frame)
+        if data is not None:
+            return trusted(data)
+    return _grouped(frame)
+
+
+def _one_each(frame: Frame) -> dict[str, dict[str, Any]] | None:
+    """The Record's data when the buffer holds one tensor per path, in module order, each
+    with its version (the common case: one call of every hooked module, each storing one
+    value), else None."""
+    buffer = frame.buffer
+    for key, value, check in buffer:
+        if type(check) is not int:  # a copy, a gradient slot, a pytree: the general way
+            return None
+        if value._version != check:
+            raise _stale(frame.caller, key, frame.plan.spec_of.get(key))
+    data = {path: {name: (value,)} for (path, name), value, _ in buffer}
+    if len(data) != len(buffer) or list(data) != frame.plan.paths:
+        return None
+    return data
+
+
+def _grouped(frame: Frame) -> Record:
+    """The Record's data grouped by module path and call, from any buffer."""
     plan, caller = frame.plan, frame.caller
     data: dict[str, dict[str, Any]] = {}
     several = False  # a (path, name) with more than one call: its calls are a list until the end

@@ -4,7 +4,8 @@ The table is what :func:`funhooks.runs._core.forward.call` reads per call: forwa
 forward-pre observers; the op entries run *during* the module's own forward (``around``);
 editors (interventions among them), gradient watchers, observers; backward hooks around it.
 ``plain`` is True only for a table of plain observers: the one case the wrapped forward
-runs inlined, without :func:`call`.
+runs inlined, without :func:`call`; ``stores`` is the key of a table whose one entry stores
+the output as is (``fh.outputs``), which the wrapped forward then stores itself.
 
 Cost: built once per plan and module; reading it is attribute loads.
 """
@@ -17,7 +18,7 @@ from torch import nn
 
 from funhooks.specs.spec import Spec
 
-from .entries import BackwardEntry, PostEntry, PreEntry, backward_hook, post_entry, pre_entry
+from .entries import BackwardEntry, PostEntry, PreEntry, backward_hook, post_entry, pre_entry, stores_as_is
 from .frame import Frame
 from .op_mode import OpEntry, op_entry
 from .types import Key, Selected
@@ -59,7 +60,7 @@ class Hooked:
     every editor); backward hooks around it."""
 
     __slots__ = ("around", "backward", "backward_pre", "edits", "grads", "obs", "ops", "path", "plain", "pre_edits",
-                 "pre_obs")
+                 "pre_obs", "stores")
 
     def __init__(self, path: str, specs: Iterable[Selected], *, copies: bool = False,
                  watch: PreEntry | None = None) -> None:
@@ -72,6 +73,7 @@ class Hooked:
         edits: list[PostEntry] = []
         grads: list[PostEntry] = []
         obs: list[PostEntry] = []
+        as_is: list[Key] = []  # the keys of the specs storing the output as is
         backward: list[tuple[bool, BackwardEntry]] = []
         backward_pre: list[tuple[bool, BackwardEntry]] = []
         ops: dict[str, list[OpEntry]] = {}
@@ -90,6 +92,8 @@ class Hooked:
                 edits.append(intervene_entry(spec, key, rank))
             elif spec.hook == "forward":
                 (edits if spec.is_edit else obs).append(post_entry(spec, key, copies))
+                if stores_as_is(spec, copies):
+                    as_is.append(key)
             elif spec.hook == "backward":
                 backward.append((spec.is_edit, backward_hook(spec, key)))
             else:
@@ -102,3 +106,4 @@ class Hooked:
         self.backward = tuple(f for _, f in sorted(backward, key=lambda e: not e[0]))
         self.backward_pre = tuple(f for _, f in sorted(backward_pre, key=lambda e: not e[0]))
         self.plain = not (pre_edits or pre_obs or edits or grads or backward or backward_pre or ops)
+        self.stores: Key | None = as_is[0] if self.plain and len(obs) == 1 and as_is else None

@@ -375,6 +375,7 @@ class Plan:
         self.paths = sorted(self.order, key=self.order.__getitem__)  # every path, in module order
         self._hooked = hooked
         self.items: list[forward.Item[Hooked]] = []
+        self.slot = forward.Slot()  # the frame of the plan's run, in the common case (see `forward.Slot`)
         inside: dict[int, tuple[nn.Module, list[trace.Inside]]] = {}
         twins: dict[int, Spec] = {}
         for mid, (path, ref, entries) in hooked.items():
@@ -382,8 +383,8 @@ class Plan:
             attr = forward.attribute(type(module))
             wrapper = owner.get(mid)
             if wrapper is None:
-                fwd = forward.Forward(module, attr, forward.call)
-                self.items.append((ref, fwd, Hooked(path, entries, watch=self._watch(mid) if self._watches else None)))
+                table = Hooked(path, entries, watch=self._watch(mid) if self._watches else None)
+                self.items.append((ref, forward.Forward(module, attr, forward.call, table, self.slot), table))
             else:  # recorded by the wrapper's compiled recorder, storing copies
                 keys, start = self._routes[mid][1]
                 copies = _copies(entries, twins)
