@@ -16,7 +16,7 @@ from helpers import (
     output_mean,
     raise_value_error,
 )
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -137,3 +137,58 @@ def test_record_of_a_run_round_trips_through_save_load(model_x: tuple[nn.Sequent
         rec.save(Path(d) / "r.pt")
         back = fh.Record.load(Path(d) / "r.pt")
     assert back.equal(rec) and list(back) == list(rec)
+
+
+def run_specs(clone: bool) -> list[fh.Spec]:
+    """What the interleaved runs hook: two equal spec lists (one plan, so the plan's single-run
+    slot is contended), a subset of the modules, and a spec that is no plain output store;
+    copies where an in-place ReLU would change a stored output."""
+    return [fh.outputs("**", clone=clone), fh.outputs("**", clone=clone), fh.outputs(nn.Linear, clone=clone),
+            fh.inputs("**", clone=True)]
+
+
+@settings(max_examples=300)  # cheap, and the interleavings that matter are a few among many
+@given(models(), st.lists(st.tuples(st.sampled_from(["enter", "exit", "call"]), st.integers(0, 3)), max_size=24))
+def test_runs_entered_and_exited_in_any_order_see_exactly_their_calls(
+        model_x: tuple[nn.Sequential, torch.Tensor], steps: list[tuple[str, int]]) -> None:
+    """Runs on one model (some with equal specs, so one plan) entered and exited in any order:
+    each run's Record holds one call of each module it hooks per forward made while it was
+    open, equal to what that forward computed; the model ends as it began."""
+    model, x = model_x
+    specs = run_specs(clone=any(getattr(m, "inplace", False) for m in model))
+    open_runs: dict[int, tuple[fh.Run, list[torch.Tensor]]] = {}
+    done: list[tuple[fh.Run, list[torch.Tensor], int]] = []
+    for action, i in steps:
+        if action == "enter" and i not in open_runs:
+            run = fh.with_hooks(model, specs[i])
+            run.__enter__()
+            open_runs[i] = (run, [])
+        elif action == "exit" and i in open_runs:
+            run, outs = open_runs.pop(i)
+            run.__exit__(None, None, None)
+            done.append((run, outs, i))
+        elif action == "call":
+            with torch.no_grad():
+                y = model(x)
+            for _, outs in open_runs.values():
+                outs.append(y)
+    for i, (run, outs) in list(open_runs.items()):  # close the rest, innermost first
+        run.__exit__(None, None, None)
+        done.append((run, outs, i))
+    assert_clean(model)
+    for run, outs, i in done:
+        spec = specs[i]
+        name = "input" if spec.name == "input" else "output"
+        rec = run.record
+        assert {p: len(rec.calls(p, name)) for p in rec} == _expected_calls(model, spec, len(outs))
+        last = str(len(model) - 1)
+        if name == "output" and last in rec:
+            assert all(torch.equal(a, b) for a, b in zip(rec.calls(last, "output"), outs))
+
+
+def _expected_calls(model: nn.Sequential, spec: fh.Spec, forwards: int) -> dict[str, int]:
+    """Per hooked path, the calls `forwards` forwards make (a shared Linear runs twice a forward)."""
+    ids = [id(m) for m in model]
+    linear_only = spec.where == fh.outputs(nn.Linear).where
+    return {p: forwards * ids.count(id(m)) for p, m in model.named_modules()
+            if p and forwards and (isinstance(m, nn.Linear) or not linear_only)}

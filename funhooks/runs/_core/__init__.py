@@ -21,6 +21,8 @@ The **scope** (``scope``) says which frames see a call: those entered in the cal
 thread's ``contextvars`` context. Every hooked call goes through one hot loop::
 
     module(x) -> PyTorch's _call_impl (fast path) -> Forward.__call__
+        the plan's one run, observing only, outside transforms?  -> the forward, then its
+               observers (``fh.outputs`` stored inline)
         users in scope?  no -> the module's own forward
         yes -> forward-pre editors, forward-pre observers, the module's forward (inside
                an op mode when op specs select it), editors, gradient watchers,
