@@ -310,6 +310,7 @@ class Plan:
         modules, self._routes, self._full, self._empty = _walk(model, caller)
         self._dicts = [m.__dict__ for _, m in modules]
         self._compiled = self._compiled_calls()  # which modules `module.compile()` compiled
+        self._none_compiled = not any(self._compiled)
         owner = {mid: info[0] for mid, info in self._routes.items() if info[0] is not None}
         rank = {id(m): i for i, (_, m) in enumerate(modules)}
         hooked: dict[int, _Target] = {}
@@ -512,6 +513,8 @@ class Plan:
         if not all(len(d) == len(items) and all(k == n and v is p for (k, v), (n, p) in zip(d.items(), items))
                    for d, items in self._held):  # a parameter replaced (`fully_shard` replaces them all)
             return False
+        if self._none_compiled:  # the common case: no list made
+            return not any(map(dict.get, self._dicts, itertools.repeat(_torch.COMPILED_CALL)))
         return self._compiled_calls() == self._compiled  # a module compiled in place since, or no more
 
     def _compiled_calls(self) -> list[object]:
