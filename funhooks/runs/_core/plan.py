@@ -524,9 +524,8 @@ class Plan:
     @staticmethod
     def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> Plan:
         """The plan of `specs` on `model`: cached, unless a spec can reach the model."""
-        with _LOCK:
-            cache = _PLANS.get(model)
-            plan = None if cache is None else cache.get(specs)
+        cache = _PLANS.get(model)  # a read needs no lock: each lookup is one step under the GIL
+        plan = None if cache is None else cache.get(specs)
         if plan is not None and plan.current():
             return plan
         with _PAUSE:
