@@ -145,11 +145,17 @@ def _gather(t: Tensor) -> Tensor:
     return torch.cat(parts, dim=0)
 
 
+def _detached(t: Tensor) -> Tensor:
+    """`t` without autograd history: a tensor that needs no gradient has none to cut, so it is
+    passed as is (``detach()`` would only make an alias, at the cost of an op per tensor)."""
+    return t.detach() if t.requires_grad else t
+
+
 def preparer(spec: Spec) -> Prep | None:
     """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone)."""
     steps: list[Callable[[Tensor], Tensor]] = []
     if spec.detach:
-        steps.append(Tensor.detach)
+        steps.append(_detached)
     if spec.gather:
         steps.append(_gather)
     if spec.cpu:
@@ -171,4 +177,19 @@ def preparer(spec: Spec) -> Prep | None:
             return tuple([prep_tensor(x) for x in value])  # the usual `args`, without a tree walk
         return _torch.map_tensors(prep_tensor, value)
 
-    return prep
+    if steps != [_detached]:
+        return prep
+
+    def prep_detach(value: Any) -> Any:
+        """`prep` for the default flags alone: a tensor, or a tuple of tensors (the usual
+        `args`), that needs no gradient comes back as is, without a walk or a new tuple."""
+        if isinstance(value, Tensor):
+            return value.detach() if value.requires_grad else value
+        if type(value) is tuple:
+            for x in value:
+                if not isinstance(x, Tensor) or x.requires_grad:
+                    return prep(value)
+            return value
+        return prep(value)
+
+    return prep_detach
