@@ -247,7 +247,12 @@ class Forward(Generic[T]):
         if inner is None:  # unwrapped since the caller looked it up: call what is there now
             return getattr(self.ref(), self.attr)(*args, **kwargs)
         active = _active()
-        mine = tuple([u for u in self.current_users() if u[0] in active and not u[0].calling]) if active else ()
+        if not active:
+            return inner(*args, **kwargs)
+        users = self.users
+        if users is None:
+            users = self.current_users()
+        mine = tuple([u for u in users if u[0] in active and not u[0].calling])
         return self.route(module, inner, mine, args, kwargs) if mine else inner(*args, **kwargs)
 
     # -- looking like the forward it wraps ------------------------------------------------
