@@ -250,8 +250,11 @@ class Forward(Generic[T]):
         if not active:
             return inner(*args, **kwargs)
         users = self.users
-        if users is None:
-            users = self.current_users()
+        if users is None:  # the slot's frame alone, with this forward's own table
+            frame = self.slot.frame  # type: ignore[union-attr]
+            if frame is None or frame not in active or frame.calling:
+                return inner(*args, **kwargs)
+            return self.route(module, inner, ((frame, self.own),), args, kwargs)  # type: ignore[arg-type]
         mine = tuple([u for u in users if u[0] in active and not u[0].calling])
         return self.route(module, inner, mine, args, kwargs) if mine else inner(*args, **kwargs)
 
