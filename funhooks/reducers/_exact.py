@@ -273,20 +273,23 @@ class Entry(NamedTuple):
     hist: Tensor | None
 
 
-def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
+def reduce_step(values: list[Any], paths: tuple[str, ...] | list[str], snap: Snapshot,
                 iteration: int) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
     """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
     checked by :func:`_check` first: kept activations of one shape and dtype are stacked
     and reduced together; ``order[i]`` is value i's row."""
-    kept = [(v, p) for v, p in zip(values, paths) if type(v) is not tuple]
-    for v, p in kept:  # pop every note (it holds the output), check those that can have changed
+    kept = True  # every value kept by the hook (none reduced there)
+    for v, p in zip(values, paths):  # pop every note (it holds the output), check those that can have changed
+        if type(v) is tuple:
+            kept = False
+            continue
         source = v.__dict__.pop(SOURCE, None)
         if source is not None and (source[3] or source[0]._version != source[1]):
             _check(source, p, iteration)
     first = values[0]
-    uniform = len(kept) == len(values) and ([v.shape for v in values].count(first.shape) == len(values)
-                                            and [v.dtype for v in values].count(first.dtype) == len(values))
-    if uniform:  # the common case: every activation kept, all of one shape
+    if kept and ([v.shape for v in values].count(first.shape) == len(values)
+                 and [v.dtype for v in values].count(first.dtype) == len(values)):
+        # the common case: every activation kept, all of one shape
         x = torch.stack(values).flatten(1)
         if x.dtype != torch.float32:
             x = x.float()
@@ -333,13 +336,13 @@ def reduce_calls(calls: dict[str, tuple[Tensor | Reduced, ...]], snap: Snapshot,
     bit); each further round of calls is reduced the same way and added by :func:`combine`
     (Chan's exact merge, as two ranks' parts of one step).
     """
-    paths, values = list(calls), list(calls.values())
-    rounds = max(map(len, values))
-    if rounds == 1:  # the common case: one call per module
-        order, ns, rows, hist = reduce_step([v[0] for v in values], paths, snap, iteration)
-        return Entry(iteration, tuple(paths), ns, order, rows, hist)
+    paths = tuple(calls)
+    if max(map(len, calls.values())) == 1:  # the common case: one call per module
+        order, ns, rows, hist = reduce_step([v for v, in calls.values()], paths, snap, iteration)
+        return Entry(iteration, paths, ns, order, rows, hist)
+    values = list(calls.values())
     entries = []
-    for k in range(rounds):
+    for k in range(max(map(len, values))):
         here = [(p, v[k]) for p, v in zip(paths, values) if len(v) > k]
         ps = [p for p, _ in here]
         order, ns, rows, hist = reduce_step([v for _, v in here], ps, snap, iteration)
