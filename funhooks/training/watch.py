@@ -231,23 +231,25 @@ class Watching:
         """Run every watch's ``before`` for `opt`'s layers (gradients final, parameters old)."""
         if id(opt) not in self.current:
             opt = optimizers(opt, self.caller)[0]
-        for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
-            if layers is not None:
-                self.carries[i, id(opt)] = self._call(watch, watch.before, layers)
+        with torch.no_grad():
+            for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
+                if layers is not None:
+                    self.carries[i, id(opt)] = self._call(watch, watch.before, layers)
 
     def after(self, opt: torch.optim.Optimizer) -> None:
         """Run every watch's ``after`` for `opt` and store the values (parameters new)."""
-        for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
-            if layers is None or (i, id(opt)) not in self.carries:
-                continue
-            carry = self.carries.pop((i, id(opt)))
-            values = carry if watch.after is None else self._call(watch, watch.after, layers, carry)
-            self.data.append((watch.name, values))
+        with torch.no_grad():
+            for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
+                if layers is None or (i, id(opt)) not in self.carries:
+                    continue
+                carry = self.carries.pop((i, id(opt)))
+                values = carry if watch.after is None else self._call(watch, watch.after, layers, carry)
+                self.data.append((watch.name, values))
 
     def _call(self, watch: OptimizerWatch, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` (under the caller's ``torch.no_grad()``), its errors named after `watch`."""
         try:
-            with torch.no_grad():
-                return fn(*args)
+            return fn(*args)
         except HookError:
             raise
         except Exception as err:
