@@ -77,13 +77,15 @@ class Raises(CallsModel):
 
 def test_reducer_raising_mid_fit_leaves_no_hook_and_modes() -> None:
     """A reducer raising on the second step ends fit with its error; nothing of the recording
-    stays on the model and its eval mode is back."""
+    stays on the model (or on the optimizer, whose hooks fit keeps between steps) and its
+    eval mode is back."""
     model = nn.Sequential(nn.Linear(3, 2), nn.Dropout()).eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="reducer failed"):
         fh.fit(model, batches(4), MSE, opt, [fh.ActivationStats(), fh.GradientStats(), Raises(model)])
     fh.testing.assert_no_hooks(model)
     assert not model.training and not model[1].training
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
 def test_eval_block_added_mid_epoch_trains_in_train_mode_and_is_put_back() -> None:
