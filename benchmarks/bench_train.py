@@ -33,8 +33,8 @@ timing):
 - ``floor: + checks for any model``: the contract floor above plus what keeps its numbers
   right on a model other than this one, as ``ActivationStats``' hook and step must: per
   output, whether it may be kept without a copy (a tensor, not inside a compiled graph, of a
-  module whose output no later op changed on an earlier step, looked up by module in a weak
-  dictionary as a spec function shared by every module must, small enough to hold until the
+  module whose output no later op changed on an earlier step, looked up by module in a dict
+  as a spec function shared by every module must, small enough to hold until the
   end of the step, on the CPU, contiguous so that the batched reduction sums it in torch's
   order, owning its storage so that it holds nothing larger alive), a copy on a module's first
   step that learns whether a later op changes its output in place; per step, the shapes and
@@ -69,7 +69,6 @@ import collections
 import contextvars
 import copy
 import operator
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -201,8 +200,9 @@ def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer,
     kept: list[tuple[str, torch.Tensor, torch.Tensor | None, int, nn.Module | None]] = []
     rows: list[list] = []
     training = operator.attrgetter("training")
-    changed: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+    changed: dict[nn.Module, bool] = {}  # held for the call (the benchmark's modules live on anyway)
     limit = fh.reducers.activation_stats.REDUCE_IN_HOOK_NUMEL
+    compiling = torch.compiler.is_compiling
 
     def wrap(module: nn.Module) -> Callable[..., torch.Tensor]:
         forward, path = module.forward, paths[module]
@@ -216,8 +216,8 @@ def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer,
         def checked(*args: Any, **kwargs: Any) -> torch.Tensor:
             out = forward(*args, **kwargs)
             if active.get() and not state["paused"]:
-                if (isinstance(out, torch.Tensor) and not torch.compiler.is_compiling()
-                        and changed.get(module) is False and 0 < out.numel() <= limit
+                if (type(out) is torch.Tensor and changed.get(module) is False and not compiling()
+                        and 0 < out.numel() <= limit
                         and out.is_cpu and out.is_contiguous() and out.untyped_storage().nbytes() == out.nbytes):
                     kept.append((path, out.data, out, out._version, None))  # an alias: its version checked
                 elif module in changed:  # a module whose output a later op changes: a copy
@@ -265,7 +265,7 @@ def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer,
     return call
 
 
-def _learn_or_check(kept: list, changed: weakref.WeakKeyDictionary[nn.Module, bool]) -> None:
+def _learn_or_check(kept: list, changed: dict[nn.Module, bool]) -> None:
     """The end of a step of the general floor: a first copy teaches whether a later op changed
     its module's output; an alias's output must not have changed."""
     for _, _, out, version, module in kept:
