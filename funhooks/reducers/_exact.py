@@ -89,7 +89,7 @@ class Snapshot:
     hist_range: tuple[float, float]
 
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> Tensor | Reduced:
-        if type(output) is Tensor and _CHANGED_LATER.get(id(module)) is False and not _is_compiling():
+        if type(output) is Tensor and not _is_compiling() and _CHANGED_LATER.get(id(module)) is False:
             # the common case: the output of a module whose output nothing changed on earlier
             # steps, small, on the CPU, contiguous and owning its storage, is kept as
             # ``output.data``, an alias with a version counter of its own (the run's in-place
