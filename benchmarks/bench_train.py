@@ -30,6 +30,16 @@ timing):
   every module's train flag read, the outputs keyed by path (the step's Record) and the
   rows read to the host with ``.tolist()`` (the state, issue 26); checked equal to
   ``ActivationStats``' numbers.
+- ``floor: + checks for any model``: the contract floor above plus what keeps its numbers
+  right on a model other than this one, as ``ActivationStats``' hook and step must: per
+  output, whether it may be kept without a copy (a tensor, not inside a compiled graph, of a
+  module whose output no later op changed on an earlier step, looked up by module in a dict
+  as a spec function shared by every module must, small enough to hold until the
+  end of the step, on the CPU, contiguous so that the batched reduction sums it in torch's
+  order, owning its storage so that it holds nothing larger alive), a copy on a module's first
+  step that learns whether a later op changes its output in place; per step, the shapes and
+  dtypes compared before one stack (a model of several shapes stacks each apart); checked
+  equal to ``ActivationStats``' numbers.
 - ``floor: gradient + update kernels``: the kernels ``GradientStats`` and ``UpdateRatio`` run
   per step (stack each shape's gradients and sum / sum of squares / zero count them; copy the
   parameters before the update, subtract after it, two norms), written into the loop by hand;
@@ -76,6 +86,7 @@ NAME = "train"
 PARAMS_CASE = "fh.fit + GradientStats() + UpdateRatio()"
 FLOOR_STATS = "floor: one-line wrappers + exact reduction"
 FLOOR_CONTRACT = "floor: + the contract's work"
+FLOOR_GENERAL = "floor: + checks for any model"
 FLOOR_PARAMS = "floor: gradient + update kernels"
 FLOOR_KEPT = "floor: kernels + one value per layer"
 BATCHES_PER_CALL = 8
@@ -178,15 +189,20 @@ def _floor_stats(model: nn.Module, batches: list, opt: torch.optim.Optimizer) ->
     return call
 
 
-def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer) -> Callable[[], list]:
-    """The exact-reduction floor with the contract's work written in: see the module docstring."""
+def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer, *,
+                    general: bool = False) -> Callable[[], list]:
+    """The exact-reduction floor with the contract's work written in: see the module docstring.
+    With `general`, also the checks that keep it right on any model (see the docstring)."""
     paths = {m: p for p, m in model.named_modules() if isinstance(m, nn.Linear)}
     modules = list(model.modules())
     active: contextvars.ContextVar[bool] = contextvars.ContextVar("floor", default=False)
     state = {"paused": True}
-    kept: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+    kept: list[tuple[str, torch.Tensor, torch.Tensor | None, int, nn.Module | None]] = []
     rows: list[list] = []
     training = operator.attrgetter("training")
+    changed: dict[nn.Module, bool] = {}  # held for the call (the benchmark's modules live on anyway)
+    limit = fh.reducers.activation_stats.REDUCE_IN_HOOK_NUMEL
+    compiling = torch.compiler.is_compiling
 
     def wrap(module: nn.Module) -> Callable[..., torch.Tensor]:
         forward, path = module.forward, paths[module]
@@ -194,10 +210,23 @@ def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer)
         def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
             out = forward(*args, **kwargs)
             if active.get() and not state["paused"]:
-                kept.append((path, out.data, out, out._version))
+                kept.append((path, out.data, out, out._version, None))
             return out
 
-        return wrapped
+        def checked(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = forward(*args, **kwargs)
+            if active.get() and not state["paused"]:
+                if (type(out) is torch.Tensor and changed.get(module) is False and not compiling()
+                        and 0 < out.numel() <= limit
+                        and out.is_cpu and out.is_contiguous() and out.untyped_storage().nbytes() == out.nbytes):
+                    kept.append((path, out.data, out, out._version, None))  # an alias: its version checked
+                elif module in changed:  # a module whose output a later op changes: a copy
+                    kept.append((path, out.detach().clone(), None, 0, None))
+                else:  # a module not seen yet: a copy, and learn whether a later op changes its output
+                    kept.append((path, out.detach().clone(), out, out._version, module))
+            return out
+
+        return checked if general else wrapped
 
     def call() -> list:
         rows.clear()
@@ -215,9 +244,17 @@ def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer)
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 state["paused"] = True
-                _common.check(all(out._version == v for _, _, out, v in kept), "an output changed in place")
-                record = {p: (alias,) for p, alias, _, _ in kept}
-                x = torch.stack([v[0] for v in record.values()]).flatten(1)
+                if general:
+                    _learn_or_check(kept, changed)
+                else:
+                    _common.check(all(out._version == v for _, _, out, v, _ in kept), "an output changed in place")
+                record = {p: (value,) for p, value, _, _, _ in kept}
+                values = [v[0] for v in record.values()]
+                if general:  # a model of several shapes would stack each shape apart
+                    _common.check([v.shape for v in values].count(values[0].shape) == len(values)
+                                  and [v.dtype for v in values].count(values[0].dtype) == len(values),
+                                  "activations of several shapes")
+                x = torch.stack(values).flatten(1)
                 rows.append(fh.reducers._exact.row_stats(x, fh.reducers.activation_stats.NEAR_ZERO).tolist())
         finally:
             active.reset(token)
@@ -226,6 +263,16 @@ def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer)
         return rows
 
     return call
+
+
+def _learn_or_check(kept: list, changed: dict[nn.Module, bool]) -> None:
+    """The end of a step of the general floor: a first copy teaches whether a later op changed
+    its module's output; an alias's output must not have changed."""
+    for _, _, out, version, module in kept:
+        if module is not None:
+            changed[module] = out._version != version
+        elif out is not None:
+            _common.check(out._version == version, "an output changed in place")
 
 
 def _keeping(forward: Callable[..., torch.Tensor], kept: list) -> Callable[..., torch.Tensor]:
@@ -365,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hand hooks, fastai-style stats": lambda m, o: _fastai_style(m, batches, o),
         FLOOR_STATS: lambda m, o: _floor_stats(m, batches, o),
         FLOOR_CONTRACT: lambda m, o: _floor_contract(m, batches, o),
+        FLOOR_GENERAL: lambda m, o: _floor_contract(m, batches, o, general=True),
         FLOOR_PARAMS: lambda m, o: _floor_params(m, batches, o),
         FLOOR_KEPT: lambda m, o: _floor_params(m, batches, o, kept=True),
     }
@@ -382,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _common.check(res.stats == hand, "ActivationStats differs from the hand-written fastai-style hooks")
     params, floor_stats, contract = cases[PARAMS_CASE](), cases[FLOOR_STATS](), cases[FLOOR_CONTRACT]()
     _check_floors(res, params, floor_stats, contract, cases[FLOOR_PARAMS]())
-    _check_floors(res, params, floor_stats, contract, cases[FLOOR_KEPT]())
+    _check_floors(res, params, floor_stats, cases[FLOOR_GENERAL](), cases[FLOOR_KEPT]())
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = _common.time_cases(cases, baseline="bare loop", rounds=args.rounds, warmup=args.warmup,

@@ -19,7 +19,7 @@ from torch import nn
 
 from . import _torch
 
-__all__ = ["Walked", "in_mode", "modes_kept"]
+__all__ = ["InMode", "Walked", "in_mode", "modes_kept"]
 
 _TRAINING = operator.attrgetter("training")
 
@@ -60,8 +60,7 @@ class Walked:
 
 
 
-@contextlib.contextmanager
-def in_mode(model: nn.Module, training: bool, modules: list[nn.Module] | None = None) -> Iterator[None]:
+def in_mode(model: nn.Module, training: bool, modules: list[nn.Module] | None = None) -> InMode:
     """Inside the block `model` is in train (or eval) mode; after it, every module's flag is
     what it was before. `modules`: ``_torch.walk(model)`` where the caller has it (a
     :class:`Walked`'s); nothing is set or restored when every module is in the mode already.
@@ -78,17 +77,29 @@ def in_mode(model: nn.Module, training: bool, modules: list[nn.Module] | None = 
         >>> model.training, model[0].training, model[1].training
         (False, False, True)
     """
-    if modules is None:
-        modules = _torch.walk(model)
-    flags = list(map(_TRAINING, modules))
-    if all(flags) if training else not any(flags):
-        yield
-        return
-    model.train(training)
-    try:
-        yield
-    finally:
-        _restore(list(zip(modules, flags)))
+    return InMode(model, training, _torch.walk(model) if modules is None else modules)
+
+
+class InMode:
+    """The block of :func:`in_mode`: a plain object rather than a generator's context manager,
+    since a training loop enters one per step."""
+
+    __slots__ = ("model", "modes", "modules", "training")
+
+    def __init__(self, model: nn.Module, training: bool, modules: list[nn.Module]) -> None:
+        self.model, self.training, self.modules = model, training, modules
+        self.modes: list[tuple[nn.Module, bool]] | None = None
+
+    def __enter__(self) -> None:
+        flags = list(map(_TRAINING, self.modules))
+        if all(flags) if self.training else not any(flags):
+            return
+        self.modes = list(zip(self.modules, flags))
+        self.model.train(self.training)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.modes is not None:
+            _restore(self.modes)
 
 
 @contextlib.contextmanager

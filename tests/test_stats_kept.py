@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import reducer_kit as kit
 import torch
@@ -76,3 +78,19 @@ def test_an_output_sharing_a_larger_storage_is_copied() -> None:
     kept = [s.record["1"][stats.record_name] for s in steps]
     assert all(t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in kept)
 
+
+
+def test_a_freed_modules_knowledge_does_not_pass_to_a_new_module() -> None:
+    """What ActivationStats learned of a module (nothing changes its output) goes with it: a
+    new module, which may reuse the freed one's memory, is copied on its first step, so a
+    later op changing its output in place costs nothing (no StaleTensorError, exact stats)."""
+    for _ in range(20):
+        quiet = Bumped(set())
+        fh.fit(quiet, kit.batches(1), kit.MSE, kit.frozen_opt(quiet), fh.ActivationStats(modules="fc"))
+        del quiet
+        gc.collect()
+        model = Bumped(set(range(2)))
+        batches = kit.batches(2)
+        res = fh.fit(model, batches, kit.MSE, kit.frozen_opt(model), fh.ActivationStats(modules="fc"))
+        o = model.fc(batches[1][0]).detach()
+        assert res.stats[1][0]["std"] == o.std().item()

@@ -28,7 +28,7 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _frozen, _torch
+from funhooks import _frozen
 from funhooks.errors import ReducerError, StaleTensorError
 from funhooks.specs.selector import path_label as where
 
@@ -57,11 +57,23 @@ SOURCE = "_funhooks_source"
 """The attribute by which a kept activation names the output it stands for: the output, its
 version counter at the hook, its module, and whether this is the module's first copy."""
 
-_CHANGED_LATER: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-"""Per module: whether some op changed its output in place after the hook saw it (an
-``inplace=True`` activation, a ``+=`` residual), learned from the copy kept on the first
-recorded step that reached it. Modules whose output nothing changes are then kept without a
-copy; the others are copied in the hook."""
+_CHANGED_LATER: dict[int, bool] = {}
+"""Per module, by ``id`` (the entry goes when the module is freed, see :func:`_learn`): whether
+some op changed its output in place after the hook saw it (an ``inplace=True`` activation, a
+``+=`` residual), learned from the copy kept on the first recorded step that reached it.
+Modules whose output nothing changes are then kept without a copy; the others are copied in
+the hook. Keyed by ``id`` rather than weakly by module: the hook reads it on every call, and a
+dict's ``get`` is one C call where a ``WeakKeyDictionary``'s is a Python one."""
+
+_is_compiling = torch.compiler.is_compiling
+"""True while dynamo traces the calling code (read on every call of the hook)."""
+
+
+def _learn(module: nn.Module, changed: bool) -> None:
+    """Note in :data:`_CHANGED_LATER` whether `module`'s output was changed after its hook."""
+    if id(module) not in _CHANGED_LATER:  # the id is not reused before the module is freed
+        weakref.finalize(module, _CHANGED_LATER.pop, id(module), None).atexit = False
+    _CHANGED_LATER[id(module)] = changed
 
 
 @_frozen.frozen
@@ -77,6 +89,22 @@ class Snapshot:
     hist_range: tuple[float, float]
 
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> Tensor | Reduced:
+        if type(output) is Tensor and not _is_compiling() and _CHANGED_LATER.get(id(module)) is False:
+            # the common case: the output of a module whose output nothing changed on earlier
+            # steps, small, on the CPU, contiguous and owning its storage, is kept as
+            # ``output.data``, an alias with a version counter of its own (the run's in-place
+            # check must not fire on it), noting the output's own counter, which :func:`_check`
+            # compares at the end of the step
+            n = output.numel()
+            if (0 < n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous()
+                    and output.untyped_storage().nbytes() == n * output.element_size()):
+                try:
+                    version = output._version
+                except RuntimeError:  # an inference tensor has no counter
+                    return output.clone()
+                alias = output.data
+                alias.__dict__[SOURCE] = (output, version, module, False)
+                return alias
         if not isinstance(output, Tensor):
             kind = type(module).__name__
             raise ReducerError(
@@ -89,9 +117,9 @@ class Snapshot:
             hist = output.new_zeros(self.hist_bins, dtype=torch.float32) if self.with_hist else None
             return (0, output.new_full((3,), math.nan, dtype=torch.float64), hist)
         if n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous():
-            if _torch.is_compiling():  # a compiled model: the graph hands back a copy, no alias to check
+            if _is_compiling():  # a compiled model: the graph hands back a copy, no alias to check
                 return output.detach()
-            return keep(module, output, n)
+            return copied(module, output)
         return self.reduce(output.detach())
 
     def reduce(self, o: Tensor) -> Reduced:
@@ -104,26 +132,14 @@ class Snapshot:
         return (n, row, x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None)
 
 
-def keep(module: nn.Module, output: Tensor, n: int) -> Tensor:
-    """The activation as the step's reduction will read it.
-
-    An output nothing changed after the hook on earlier steps is kept as ``output.data``, an
-    alias with a version counter of its own (the run's in-place check must not fire on it),
-    noting the output's own counter, which :func:`_check` compares at the end of the step.
-    Other outputs are copied; the first copy of a module's output also notes the module, so
-    that the end of the step learns whether the output changed.
-    """
-    changed = _CHANGED_LATER.get(module)
-    if changed is False and type(output) is Tensor and output.untyped_storage().nbytes() == n * output.element_size():
-        try:
-            version = output._version  # it owns its storage; an inference tensor has no counter
-        except RuntimeError:
-            return output.clone()
-        alias = output.data
-        alias.__dict__[SOURCE] = (output, version, module, False)
-        return alias
+def copied(module: nn.Module, output: Tensor) -> Tensor:
+    """A small activation the hook does not keep as an alias, as the step's reduction will read
+    it: a copy (its module's output is changed by a later op, or it is not known yet whether it
+    is; it is a tensor subclass, or it shares a larger storage). The first copy of a module's
+    output also notes the module, so that the end of the step learns whether the output
+    changed."""
     copy = output.detach().clone()
-    if changed is None and not output.is_inference():
+    if _CHANGED_LATER.get(id(module)) is None and not output.is_inference():
         copy.__dict__[SOURCE] = (output, output._version, module, True)
     return copy
 
@@ -140,9 +156,9 @@ def _check(source: Source, path: str, iteration: int) -> None:
     output, version, module, learning = source
     changed = output._version != version
     if learning:
-        _CHANGED_LATER[module] = changed
+        _learn(module, changed)
     elif changed:
-        _CHANGED_LATER[module] = True
+        _learn(module, True)
         raise StaleTensorError(
             f"ActivationStats: an output kept without a copy must not change after the hook, got the output of module "
             f"{where(path)} changed in place on train iteration {iteration}, which earlier steps never did, so its "
@@ -273,20 +289,23 @@ class Entry(NamedTuple):
     hist: Tensor | None
 
 
-def reduce_step(values: list[Any], paths: list[str], snap: Snapshot,
+def reduce_step(values: list[Any], paths: tuple[str, ...] | list[str], snap: Snapshot,
                 iteration: int) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
     """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
     checked by :func:`_check` first: kept activations of one shape and dtype are stacked
     and reduced together; ``order[i]`` is value i's row."""
-    kept = [(v, p) for v, p in zip(values, paths) if type(v) is not tuple]
-    for v, p in kept:  # pop every note (it holds the output), check those that can have changed
+    kept = True  # every value kept by the hook (none reduced there)
+    for v, p in zip(values, paths):  # pop every note (it holds the output), check those that can have changed
+        if type(v) is tuple:
+            kept = False
+            continue
         source = v.__dict__.pop(SOURCE, None)
         if source is not None and (source[3] or source[0]._version != source[1]):
             _check(source, p, iteration)
     first = values[0]
-    uniform = len(kept) == len(values) and ([v.shape for v in values].count(first.shape) == len(values)
-                                            and [v.dtype for v in values].count(first.dtype) == len(values))
-    if uniform:  # the common case: every activation kept, all of one shape
+    if kept and ([v.shape for v in values].count(first.shape) == len(values)
+                 and [v.dtype for v in values].count(first.dtype) == len(values)):
+        # the common case: every activation kept, all of one shape
         x = torch.stack(values).flatten(1)
         if x.dtype != torch.float32:
             x = x.float()
@@ -333,13 +352,13 @@ def reduce_calls(calls: dict[str, tuple[Tensor | Reduced, ...]], snap: Snapshot,
     bit); each further round of calls is reduced the same way and added by :func:`combine`
     (Chan's exact merge, as two ranks' parts of one step).
     """
-    paths, values = list(calls), list(calls.values())
-    rounds = max(map(len, values))
-    if rounds == 1:  # the common case: one call per module
-        order, ns, rows, hist = reduce_step([v[0] for v in values], paths, snap, iteration)
-        return Entry(iteration, tuple(paths), ns, order, rows, hist)
+    paths = tuple(calls)
+    if max(map(len, calls.values())) == 1:  # the common case: one call per module
+        order, ns, rows, hist = reduce_step([v for v, in calls.values()], paths, snap, iteration)
+        return Entry(iteration, paths, ns, order, rows, hist)
+    values = list(calls.values())
     entries = []
-    for k in range(rounds):
+    for k in range(max(map(len, values))):
         here = [(p, v[k]) for p, v in zip(paths, values) if len(v) > k]
         ps = [p for p, _ in here]
         order, ns, rows, hist = reduce_step([v for _, v in here], ps, snap, iteration)

@@ -50,7 +50,7 @@ def add_step(state: State, step: Step, every: int | None, name: str) -> State:
     paths, values = red.last_values(step.record, name)
     if not values:
         return (state, Entry(step.iteration, (), []))
-    return (state, Entry(step.iteration, tuple(paths), red.settled(stacked(values))))
+    return (state, Entry(step.iteration, tuple(paths), red.settled(torch.stack(values))))
 
 
 def table(state: State, reducer: str, name: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> Table:
@@ -76,16 +76,6 @@ def scalars(state: State, since: int, finish: Callable[[torch.Tensor], torch.Ten
         return {}
     (rows,) = Table([last[1]], finish).rows()
     return red.layer_scalars(rows, columns)
-
-
-def stacked(values: list[torch.Tensor]) -> torch.Tensor:
-    """The rows of `values` as one tensor: their base itself when they are its rows in order
-    (what a watch that unbinds one tensor stores), else a stack."""
-    base = values[0]._base
-    if (base is not None and base.shape[0] == len(values) and base.is_contiguous()
-            and all(v._base is base and v.storage_offset() == i * v.numel() for i, v in enumerate(values))):
-        return base
-    return torch.stack(values)
 
 
 def merge(a: State, b: State, same: Callable[[Entry, Entry], Entry]) -> State:

@@ -31,7 +31,7 @@ class Groups:
     sums; any other ``DTensor`` is gathered whole first.
     """
 
-    __slots__ = ("counts", "group", "layers", "members", "owner", "owners", "shards", "starts", "views")
+    __slots__ = ("aligned", "counts", "group", "layers", "members", "owner", "owners", "shards", "starts", "views")
 
     def __init__(self, tensors: Sequence[torch.Tensor], owners: Sequence[int], layers: int) -> None:
         groups = [_torch.shard_group(t) for t in tensors]
@@ -47,6 +47,9 @@ class Groups:
         self.members = list(found.values())
         self.owners = [owners[i] for members in self.members for i in members]
         self.layers = layers
+        # each group one tensor of every layer, in layer order (a weight and a bias per layer):
+        # per-layer sums are the groups' rows added, with no index
+        self.aligned = all([owners[i] for i in members] == list(range(layers)) for members in self.members)
         self.owner: dict[torch.device, torch.Tensor] = {}
         self.starts: dict[tuple[torch.device, int, bool], torch.Tensor] = {}
         self.counts = [0.0] * layers  # per layer, its tensors' whole element counts (a complex one's two parts)
@@ -72,23 +75,26 @@ class Groups:
         """Per layer, the sum of the per-tensor rows (one ``(members, k)`` table per group), float64;
         with `counts`, each layer's element count first (a column the rows need not carry)."""
         device = rows[0].device
-        table = torch.cat([r.to(device, torch.float64) for r in rows]) if len(rows) > 1 else rows[0].double()
-        if self.group is not None:
-            _over_shards(table, self.shards, self.group)
-        index = self.owner.get(device)
-        if index is None:
-            index = self.owner[device] = torch.tensor(self.owners, dtype=torch.long, device=device)
-        k = table.shape[1]
+        k = rows[0].shape[1]
         start = self.starts.get((device, k, counts))
         if start is None:
             start = torch.zeros(self.layers, k + counts, dtype=torch.float64, device=device)
             if counts:
                 start[:, 0] = torch.tensor(self.counts, dtype=torch.float64)
             self.starts[device, k, counts] = start
-        if not counts:
-            return start.index_add(0, index, table)
         out = start.clone()
-        out[:, 1:].index_add_(0, index, table)
+        sums = out[:, 1:] if counts else out
+        if self.aligned and self.group is None:  # each row of each group is its layer's: added in place, in
+            for r in rows:  # the order index_add would add them, so the very same float64 sums
+                sums.add_(r)
+            return out
+        table = torch.cat([r.to(device, torch.float64) for r in rows]) if len(rows) > 1 else rows[0].double()
+        if self.group is not None:
+            _over_shards(table, self.shards, self.group)
+        index = self.owner.get(device)
+        if index is None:
+            index = self.owner[device] = torch.tensor(self.owners, dtype=torch.long, device=device)
+        sums.index_add_(0, index, table)
         return out
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -230,7 +230,7 @@ class ActivationStats:
         last = red.newest(state, since)
         if not last:
             return {}
-        res = ActivationStatsResult((ex.live(last[1]),), False)
+        res = ActivationStatsResult((last[1],), False)
         rows = {p: [s["mean"], s["std"], s["near_zero"]] for p, s in zip(res.paths, res.stats[0]) if s is not None}
         return red.layer_scalars(rows, ("mean", "std", "near_zero"))
 
@@ -241,7 +241,7 @@ class ActivationStats:
             ReducerError: when steps were recorded and none of them holds this reducer's
                 values (steps run without its specs, or no selected module ever ran).
         """
-        entries = tuple(ex.live(e) for e in red.unroll(state))
+        entries = tuple(red.unroll(state))
         if entries and not any(e.paths for e in entries):
             raise ReducerError(
                 f"ActivationStats: a recorded train step holds the records of the reducer's specs, got "
@@ -269,7 +269,7 @@ class ModuleStats(_Hist):
 
 @_frozen.frozen
 @attrs.frozen(eq=False)
-class ActivationStatsResult(red.Steps):
+class ActivationStatsResult:
     """The result of :class:`ActivationStats`: per recorded step, per module path statistics.
 
     ``paths`` lists every module that ran on some recorded step, in module order (two
@@ -296,18 +296,41 @@ class ActivationStatsResult(red.Steps):
         True
     """
 
-    entries: tuple[ex.Entry, ...]
+    kept: tuple[ex.Entry | ex.Kept, ...]
+    """Per recorded step, its entry as the state keeps it (on the CPU, numbers: see
+    :func:`~funhooks.reducers._exact.settled`)."""
     with_hist: bool
-    paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(red.entry_paths, takes_self=True))
+    paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(
+        lambda self: red.module_order(e.paths for e in self.kept), takes_self=True))
     """The module paths, in module order: every module that ran on some recorded step."""
+    _live: list[tuple[ex.Entry, ...]] = attrs.field(init=False, factory=list, repr=False)
+    """:attr:`entries`, once read."""
+
+    @property
+    def entries(self) -> tuple[ex.Entry, ...]:
+        """Per recorded step, its entry with tensors (made from the kept numbers when first
+        read: a result that is only passed on, or read through ``stats``, never makes them)."""
+        if not self._live:
+            self._live.append(tuple(ex.live(e) for e in self.kept))
+        return self._live[0]
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        """The train iterations recorded."""
+        return tuple(e.iteration for e in self.kept)
+
+    def __len__(self) -> int:
+        return len(self.kept)
 
     def _host_rows(self) -> list[list[list[float]]]:
+        if all(type(e) is ex.Kept for e in self.kept):  # a CPU run: the numbers are on the host already
+            return [cast(ex.Kept, e).rows.values for e in self.kept]
         rows = [e.rows for e in self.entries]
         if rows and all(r.shape == rows[0].shape and r.dtype == rows[0].dtype for r in rows):
             return torch.stack(rows).tolist()  # one copy to the host for all steps
         return [r.tolist() for r in rows]
 
-    def _positions(self, entry: ex.Entry) -> list[int | None]:
+    def _positions(self, entry: ex.Entry | ex.Kept) -> list[int | None]:
         """For each of ``paths``, its index in ``entry.paths``, or None where it did not run."""
         if entry.paths == self.paths:
             return list(range(len(entry.paths)))
@@ -321,7 +344,7 @@ class ActivationStatsResult(red.Steps):
         ``stats``; ``None`` for a module that did not run on that step."""
         out = []
         hists = [cast(torch.Tensor, e.hist).cpu() for e in self.entries] if self.with_hist else None
-        for s, (entry, rows) in enumerate(zip(self.entries, self._host_rows())):
+        for s, (entry, rows) in enumerate(zip(self.kept, self._host_rows())):
             per_module: list[ModuleStats | None] = []
             for i in self._positions(entry):
                 if i is None:
@@ -399,5 +422,5 @@ class ActivationStatsResult(red.Steps):
         return plot.plot_layer_stats(self, idx, figsize=figsize)
 
     def __repr__(self) -> str:
-        return f"ActivationStatsResult({len(self.entries)} steps, paths={list(self.paths)}, with_hist={self.with_hist})"
+        return f"ActivationStatsResult({len(self.kept)} steps, paths={list(self.paths)}, with_hist={self.with_hist})"
 

@@ -13,7 +13,8 @@ record; when no reducer of a :func:`fit` does, the step runs with the hooks paus
 ``watches``, the :class:`~funhooks.OptimizerWatch` values whose records it reads (what the
 optimizer sees at each step: final gradients, parameters before and after).
 
-``fold`` is ``toolz.reduce(reducer.step, steps, reducer.init())`` plus ``result``;
+``fold`` is ``toolz.reduce(reducer.step, steps, reducer.init())`` plus ``result``, written as a
+loop that lets each step (and the activations its record holds) go before the next one runs;
 ``fold_all`` advances several reducers over one pass; ``fit`` trains with the union of
 their specs and folds them. The steps generator is always closed when a fold ends, so a
 reducer that raises never leaves hooks on the model.
@@ -142,7 +143,11 @@ def fold(reducer: Reducer[S, R_co], steps: Iterable[Step]) -> R_co:
     """
     check_reducer(reducer, "fold")
     try:
-        return reducer.result(toolz.reduce(reducer.step, steps, reducer.init()))
+        state = reducer.init()
+        for step in steps:
+            state = reducer.step(state, step)
+            del step  # freed (with its record) before the next step runs, as functools.reduce would not
+        return reducer.result(state)
     finally:
         _close(steps)
 
@@ -223,11 +228,11 @@ def fold_all(reducers: Reducers, steps: Iterable[Step]) -> Any:
     shape, items = as_items(reducers, "fold_all")
     steppers = tuple(r.step for r in items)
 
-    def advance(states: tuple[object, ...], step: Step) -> tuple[object, ...]:
-        return tuple(f(s, step) for f, s in zip(steppers, states))
-
     try:
-        states = toolz.reduce(advance, steps, toolz.juxt(*(r.init for r in items))())
+        states = [r.init() for r in items]
+        for step in steps:
+            states = [f(s, step) for f, s in zip(steppers, states)]
+            del step  # freed (with its record) before the next step runs
         return shape([r.result(s) for r, s in zip(items, states)])
     finally:
         _close(steps)
@@ -238,6 +243,8 @@ def records_of(items: tuple[AnyReducer, ...]) -> Callable[[int, bool], bool] | N
     methods = [getattr(r, "records", None) for r in items if r.specs or watches_of(r)]  # optional: not in Reducer
     if any(not callable(m) for m in methods):
         return None
+    if len(methods) == 1:
+        return cast("Callable[[int, bool], bool]", methods[0])
     wants = toolz.juxt(*methods)
     return lambda iteration, training: any(wants(iteration, training))
 

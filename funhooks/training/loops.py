@@ -32,7 +32,6 @@ from torch import nn
 
 from funhooks._modes import Walked, in_mode
 from funhooks.errors import LoopError
-from funhooks.records.record import Record
 from funhooks.specs.spec import Spec
 
 from . import _batches as _batch
@@ -83,8 +82,8 @@ def train_steps(
     recorder = Recorder(model, specs, watches, opt, caller)
     # without `step`, check_step made sure of both; with it, neither is called
     builtin = cast(LossFn, loss_fn), cast(Optimizer, opt)
-    steps = _train(model, batches, builtin, step, recorder.held if held else recorder, epochs, accumulate, to_device,
-                   records, start_iteration, caller)
+    steps = _train(model, batches, builtin, step, recorder, held, epochs, accumulate, to_device, records,
+                   start_iteration, caller)
     return _ending(steps, recorder) if held else steps
 
 
@@ -97,8 +96,8 @@ def _ending(steps: Generator[Step, None, None], recorder: Recorder) -> Generator
 
 
 def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, Optimizer], step: StepFn | None,
-           recorder: Callable[[Callable[[], Outcome]], tuple[Outcome, Record]], epochs: int, accumulate: int, to_device: bool, records: Records | None, iteration: int,
-           caller: str) -> Generator[Step, None, None]:
+           recorder: Recorder, held: bool, epochs: int, accumulate: int, to_device: bool, records: Records | None,
+           iteration: int, caller: str) -> Generator[Step, None, None]:
     loss_fn, opt = builtin
     device = _batch.model_device(model) if to_device else None
     walked = Walked(model)
@@ -112,12 +111,14 @@ def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, O
                 if step is None:
                     return work.builtin_step(model, group, start, loss_fn, opt, caller), None
                 return work.outcome(step(model, group[0] if accumulate == 1 else group), caller)
-            with in_mode(model, True, walked()):
+            modules = walked()
+            with in_mode(model, True, modules):
                 if records is None or records(iteration, True):
-                    (loss, metrics), record = recorder(run)
+                    (loss, metrics), record = recorder.held(run, modules) if held else recorder(run)
                 else:
                     (loss, metrics), record = run(), EMPTY_RECORD
             yield Step(epoch, iteration, loss, record, True, metrics)
+            del record
             iteration += 1
             start += len(group)
         if start == 0:

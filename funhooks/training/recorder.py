@@ -28,7 +28,7 @@ from funhooks.specs.spec import Spec
 
 from ._one_step import Optimizers
 from .step import EMPTY_RECORD
-from .watch import OptimizerWatch, Seen, Stored, Watching, as_watches, optimizers
+from .watch import OptimizerWatch, Stored, Watching, as_watches, optimizers
 
 __all__ = ["Recorder"]
 
@@ -38,7 +38,9 @@ T = TypeVar("T")
 class Recorder:
     """What one step's specs and watches stored, one step (or one stretch) at a time."""
 
-    __slots__ = ("caller", "model", "paused", "run", "seen", "specs", "watching")
+    __slots__ = ("caller", "model", "paused", "run", "specs", "walk", "watching")
+    paused: contextlib.AbstractContextManager[None] | None
+    """While paused: the block that pauses the run (its ``__exit__`` resumes it)."""
 
     def __init__(self, model: nn.Module, specs: Spec | Iterable[Spec],
                  watches: OptimizerWatch | Iterable[OptimizerWatch], opts: Optimizers | None, caller: str, *,
@@ -61,8 +63,8 @@ class Recorder:
                                 "Give the OptimizerWatch another `name=`.")
             self.watching = Watching(model, watches, optimizers(opts, caller), caller, manual_before=manual_before)
         self.run: Run | None = None
-        self.paused: contextlib.ExitStack | None = None
-        self.seen: Seen | None = None  # the model's modules when :meth:`held` opened its run
+        self.paused = None
+        self.walk: list[nn.Module] | None = None  # the model's modules at :meth:`held`'s last step
 
     @property
     def active(self) -> bool:
@@ -90,31 +92,41 @@ class Recorder:
             raise
         return result, self.close()
 
-    def held(self, work: Callable[[], T]) -> tuple[T, Record]:
+    def held(self, work: Callable[[], T], modules: list[nn.Module]) -> tuple[T, Record]:
         """``work()`` as one recorded step of a recording kept open from step to step and paused
         between them (see :meth:`end`), and the step's Record: what ``fh.fit`` does, where
-        nothing but the reducers runs between steps. The run is made afresh when a module was
-        added, removed or replaced since the last step (as :meth:`__call__` would)."""
+        nothing but the reducers runs between steps. The run is made afresh, and the watches
+        find their layers again, when a module was added, removed or replaced since the last
+        step (as :meth:`__call__` would).
+
+        Args:
+            modules: the model's modules as the loop's :class:`~funhooks._modes.Walked` gave
+                them for this step: the very list of the last step while no module was added,
+                removed or replaced (so the structure is compared once a step, by the loop).
+        """
         if not self.active:
             return work(), EMPTY_RECORD
-        if self.specs is not None and (self.seen is None or not self.seen.holds(())):
+        same = modules is self.walk
+        self.walk = modules
+        if self.specs is not None and not same:
             self._stop()
             self.open()
-            self.seen = Seen.of(self.model, ())
+        elif self.paused is not None:
+            self.resume(same)
         else:
-            self.resume() if self.paused is not None else self.open()
+            self.open()
         try:
             result = work()
         except BaseException:
             self.end()
             raise
         record = self.take()
-        self.pause()
+        self.pause(hold=True)
         return result, record
 
     def end(self) -> None:
         """Stop what :meth:`held` kept open: everything detached, nothing read."""
-        self.seen = None
+        self.walk = None
         self.abort()
 
     def _run(self) -> Run:
@@ -154,14 +166,14 @@ class Recorder:
         """Stop recording; the Record of everything since :meth:`open` (or the last :meth:`take`)."""
         run = self._stop()
         record = EMPTY_RECORD if run is None else run.record
-        return self._merged(record, self.watching.take() if self.watching is not None else {})
+        return self._merged(record, self.watching.take() if self.watching is not None else [])
 
     def _stop(self) -> Run | None:
         paused, self.paused = self.paused, None
         run, self.run = self.run, None
         try:
             if paused is not None:
-                paused.close()
+                paused.__exit__(None, None, None)
             if run is not None:
                 run.__exit__(None, None, None)
         finally:
@@ -172,24 +184,28 @@ class Recorder:
     def take(self) -> Record:
         """The Record of everything since :meth:`open` or the last take; recording goes on."""
         record = EMPTY_RECORD if self.run is None else self.run.take()
-        return self._merged(record, self.watching.take() if self.watching is not None else {})
+        return self._merged(record, self.watching.take() if self.watching is not None else [])
 
-    def pause(self) -> None:
-        """Record nothing until :meth:`resume` (steps no reducer reads)."""
+    def pause(self, *, hold: bool = False) -> None:
+        """Record nothing until :meth:`resume` (steps no reducer reads); `hold` leaves the
+        optimizer hooks registered, reading nothing (:meth:`held`: nothing but the reducers
+        runs before the next step)."""
         if self.paused is None:
-            self.paused = contextlib.ExitStack()
-            if self.run is not None:
-                self.paused.enter_context(self.run.paused())
+            # entered and left by hand, not by an ExitStack: fit pauses and resumes once a step
+            paused = self.run.paused() if self.run is not None else contextlib.nullcontext()
+            paused.__enter__()
+            self.paused = paused
             if self.watching is not None:
-                self.watching.detach()
+                self.watching.pause() if hold else self.watching.detach()
 
-    def resume(self) -> None:
-        """Record again after :meth:`pause`."""
+    def resume(self, same: bool = False) -> None:
+        """Record again after :meth:`pause`; `same`: the caller saw that no module was added,
+        removed or replaced since (the watches need not look)."""
         paused, self.paused = self.paused, None
         if paused is not None:
-            paused.close()
+            paused.__exit__(None, None, None)
             if self.watching is not None:
-                self.watching.attach()
+                self.watching.attach(same=same)
 
     def _merged(self, record: Record, data: Stored) -> Record:
         """`record` with the watches' values added, paths in module order."""
@@ -197,14 +213,24 @@ class Recorder:
         if not data or watching is None:
             return record
         merged: dict[str, dict[str, tuple[object, ...]]] = {p: dict(names) for p, names in record._data.items()}
-        for path, names in data.items():
-            node = merged.get(path)
-            if node is None:
-                merged[path] = {name: tuple(values) for name, values in names.items()}
+        names: set[str] = set()
+        for name, values in data:  # a watch's values of one optimizer step
+            if not merged:  # the first into an empty record: its nodes at once
+                merged = {path: {name: (value,)} for path, value in values.items()}
+            elif name not in names and list(values) == list(merged):  # a new name on the same layers
+                for names_of, value in zip(merged.values(), values.values()):
+                    names_of[name] = (value,)
             else:
-                node.update((name, tuple(values)) for name, values in names.items())
-        keys = [watching.key(p) for p in merged]
-        if any(a > b for a, b in zip(keys, keys[1:])):
+                for path, value in values.items():
+                    node = merged.get(path)
+                    if node is None:
+                        merged[path] = {name: (value,)}
+                    else:
+                        calls = node.get(name)
+                        node[name] = (value,) if calls is None else (*calls, value)
+            names.add(name)
+        order = watching.order  # a module's path; a parameter's is found by `key`
+        keys = [order.get(p) or watching.key(p) for p in merged]
+        if keys != sorted(keys):
             merged = {p: merged[p] for _, p in sorted(zip(keys, merged))}
         return with_notes_of(merged, record)
-

@@ -45,8 +45,10 @@ __all__ = ["Layers", "OptimizerWatch", "Seen", "Watching", "optimizers"]
 
 T = TypeVar("T")
 
-Stored: TypeAlias = dict[str, dict[str, list[object]]]
-"""What the watches stored, by layer path, then record name: one value per optimizer step."""
+Stored: TypeAlias = list[tuple[str, Mapping[str, object]]]
+"""What the watches stored, in the order they stored it: per watch and optimizer step, the
+watch's record name and its ``{path: value}`` mapping (made into a Record's nodes once, when
+the step's Record is built)."""
 
 
 @_frozen.frozen
@@ -170,25 +172,28 @@ class Watching:
                     f"optimizers holding none of those of {watch!r}. Pass the optimizer of this model's parameters."
                 )
         self.carries: dict[tuple[int, int], Any] = {}
-        self.data: Stored = {}
+        self.data: Stored = []
         self.handles: list[_Handle] = []
         self.current: dict[int, list[Layers | None]] = {}
-        self.owner = 0
+        self.owner: int | None = None  # the thread whose optimizer steps are read; None: paused
 
     def _layers(self, opt: torch.optim.Optimizer) -> list[Layers | None]:
         """Per watch, its layers for `opt` (None: none of them)."""
         return [self.resolved.layers(opt, watch.where) for watch in self.watches]
 
-    def attach(self) -> None:
+    def attach(self, *, same: bool = False) -> None:
         """Register the hooks on every optimizer, for the calling thread, on the layers of the
-        model as it is now."""
+        model as it is now; `same`: the caller saw that no module was added, removed or
+        replaced since the last attach, so only the param groups are compared."""
         self.owner = threading.get_ident()
-        if not self.seen.holds(self.opts):  # a module or a param group added or removed
+        if not (self.seen.groups == _groups(self.opts) if same else self.seen.holds(self.opts)):  # something added or removed
             self.resolved = _Resolved.get(self.model, self.wheres, self.caller, self.watches, strict=False)
             self.seen = Seen.of(self.model, self.opts)
             self.current = {}
         if not self.current:  # else the last step's layers: nothing they depend on changed
             self.current = {id(opt): self._layers(opt) for opt in self.opts}
+        if self.handles:  # kept registered while paused (:meth:`pause`)
+            return
         try:
             for opt in self.opts:
                 if not self.manual:
@@ -198,8 +203,17 @@ class Watching:
             self.detach()
             raise
 
+    def pause(self) -> None:
+        """Read no optimizer step until :meth:`attach`, the hooks left registered (``fh.fit``,
+        whose steps follow each other with nothing but the reducers between them, spares two
+        registrations and two removals per optimizer per step); forget carries of updates that
+        never happened."""
+        self.owner = None
+        self.carries.clear()
+
     def detach(self) -> None:
         """Remove the hooks; forget carries of updates that never happened."""
+        self.owner = None
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -217,24 +231,25 @@ class Watching:
         """Run every watch's ``before`` for `opt`'s layers (gradients final, parameters old)."""
         if id(opt) not in self.current:
             opt = optimizers(opt, self.caller)[0]
-        for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
-            if layers is not None:
-                self.carries[i, id(opt)] = self._call(watch, watch.before, layers)
+        with torch.no_grad():
+            for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
+                if layers is not None:
+                    self.carries[i, id(opt)] = self._call(watch, watch.before, layers)
 
     def after(self, opt: torch.optim.Optimizer) -> None:
         """Run every watch's ``after`` for `opt` and store the values (parameters new)."""
-        for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
-            if layers is None or (i, id(opt)) not in self.carries:
-                continue
-            carry = self.carries.pop((i, id(opt)))
-            values = carry if watch.after is None else self._call(watch, watch.after, layers, carry)
-            for path, value in values.items():
-                self.data.setdefault(path, {}).setdefault(watch.name, []).append(value)
+        with torch.no_grad():
+            for i, (watch, layers) in enumerate(zip(self.watches, self.current.get(id(opt)) or self._layers(opt))):
+                if layers is None or (i, id(opt)) not in self.carries:
+                    continue
+                carry = self.carries.pop((i, id(opt)))
+                values = carry if watch.after is None else self._call(watch, watch.after, layers, carry)
+                self.data.append((watch.name, values))
 
     def _call(self, watch: OptimizerWatch, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` (under the caller's ``torch.no_grad()``), its errors named after `watch`."""
         try:
-            with torch.no_grad():
-                return fn(*args)
+            return fn(*args)
         except HookError:
             raise
         except Exception as err:
@@ -242,6 +257,11 @@ class Watching:
                 f"{self.caller}: the function of {watch!r} raised {type(err).__name__} at an optimizer step: {err}. "
                 "Fix the function; the optimizer's hooks were removed."
             ) from err
+
+    @property
+    def order(self) -> dict[str, tuple[int, int]]:
+        """The key of each module's path in the model's module order (see :meth:`key`)."""
+        return self.resolved.order
 
     def key(self, path: str) -> tuple[int, int]:
         """Where `path` comes in the model's module order (a parameter's path: just after its module's)."""
@@ -252,8 +272,8 @@ class Watching:
         return key
 
     def take(self) -> Stored:
-        """What the watches stored since the last take, by path then name; starts afresh."""
-        data, self.data = self.data, {}
+        """What the watches stored since the last take; starts afresh."""
+        data, self.data = self.data, []
         return data
 
 
