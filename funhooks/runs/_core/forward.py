@@ -209,14 +209,16 @@ class Forward(Generic[T]):
         self.reducer = self.reduce_ex  # made once: the module's `__reduce_ex__` while installed, if it had none
         self.own, self.slot = own, slot
         self.users: Users[T] | None = ()
-        plain = own is not None and slot is not None and own.plain
         # the common case, read by one load while the slot's frame is the only user and its table
         # only observes: the slot; else None. The table's observers are `obs`, and `key` is set
         # when they only store the output as is
-        self.eligible: Slot | None = slot if plain else None
         self.fast: Slot | None = None
-        self.obs: tuple[PostEntry, ...] = own.obs if plain else ()  # type: ignore[union-attr]
-        self.key: Key | None = getattr(own, "stores", None) if plain else None
+        if slot is not None and own is not None and own.plain:
+            self.eligible: Slot | None = slot
+            self.obs: tuple[PostEntry, ...] = own.obs
+            self.key: Key | None = own.stores  # type: ignore[attr-defined]
+        else:
+            self.eligible, self.obs, self.key = None, (), None
 
     def current_users(self) -> Users[T]:
         """The runs using this forward, ``(frame, table)`` each, outermost first."""

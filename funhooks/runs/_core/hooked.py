@@ -73,7 +73,8 @@ class Hooked:
         edits: list[PostEntry] = []
         grads: list[PostEntry] = []
         obs: list[PostEntry] = []
-        as_is: list[Key] = []  # the keys of the specs storing the output as is
+        last: Spec | None = None  # the last forward spec, and its key
+        last_key: Key | None = None
         backward: list[tuple[bool, BackwardEntry]] = []
         backward_pre: list[tuple[bool, BackwardEntry]] = []
         ops: dict[str, list[OpEntry]] = {}
@@ -92,8 +93,7 @@ class Hooked:
                 edits.append(intervene_entry(spec, key, rank))
             elif spec.hook == "forward":
                 (edits if spec.is_edit else obs).append(post_entry(spec, key, copies))
-                if stores_as_is(spec, copies):
-                    as_is.append(key)
+                last, last_key = spec, key
             elif spec.hook == "backward":
                 backward.append((spec.is_edit, backward_hook(spec, key)))
             else:
@@ -106,4 +106,6 @@ class Hooked:
         self.backward = tuple(f for _, f in sorted(backward, key=lambda e: not e[0]))
         self.backward_pre = tuple(f for _, f in sorted(backward_pre, key=lambda e: not e[0]))
         self.plain = not (pre_edits or pre_obs or edits or grads or backward or backward_pre or ops)
-        self.stores: Key | None = as_is[0] if self.plain and len(obs) == 1 and as_is else None
+        self.stores: Key | None = None  # the key, when the one entry stores the output as is
+        if self.plain and len(obs) == 1 and stores_as_is(last, copies):  # type: ignore[arg-type]  # plain: an observer
+            self.stores = last_key

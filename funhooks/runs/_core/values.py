@@ -177,7 +177,7 @@ def preparer(spec: Spec) -> Prep | None:
             return tuple([prep_tensor(x) for x in value])  # the usual `args`, without a tree walk
         return _torch.map_tensors(prep_tensor, value)
 
-    if steps != [_detached]:
+    if len(steps) != 1 or steps[0] is not _detached:
         return prep
 
     def prep_detach(value: Any) -> Any:
