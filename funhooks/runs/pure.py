@@ -102,7 +102,11 @@ class CaptureFunction:
 
     def current(self) -> Plan:
         """The plan for the model as it is now (rebuilt after a structure change)."""
-        if not _torch.is_compiling() and not self.plan.current():  # current: the common case, no lock
+        return self.plan if _torch.is_compiling() else self._fresh()
+
+    def _fresh(self) -> Plan:
+        """:meth:`current`, where dynamo is known not to be tracing."""
+        if not self.plan.current():  # current: the common case, no lock
             self.plan = Plan.get(self.inner, self.specs, self.caller)
         return self.plan
 
@@ -115,9 +119,7 @@ class CaptureFunction:
                 return self._traced(fn, args, kwargs, values)
             # dynamo cannot trace it on this torch: the same recording, in a frame dynamo skips
             return torch.compiler.disable(self._traced)(fn, args, kwargs, values)
-        plan = self.plan
-        if not plan.current():  # (not compiling: checked above)
-            plan = self.plan = Plan.get(self.inner, self.specs, self.caller)
+        plan = self._fresh()
         if values:
             plan.check_values(values, self.caller)
         frame = Frame(plan, self.caller, values=values)
