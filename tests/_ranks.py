@@ -50,10 +50,13 @@ _RUNNER = (
     "import os, runpy, sys\n"
     "sys.argv = sys.argv[1:]\n"
     "sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))\n"
+    f"sys.path.insert(1, {os.path.dirname(os.path.abspath(__file__))!r})\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     f"sys.stderr.write({_FINISHED!r})\n"
 )
-"""Runs a rank's script as ``python script`` would, then says on stderr that it returned."""
+"""Runs a rank's script as ``python script`` would, with the helpers shared by the tests (in
+tests/, above the script's own folder) importable as in pytest, then says on stderr that it
+returned."""
 
 _TEARDOWN_ABORT = "terminate called without an active exception\n"
 

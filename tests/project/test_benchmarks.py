@@ -16,7 +16,7 @@ import tempfile
 
 from helpers import RECORDS_IN_COMPILE
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 SMOKE_TIMEOUT_S = 120
 
 

@@ -10,7 +10,7 @@ import torch
 
 import funhooks as fh
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 API = (ROOT / "docs" / "api.md").read_text()
 PUBLIC = [n for n in fh.__all__ if n != "__version__"]
 

@@ -21,7 +21,7 @@ from funhooks.reducers import activation_stats as fhstats
 
 MSE = kit.MSE
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # -- fastai's documented tests, ported --------------------------------------------------------

@@ -1,5 +1,5 @@
 """Per-step values on the CPU are kept without a tensor per step (ActivationStats too: its exact
-statistics are checked against fastai's in test_stats*.py on this path), so a long CPU run's memory
+statistics are checked against fastai's in test_activation_stats*.py on this path), so a long CPU run's memory
 stays flat (tiny tensors kept per step pin freed heap pages)."""
 
 from __future__ import annotations

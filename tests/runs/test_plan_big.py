@@ -20,7 +20,7 @@ from torch import nn
 
 import funhooks as fh
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 NAMES = ("a", "b", "mlp", "0", "1")
 LEAVES: tuple[Callable[[], nn.Module], ...] = (nn.Identity, nn.ReLU, nn.Tanh)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import funhooks as fh
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 FEATURES = 4
 
 

@@ -1,7 +1,7 @@
 """FSDP2 (`fully_shard`) on two gloo ranks on the CPU: records, `param_grad` specs, reducers and
 summaries of a sharded model, compared with the same model unsharded. This file runs as a
 script per rank (every wait bounded); each rank holds a different shard. The one-rank edge
-cases are in test_fsdp_one_rank.py."""
+cases are in test_sharded_one_rank.py."""
 
 from __future__ import annotations
 
@@ -206,6 +206,6 @@ def test_summaries_of_a_sharded_model_count_full_parameters(ranks):
 if __name__ == "__main__":
     # Import this file under its module name, so what it saves unpickles in pytest.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import test_fsdp
+    import test_sharded
 
-    test_fsdp._worker(sys.argv[1])
+    test_sharded._worker(sys.argv[1])

@@ -6,7 +6,7 @@ from hypothesis import given
 from torch import nn
 
 import funhooks as fh
-from tests.test_functional import mlps
+from tests.runs.test_pure import mlps
 
 
 def retained(model: nn.Module, modules: list[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, list, list]:

@@ -28,7 +28,9 @@ FEATURES, VOCAB = 3, 20
 
 
 def _child(*args: str, env: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    tests = str(pathlib.Path(__file__).resolve().parents[1])  # the shared helpers: store_helpers
+    helpers = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": helpers, **(env or {})}
     return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
 

@@ -13,7 +13,7 @@ import torch
 import funhooks as fh
 from tests.transformer_models import gpt2
 
-IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
+IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 DPI = 80
 TOKENS = ["When", " Mary", " and", " John", " went"]
 
