@@ -9,7 +9,8 @@ import os
 
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-_NEEDS = (("funhooks/lightning.py", ("lightning",)), ("funhooks/hf.py", ("transformers", "accelerate")),
+_NEEDS = (("funhooks/integrations/lightning.py", ("lightning",)),
+          ("funhooks/integrations/hf.py", ("transformers", "accelerate")),
           ("docs/trainers.md", ("lightning", "transformers", "accelerate")))
 collect_ignore = [path for path, needs in _NEEDS if any(importlib.util.find_spec(n) is None for n in needs)]
 

@@ -20,7 +20,7 @@ Every script measures the same way, so their numbers can be compared:
 - results are written as JSON to ``benchmarks/results/<name>.json``.
 
 Every script takes ``--quick`` (a smoke run of a few rounds on tiny models, used by
-``tests/test_benchmarks.py`` so the scripts never rot), ``--rounds``, ``--inner`` and
+``tests/project/test_benchmarks.py`` so the scripts never rot), ``--rounds``, ``--inner`` and
 ``--out``. ``FUNHOOKS_BENCH_QUICK=1`` is the same as ``--quick``.
 """
 

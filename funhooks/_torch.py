@@ -2,7 +2,7 @@
 
 Everything else in funhooks imports these helpers instead of reaching into
 ``torch.utils._pytree``, ``torch._C._functorch`` or wrapper classes directly, so a change
-in PyTorch is fixed here once (tests/test_layout.py checks that no other module names a
+in PyTorch is fixed here once (tests/project/test_layout.py checks that no other module names a
 private torch API).
 
 Two private attributes are read where they are used, on the hot path, because a helper's

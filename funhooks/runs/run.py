@@ -5,7 +5,7 @@ however it exits. It sees the module calls made in the context that entered it (
 and its ``contextvars`` context): other threads and asyncio tasks calling the same model
 meanwhile run it as if no run existed. Nothing global is installed: hooked modules get a
 wrapped ``forward`` in their own ``__dict__`` for the duration of the block (see
-``funhooks/_core``), so every module call keeps PyTorch's hook-free fast path (capturing all
+``funhooks/runs/_core/``), so every module call keeps PyTorch's hook-free fast path (capturing all
 96 modules of a deep-narrow MLP costs about 1.25x the bare forward).
 
 Cost: per hooked module call, one wrapper call and, per stored tensor, a version-counter

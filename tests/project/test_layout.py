@@ -271,32 +271,35 @@ def _docs() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def test_docs_name_only_paths_and_names_that_exist() -> None:
-    """Every `funhooks/...` file or folder the docs name exists, and every dotted
-    ``fh.x.y`` / ``funhooks.x.y`` name they use resolves (so no page points at a module that
-    moved)."""
+def _resolves(name: str) -> bool:
+    """Whether a dotted ``fh.x.y`` / ``funhooks.x.y`` name is a module or an attribute of one
+    (a method or attribute of a value, ``fh.Record.load``, is left to its doctest)."""
     import importlib
 
     import funhooks
 
+    parts = name.split(".")[1:]
+    obj: object = funhooks
+    for i, part in enumerate(parts):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        try:  # a submodule not imported by its package
+            obj = importlib.import_module(".".join(["funhooks", *parts[: i + 1]]))
+        except ImportError:
+            return i > 0 and not isinstance(obj, type(funhooks))
+    return True
+
+
+def test_docs_name_only_paths_and_names_that_exist() -> None:
+    """Every `funhooks/...` file or folder the docs name exists, and every dotted
+    ``fh.x.y`` / ``funhooks.x.y`` name they use resolves (so no page points at a module that
+    moved)."""
     missing = []
     for page in _docs():
         text = page.read_text()
         missing += [f"{page.name}: {p}" for p in DOC_PATH.findall(text) if not (ROOT / p).exists()]
-        for name in set(DOC_NAME.findall(text)):
-            parts = name.split(".")[1:]
-            obj: object = funhooks
-            for i, part in enumerate(parts):
-                if hasattr(obj, part):
-                    obj = getattr(obj, part)
-                    continue
-                try:  # a submodule not imported by its package
-                    obj = importlib.import_module(".".join(["funhooks", *parts[: i + 1]]))
-                except ImportError:
-                    if i == 0 or not isinstance(obj, type(funhooks)):
-                        break  # a method or attribute of a value (`fh.Record.load`): checked by its doctest
-                    missing.append(f"{page.name}: {name}")
-                    break
+        missing += [f"{page.name}: {name}" for name in sorted(set(DOC_NAME.findall(text))) if not _resolves(name)]
     assert not missing, "the docs name what does not exist:\n" + "\n".join(sorted(missing))
 
 
@@ -363,3 +366,125 @@ def test_each_row_of_the_map_names_exactly_its_units_modules() -> None:
         wrong += [f"{cells[0]} names {n}, which it does not hold" for n in sorted(named - held)]
         wrong += [f"{cells[0]} holds {n}, which its row does not name" for n in sorted(held - named)]
     assert not wrong, "bring docs/architecture.md's rows up to date:\n" + "\n".join(wrong)
+
+
+# -- the tests mirror the packages -----------------------------------------------------------
+
+OWN_TEST_FOLDERS = {
+    "field": "regressions from the field reports, tests/field/test_<package>_<topic>.py",
+    "project": "the project's own checks (docs, examples, layout, typing, benchmarks, top-level modules)",
+}
+WHERE_TESTS_GO = ("tests/<package>/test_<module>[_<topic>].py for a module of funhooks/<package>/ "
+                  "(or test_<package>[_<topic>].py for the package as a whole), "
+                  + "; ".join(f"tests/{name}/ for {what}" for name, what in OWN_TEST_FOLDERS.items()))
+
+
+def _test_file_violations(root: Path = ROOT) -> list[str]:
+    """Test files outside the folder of the package they test, or under a name it does not hold."""
+    packages = {p.name: p for p in sorted((root / "funhooks").iterdir()) if (p / "__init__.py").exists()}
+    tests = root / "tests"
+    wrong = [f"{p.relative_to(root)}: test files are imported by their own name (a rank script pickles under "
+             "it), so tests/ holds no packages: remove it" for p in sorted(tests.rglob("__init__.py"))]
+    seen: dict[str, Path] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        rel, parts = path.relative_to(root), path.relative_to(tests).parts
+        if len(parts) != 2 or (parts[0] not in packages and parts[0] not in OWN_TEST_FOLDERS):
+            wrong.append(f"{rel}: move it (git mv) to {WHERE_TESTS_GO}; the packages: {sorted(packages)}")
+            continue
+        folder, stem = parts[0], path.stem.removeprefix("test_")
+        if folder in packages:
+            names = {folder} | {p.stem.lstrip("_") for p in packages[folder].rglob("*.py") if p.stem != "__init__"}
+            names |= {p.name.lstrip("_") for p in packages[folder].rglob("*") if (p / "__init__.py").exists()}
+        else:
+            names = set(packages) if folder == "field" else {stem}
+        if not any(stem == n or stem.startswith(n + "_") for n in names):
+            wrong.append(f"{rel}: name it test_<module>[_<topic>].py after the module it tests, one of {sorted(names)}")
+        if path.name in seen:
+            wrong.append(f"{rel}: {seen[path.name].relative_to(root)} has this name; pytest imports both as "
+                         f"{path.stem}: give one another topic")
+        seen.setdefault(path.name, path)
+    return wrong
+
+
+def test_the_tests_mirror_the_packages() -> None:
+    """A test file lives in tests/<package>/ for the funhooks package it tests and is named after
+    one of its modules, or in tests/field/ or tests/project/; no flat tests/test_*.py."""
+    wrong = _test_file_violations()
+    assert not wrong, "put these test files where their package's tests are:\n" + "\n".join(wrong)
+
+
+def test_the_test_layout_check_catches_what_it_guards(tmp_path: Path) -> None:
+    for rel in ("funhooks/records/__init__.py", "funhooks/records/record.py", "funhooks/records/_file.py",
+                "tests/helpers.py", "tests/records/test_record.py", "tests/records/test_record_save.py",
+                "tests/records/test_file.py", "tests/records/test_records.py", "tests/field/test_records_copies.py",
+                "tests/project/test_docs.py", "tests/test_flat.py", "tests/records/test_nothing.py",
+                "tests/field/test_copies.py", "tests/runs/test_run.py", "tests/records/deeper/test_record_x.py",
+                "tests/project/test_record.py", "tests/store/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    flagged = sorted({w.split(":")[0] for w in _test_file_violations(tmp_path)})
+    assert flagged == ["tests/field/test_copies.py", "tests/records/deeper/test_record_x.py", "tests/records/test_nothing.py",
+                       "tests/records/test_record.py", "tests/runs/test_run.py", "tests/store/__init__.py",
+                       "tests/test_flat.py"]  # test_record.py: its name is project/test_record.py's too
+
+
+# -- docstrings and comments name what exists ------------------------------------------------
+
+SOURCE_PATH = re.compile(r"(?<![\w/.])(funhooks/[\w/.]*\w/?)")
+SOURCE_MODULE = re.compile(r":mod:`~?([\w.]+)`")
+TEST_PATH = re.compile(r"(?<![\w/.])(tests/[\w/]+\.py)")
+
+
+def _prose(path: Path) -> str:
+    """The docstrings (of modules, classes, functions and attributes) and comments of a source file."""
+    import io
+    import tokenize
+
+    tree = ast.parse(path.read_text())
+    strings = [n.value.value for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+               and isinstance(n.value.value, str)]
+    comments = [t.string for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+                if t.type == tokenize.COMMENT]
+    return "\n".join(strings + comments)
+
+
+def _stale_names(name: str, text: str, root: Path = ROOT) -> list[str]:
+    """What `text` (the prose of `name`) names that does not exist: dotted ``funhooks.x.y`` names,
+    ``:mod:`` targets that are not modules, ``funhooks/...`` source paths (a folder written with
+    its slash; a path whose first part is no module is a name of another kind, a logger's tag) and
+    ``tests/...py`` files."""
+    import importlib
+
+    stale = [f"{name}: {n}" for n in sorted(set(DOC_NAME.findall(text))) if not _resolves(n)]
+    for module in sorted(set(SOURCE_MODULE.findall(text))):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            stale.append(f"{name}: :mod:`{module}` (not a module)")
+    held = {p.stem for p in (root / "funhooks").iterdir()}
+    for p in sorted(set(SOURCE_PATH.findall(text))):
+        first = p.split("/")[1].removesuffix(".py")
+        if p.endswith((".py", "/")) or first in held or first.startswith("_"):
+            if not p.endswith((".py", "/")) or not (root / p).exists():
+                stale.append(f"{name}: {p} (write a file as funhooks/x.py, a folder as funhooks/x/, and name what exists)")
+    stale += [f"{name}: {p}" for p in sorted(set(TEST_PATH.findall(text))) if not (root / p).exists()]
+    return stale
+
+
+def test_docstrings_and_comments_name_only_modules_and_paths_that_exist() -> None:
+    """The prose of funhooks/ (and of benchmarks/) points at modules, names and files that exist,
+    as the docs do: no `funhooks.fold` module, no `funhooks/_core` folder, no test file that moved."""
+    stale = []
+    for path in sorted([*(ROOT / "funhooks").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
+        stale += _stale_names(str(path.relative_to(ROOT)), _prose(path))
+    for page in [*_docs(), *sorted((ROOT / "benchmarks").glob("*.md"))]:
+        stale += _stale_names(str(page.relative_to(ROOT)), page.read_text())
+    assert not stale, "point these at what exists now:\n" + "\n".join(stale)
+
+
+def test_the_stale_name_check_catches_what_it_guards() -> None:
+    text = ("see :mod:`funhooks.fold` and ``funhooks/_core``, funhooks.no_such_thing, tests/test_moved.py;\n"
+            "fine: :mod:`funhooks.training.folds`, fh.fold, fh.Record.load, ``funhooks/runs/_core/``,\n"
+            "funhooks/errors.py, the tag ``funhooks/loss/ema``, tests/project/test_layout.py\n")
+    assert [s.split(": ", 1)[1].split(" (")[0] for s in _stale_names("x", text)] == [
+        "funhooks.no_such_thing", ":mod:`funhooks.fold`", "funhooks/_core", "tests/test_moved.py"]
