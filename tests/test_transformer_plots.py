@@ -152,3 +152,17 @@ def test_the_docs_figures_from_a_small_gpt2() -> None:
     for name, fig in figures.items():
         fig.savefig(IMAGES / f"{name}.png", dpi=DPI, metadata={"Software": None})
         assert (IMAGES / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("kind", ["prob", "rank"])
+def test_plot_logit_lens_of_a_lens_made_from_a_record(kind: str) -> None:
+    """Issue 36 item 18: a lens from a Record holds logits that require grad (the model's
+    parameters do); every kind draws them."""
+    model = gpt2("eager")
+    pts = fh.transformer.points(model)
+    _, rec = fh.capture(model, fh.outputs(pts.resid_post))(torch.tensor([[1, 2, 3, 4]]))
+    lens = fh.transformer.logit_lens(model, rec)
+    assert lens.logits.requires_grad
+    ax = fh.transformer.plot_logit_lens(lens, 7, kind=kind).axes[0]
+    expected = lens.prob(7) if kind == "prob" else lens.rank(7)
+    assert torch.equal(torch.as_tensor(ax.lines[0].get_ydata()), expected[:, 0, -1].detach().float())
