@@ -241,3 +241,38 @@ def test_call_picks_one_attention_call_and_the_values_compare_and_print() -> Non
         module(q)
     once = nn.functional.scaled_dot_product_attention(q, q, q)
     torch.testing.assert_close(run.record[""]["second"], _by_hand(once, q, causal=True))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", ["gpt2", "neox", "neox_seq", "llama", "bert"])
+def test_pts_attn_takes_every_attention_op_on_every_family(name: str, attn: str) -> None:
+    """Issue 36 item 19: `pts.attn` with an attention op works on every family, BERT included
+    (whose attention call runs in `attention.self`, a submodule of `pts.attn`), as the error of
+    `fh.patch(pts.pattern, ..., op=...)` tells users to write: recorded, edited, intervened on,
+    each equal to the standard point doing the same."""
+    from tests.transformer_models import BUILDERS, inputs
+
+    model, x = BUILDERS[name](attn), inputs(name)
+    pts = fh.transformer.points(model)
+    with pytest.raises(fh.SpecError, match=r"give patch a module \(`pts.attn`\) with `op=`"):
+        fh.patch(pts.pattern, 0.0, op=fh.attention_pattern)
+
+    def halve(module: nn.Module, args: tuple, kwargs: dict, value: torch.Tensor) -> torch.Tensor:
+        return value * 0.5
+
+    for op, point in ((fh.attention_pattern, pts.pattern), (fh.attention_scores, pts.attn_scores)):
+        _, by_attn = fh.capture(model, fh.op_outputs(pts.attn, op))(**x)
+        _, by_point = fh.capture(model, fh.outputs(point))(**x)
+        assert len(by_attn) == 2 and len(by_point) == 2
+        for got, want in zip(by_attn.values(), by_point.values(), strict=True):
+            assert torch.equal(got[op.name], want["output"])
+        ablated, _ = fh.capture(model, fh.ablate(pts.attn, op=op, index=1, dim=1))(**x)
+        same, _ = fh.capture(model, fh.ablate(point, index=1, dim=1))(**x)
+        assert torch.equal(ablated.logits, same.logits)
+        patched, _ = fh.capture(model, fh.patch(pts.attn, by_attn, op=op))(**x)
+        plain, _ = fh.capture(model, [])(**x)
+        torch.testing.assert_close(patched.logits, plain.logits)
+        edited, _ = fh.capture(model, fh.op_edit(pts.attn, op, halve))(**x)
+        halved, _ = fh.capture(model, fh.edit(point, lambda m, a, v: v * 0.5))(**x)
+        assert torch.equal(edited.logits, halved.logits)
+    fh.testing.assert_no_hooks(model)

@@ -47,17 +47,34 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
+def _always_deep(deep: bool) -> bool:
+    """An attention op is deep whatever `as_op` passes: the call is the attention's, at any depth."""
+    return True
+
+
 @_frozen.frozen
 @attrs.frozen(repr=False)
 class AttentionOp(Derived):
     """An attention point (``name``: ``attention_pattern`` or ``attention_scores``) of every
     attention call, eager (``softmax``) or SDPA (``scaled_dot_product_attention``).
 
+    An attention call is taken wherever it runs inside the selected module: always ``deep``,
+    so the module a family calls "the attention" (BERT's ``attention``, whose
+    ``attention.self`` makes the call) and the module making the call both work, and
+    ``call=k`` counts the attention calls under the module.
+
     Example:
         >>> import funhooks as fh
         >>> fh.attention_pattern, fh.op(fh.attention_scores, call=1)
         (fh.attention_pattern, fh.op(fh.attention_scores, call=1))
+        >>> fh.op(fh.attention_scores, call=1).deep
+        True
     """
+
+    deep: bool = attrs.field(default=True, converter=_always_deep)
+
+    def __repr__(self) -> str:
+        return f"fh.op(fh.{self.name}, call={self.call})" if self.call is not None else f"fh.{self.name}"
 
     READS: ClassVar[tuple[str, ...]] = ("softmax", "scaled_dot_product_attention")
     HINT: ClassVar[str] = (
