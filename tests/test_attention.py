@@ -278,3 +278,25 @@ def test_pts_attn_takes_every_attention_op_on_every_family(name: str, attn: str)
         halved, _ = fh.capture(model, fh.edit(point, lambda m, a, v: v * 0.5))(**x)
         assert torch.equal(edited.logits, halved.logits)
     fh.testing.assert_no_hooks(model)
+
+
+def test_a_query_that_sees_no_key_has_a_zero_pattern_under_sdpa() -> None:
+    """Issue 36 item 21, as docs/transformers.md says: a padding query of a left-padded batch
+    sees no key; SDPA's pattern row is 0 there and `pattern @ v` is the real `z` (0), while
+    eager's softmax spreads it (uniformly under transformers 5). Real queries agree."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 0, 7, 8, 9, 10]])
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    got = {}
+    for attn in ("eager", "sdpa"):
+        model = gpt2(attn)
+        pts = fh.transformer.points(model)
+        _, rec = fh.capture(model, [fh.outputs(pts.pattern[0]), fh.outputs(pts.v[0]), fh.outputs(pts.z[0])])(
+            input_ids=ids, attention_mask=mask)
+        got[attn] = [rec[f"blocks.0.{name}"]["output"] for name in ("pattern", "v", "z")]
+    pattern, v, z = got["sdpa"]
+    assert torch.equal(pattern[1, :, :2], torch.zeros(4, 2, 6))
+    torch.testing.assert_close(pattern @ v.transpose(1, 2), z.transpose(1, 2))
+    eager = got["eager"][0]
+    assert torch.all(eager[1, :, :2].sum(-1) > 0.99)     # a softmax row, not zeros
+    torch.testing.assert_close(eager[:, :, 2:], pattern[:, :, 2:])
+    torch.testing.assert_close(eager[0], pattern[0])

@@ -11,7 +11,9 @@ op=fh.attention_pattern)``. Each is one value per attention call inside the sele
 - under SDPA (``torch.nn.functional.scaled_dot_product_attention``), computed from the
   ``query``, ``key``, ``attn_mask``, ``is_causal``, ``scale`` and ``enable_gqa`` the call
   receives: causal and padding masks (boolean, or additive floats), and grouped-query keys
-  (repeated per query head) handled; scores are ``-inf`` where masked. An edit of either
+  (repeated per query head) handled; scores are ``-inf`` where masked, and a query that sees
+  no key (a padding position of a left-padded batch) gets a pattern row of 0, as SDPA's output
+  is 0 there (eager's ``softmax`` spreads such a row over the keys). An edit of either
   runs that call eagerly: the (edited) scores, their softmax, the (edited) pattern, its
   dropout when the call has ``dropout_p > 0``, then ``pattern @ value``; a call nothing edits
   is SDPA's own, so recording changes no output.
