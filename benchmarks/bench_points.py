@@ -19,11 +19,19 @@ Each pair's Records are checked equal before timing (the z pair after reshaping 
 values to heads). The ``points / paths`` ratio of a pair is the point's median ratio to the bare
 forward over the paths' (each ratio taken within its round).
 
+Attention patterns (issue 36 item 23), timed apart in the same run against the same bare (SDPA,
+Hugging Face's default) forward: ``bare eager`` (a copy of the model switched to
+``attn_implementation="eager"``, what an nnsight user does to read patterns), and every layer's
+``pts.pattern`` recorded under SDPA and under eager. The goal: the pattern under SDPA costs at
+most the bare eager forward + 5% (``pattern_sdpa_to_bare_eager`` <= 1.05). The patterns are
+checked equal under both, and every output equal to its bare forward, before timing.
+
 Run: ``python benchmarks/bench_points.py`` (``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +53,11 @@ Z_PATHS = "fh.capture inputs(h.*.attn.c_proj)"
 Z_POINTS = "fh.capture outputs(pts.z)"
 PAIRS = {"resid_post": (RESID_POINTS, RESID_PATHS), "z": (Z_POINTS, Z_PATHS)}
 """Pair name -> (the point's case, the paths' case)."""
+BARE_EAGER = "bare eager"
+PATTERN_SDPA = "fh.capture outputs(pts.pattern), SDPA"
+PATTERN_EAGER = "fh.capture outputs(pts.pattern), eager"
+PATTERN_GOAL = 1.05
+"""Issue 36 item 23: every layer's pattern under SDPA costs at most this times the bare eager forward."""
 
 
 def gpt2(size: dict[str, int]) -> torch.nn.Module:
@@ -102,6 +115,32 @@ def check_records(model: torch.nn.Module, x: torch.Tensor, layers: int, heads: i
     }
 
 
+def pattern_cases(model: torch.nn.Module, eager: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """The bare (SDPA) and bare eager forwards, and every layer's pattern recorded under each."""
+
+    def pattern(m: torch.nn.Module) -> _common.PerRound:
+        return _common.PerRound(lambda: _bound(fh.capture(m, fh.outputs(fh.transformer.points(m).pattern)), x))
+
+    return {"bare": lambda: model(x, use_cache=False), BARE_EAGER: lambda: eager(x, use_cache=False),
+            PATTERN_SDPA: pattern(model), PATTERN_EAGER: pattern(eager)}
+
+
+def check_patterns(model: torch.nn.Module, eager: torch.nn.Module, x: torch.Tensor, layers: int) -> dict[str, bool]:
+    """The patterns under SDPA equal eager's (``output_attentions``); recording changes neither output."""
+    bare, bare_eager = model(x, use_cache=False), eager(x, use_cache=False, output_attentions=True)
+    out, rec = fh.capture(model, fh.outputs(fh.transformer.points(model).pattern))(x, use_cache=False)
+    eager_out, eager_rec = fh.capture(eager, fh.outputs(fh.transformer.points(eager).pattern))(x, use_cache=False)
+    got = [rec[f"blocks.{L}.pattern"]["output"] for L in range(layers)]
+    want = [eager_rec[f"blocks.{L}.pattern"]["output"] for L in range(layers)]
+    return {
+        "pattern under SDPA == eager's": len(got) == layers and all(
+            torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want)),
+        "pattern under eager == output_attentions": _common.tensors_equal(want, list(bare_eager.attentions)),
+        "recording a pattern changes no output": torch.equal(out.logits, bare.logits)
+        and torch.equal(eager_out.logits, bare_eager.logits),
+    }
+
+
 def ratios(timed: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Pair name -> points / paths: the ratio of the two cases' medians of their ratios to the bare forward."""
     return {pair: timed[point]["ratio"]["median"] / timed[path]["ratio"]["median"]
@@ -115,18 +154,26 @@ def main() -> None:
     model = gpt2(size)
     x = torch.randint(0, size["vocab"], (size["batch"], size["length"]))
     timing = {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner, "clock": args.clock}
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
     with torch.no_grad():
         checks = check_records(model, x, size["layers"], size["heads"])
+        checks.update(check_patterns(model, eager, x, size["layers"]))
         _common.check(all(checks.values()), f"Records differ: {checks}")
         timed = _common.time_cases(cases(model, x), baseline="bare", **timing)
+        patterns = _common.time_cases(pattern_cases(model, eager, x), baseline="bare", **timing)
     per_pair = ratios(timed)
+    to_eager = patterns[PATTERN_SDPA]["ratio"]["median"] / patterns[BARE_EAGER]["ratio"]["median"]
     print(_common.format_table(f"issue 28's GPT-2, batch {tuple(x.shape)} (ratio: time / bare forward)", timed))
     print(f"points / paths, resid_post: {per_pair['resid_post']:.3f}x (target <= {TARGET})")
     print(f"points / paths, z (the point also reshapes to heads): {per_pair['z']:.3f}x")
+    print(_common.format_table("attention patterns (ratio: time / bare SDPA forward)", patterns))
+    print(f"pattern under SDPA / bare eager forward: {to_eager:.3f}x (goal <= {PATTERN_GOAL})")
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "rounds": args.rounds, "warmup": args.warmup,
         "model": size, "correct": all(checks.values()), "checks": checks,
-        "results": {"batch": list(x.shape), "cases": timed, "points_to_paths": per_pair, "target": TARGET},
+        "results": {"batch": list(x.shape), "cases": timed, "points_to_paths": per_pair, "target": TARGET,
+                    "patterns": patterns, "pattern_sdpa_to_bare_eager": to_eager, "pattern_goal": PATTERN_GOAL},
     })
     print(f"wrote {path}")
 

@@ -11,7 +11,9 @@ op=fh.attention_pattern)``. Each is one value per attention call inside the sele
 - under SDPA (``torch.nn.functional.scaled_dot_product_attention``), computed from the
   ``query``, ``key``, ``attn_mask``, ``is_causal``, ``scale`` and ``enable_gqa`` the call
   receives: causal and padding masks (boolean, or additive floats), and grouped-query keys
-  (repeated per query head) handled; scores are ``-inf`` where masked. An edit of either
+  (repeated per query head) handled; scores are ``-inf`` where masked, and a query that sees
+  no key (a padding position of a left-padded batch) gets a pattern row of 0, as SDPA's output
+  is 0 there (eager's ``softmax`` spreads such a row over the keys). An edit of either
   runs that call eagerly: the (edited) scores, their softmax, the (edited) pattern, its
   dropout when the call has ``dropout_p > 0``, then ``pattern @ value``; a call nothing edits
   is SDPA's own, so recording changes no output.
@@ -47,17 +49,34 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
+def _always_deep(deep: bool) -> bool:
+    """An attention op is deep whatever `as_op` passes: the call is the attention's, at any depth."""
+    return True
+
+
 @_frozen.frozen
 @attrs.frozen(repr=False)
 class AttentionOp(Derived):
     """An attention point (``name``: ``attention_pattern`` or ``attention_scores``) of every
     attention call, eager (``softmax``) or SDPA (``scaled_dot_product_attention``).
 
+    An attention call is taken wherever it runs inside the selected module: always ``deep``,
+    so the module a family calls "the attention" (BERT's ``attention``, whose
+    ``attention.self`` makes the call) and the module making the call both work, and
+    ``call=k`` counts the attention calls under the module.
+
     Example:
         >>> import funhooks as fh
         >>> fh.attention_pattern, fh.op(fh.attention_scores, call=1)
         (fh.attention_pattern, fh.op(fh.attention_scores, call=1))
+        >>> fh.op(fh.attention_scores, call=1).deep
+        True
     """
+
+    deep: bool = attrs.field(default=True, converter=_always_deep)
+
+    def __repr__(self) -> str:
+        return f"fh.op(fh.{self.name}, call={self.call})" if self.call is not None else f"fh.{self.name}"
 
     READS: ClassVar[tuple[str, ...]] = ("softmax", "scaled_dot_product_attention")
     HINT: ClassVar[str] = (

@@ -114,6 +114,9 @@ _BUILTIN = (
 )
 _ALIASES = {"mistral": "llama", "qwen2": "llama"}
 """Families whose modules are Llama's (RoPE, grouped-query attention, RMSNorm)."""
+_BEFORE_5 = {"gpt_neox": ("embed_out", "lm_head")}
+"""A built-in family's unembedding as transformers 4.x names it, and as 5 does: a model with the
+old name and not the new one is read with the old (GPT-NeoX's head was ``embed_out`` before 5)."""
 _TABLE: dict[str, Architecture] = {a.name: a for a in _BUILTIN}
 _LOCK = threading.Lock()
 
@@ -148,4 +151,8 @@ def architecture(model: nn.Module | str) -> Architecture:
             "Declare where your family keeps them with `fh.transformer.register(fh.transformer.Architecture(...))` "
             "(see docs/transformers.md)."
         )
+    renamed = _BEFORE_5.get(found.name)
+    if renamed is not None and found.unembed == renamed[1] and not isinstance(model, str) \
+            and not hasattr(model, renamed[1]) and hasattr(model, renamed[0]):
+        return attrs.evolve(found, unembed=renamed[0])
     return found

@@ -136,8 +136,9 @@ def unembed(model: nn.Module, resid: torch.Tensor) -> torch.Tensor:
         >>> transformers.logging.set_verbosity_error()
         >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
-        >>> out, rec = fh.capture(model, fh.outputs("transformer.h.1"))(torch.tensor([[1, 2, 3]]))
-        >>> resid_post = rec["transformer.h.1"]["output"]        # the last layer's residual stream
+        >>> pts = fh.transformer.points(model)
+        >>> out, rec = fh.capture(model, fh.outputs(pts.resid_post[-1]))(torch.tensor([[1, 2, 3]]))
+        >>> resid_post = rec["blocks.1.resid_post"]["output"]    # the last layer's residual stream
         >>> torch.allclose(fh.transformer.unembed(model, resid_post), out.logits, atol=1e-5)
         True
         >>> tuple(fh.transformer.unembed(model, torch.randn(4, 32)).shape)   # any (..., d_model)

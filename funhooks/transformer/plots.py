@@ -215,11 +215,11 @@ def plot_logit_lens(lens: LogitLens, token: int, *, kind: Literal["prob", "rank"
                          f"vocab)`, got shape {tuple(lens.logits.shape)}. "
                          "Build the lens from `(batch, position, d_model)` residuals.")
     per_layer = lens.prob(token) if kind == "prob" else lens.rank(token)
-    values = (per_layer[:, example] if per_layer.ndim == 3 else per_layer)[:, position]
+    values = (per_layer[:, example] if per_layer.ndim == 3 else per_layer)[:, position].detach().float().cpu()
     fig = figure("plot_logit_lens", figsize)
     fig.set_layout_engine("constrained")
     ax = fig.subplots()
-    ax.plot(range(len(lens.labels)), values.float().cpu().numpy(), marker="o")
+    ax.plot(range(len(lens.labels)), values.numpy(), marker="o")
     _ticks(ax, "x", list(lens.labels))
     ax.tick_params(axis="x", labelsize=7)
     what = repr(name) if name is not None else f"token {token}"

@@ -317,6 +317,19 @@ def _base_path(model: nn.Module) -> str:
     return next((path for path, m in model.named_modules() if m is base), "")
 
 
+def _block_returns_tensor(block: nn.Module) -> bool:
+    """Whether a block returns the residual stream itself, so that a point on its output is the
+    module path's own spec. Hugging Face's blocks do from transformers 5 on; under 4.x GPT-2's,
+    NeoX's and BERT's return a 1-tuple, and the point reads its element 0 (``_Read``, which takes
+    a tensor as it is). A block from outside transformers (a registered family) is taken to
+    return a tensor."""
+    if not type(block).__module__.startswith("transformers."):
+        return True
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
 def points(model: nn.Module) -> Points:
     """The standard points of a Hugging Face transformer (or of a family you registered).
 
@@ -374,8 +387,9 @@ def points(model: nn.Module) -> Points:
 
     parallel = arch.parallel and getattr(config, "use_parallel_residual", True)
     first = _join(base, arch.resid_in or arch.embed)
+    whole = _block_returns_tensor(model.get_submodule(_join(blocks, "0"))) if n_layers else True
     resid_pre = Point("resid_pre", "output", ((0, first), *((L, _join(blocks, str(L - 1))) for L in layers[1:])),
-                      n_layers)
+                      n_layers, tensor=whole)
     if parallel:
         resid_mid = each(None, "resid_mid", "", why=f"`resid_mid` is the stream between attention and MLP, which "
                          f"read the same input in the parallel blocks of {arch.name!r}")
@@ -399,7 +413,7 @@ def points(model: nn.Module) -> Points:
         embed=single(_join(base, arch.embed), "embed", "`embed` is the token embedding, which this model lacks"),
         resid_pre=resid_pre,
         resid_mid=resid_mid,
-        resid_post=each("", "resid_post", "output"),
+        resid_post=each("", "resid_post", "output", tensor=whole),
         attn_out=each(arch.attn_out or arch.attn, "attn_out", "output", tensor=arch.attn_out is not None),
         mlp_in=each(arch.mlp_in or arch.mlp, "mlp_in", "input"),
         mlp_pre=each(arch.mlp_pre, "mlp_pre", "output", why=f"the architecture {arch.name!r} names no `mlp_pre`"),

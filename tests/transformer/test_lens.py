@@ -51,7 +51,8 @@ def _by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return normed @ unembedding.T
     if isinstance(model, transformers.GPTNeoXForCausalLM):
         ln = model.gpt_neox.final_layer_norm
-        return F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps) @ model.lm_head.weight.T
+        head = model.get_output_embeddings()   # `lm_head` from transformers 5 on, `embed_out` before
+        return F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps) @ head.weight.T
     assert isinstance(model, transformers.BertForMaskedLM)
     t = model.cls.predictions.transform
     h = F.gelu(x @ t.dense.weight.T + t.dense.bias)

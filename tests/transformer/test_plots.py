@@ -116,6 +116,11 @@ def test_the_plots_name_the_extra_without_matplotlib(monkeypatch: pytest.MonkeyP
                                "Install the extra: pip install 'funhooks[plot]'.")
 
 
+def _stream(output: object) -> torch.Tensor:
+    """A block's output stream: the tensor, or element 0 of the 1-tuple blocks return under transformers 4."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 def test_the_docs_figures_from_a_small_gpt2() -> None:
     """Draws docs/images/{patching,patterns,logit_lens}.png (the figures docs/logit-lens.md shows),
     each from values checked against an independent computation."""
@@ -136,7 +141,7 @@ def test_the_docs_figures_from_a_small_gpt2() -> None:
                         for L in range(3)]) - base
     torch.testing.assert_close(table, loop, atol=1e-5, rtol=1e-5)
     out = model(clean, output_attentions=True)
-    stack = torch.stack([clean_rec[p]["output"] for p in ("transformer.drop", "transformer.h.0", "transformer.h.1")])
+    stack = torch.stack([_stream(clean_rec[p]["output"]) for p in ("transformer.drop", "transformer.h.0", "transformer.h.1")])
     labels = ("blocks.0.resid_pre", "blocks.1.resid_pre", "blocks.1.resid_post")
     lens = fh.transformer.logit_lens(model, fh.transformer.ResidualStack(stack, labels))
     answer = int(out.logits[0, -1].argmax())
@@ -152,3 +157,17 @@ def test_the_docs_figures_from_a_small_gpt2() -> None:
     for name, fig in figures.items():
         fig.savefig(IMAGES / f"{name}.png", dpi=DPI, metadata={"Software": None})
         assert (IMAGES / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("kind", ["prob", "rank"])
+def test_plot_logit_lens_of_a_lens_made_from_a_record(kind: str) -> None:
+    """Issue 36 item 18: a lens from a Record holds logits that require grad (the model's
+    parameters do); every kind draws them."""
+    model = gpt2("eager")
+    pts = fh.transformer.points(model)
+    _, rec = fh.capture(model, fh.outputs(pts.resid_post))(torch.tensor([[1, 2, 3, 4]]))
+    lens = fh.transformer.logit_lens(model, rec)
+    assert lens.logits.requires_grad
+    ax = fh.transformer.plot_logit_lens(lens, 7, kind=kind).axes[0]
+    expected = lens.prob(7) if kind == "prob" else lens.rank(7)
+    assert torch.equal(torch.as_tensor(ax.lines[0].get_ydata()), expected[:, 0, -1].detach().float())
