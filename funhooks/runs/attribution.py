@@ -124,7 +124,8 @@ def attribution_patching(
                         f"result), got `inputs=True` with {where!r}. Leave `inputs` out.")
     headed = point and getattr(where, "view", None) is not None  # a per-head view: (..., head, d_head)
     probes = Probes(model, where, lambda out: metric(out).sum(), _CALLER,
-                    event="forward_pre" if inputs else "forward", element=None if point else element)
+                    event="forward_pre" if inputs else "forward", element=None if point else element,
+                    detached=True)
 
     def attribute(clean: object, corrupt: object, **kwargs: object) -> Attribution:
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (clean, corrupt)]
@@ -133,9 +134,10 @@ def attribution_patching(
                 f"{_CALLER}: `clean` and `corrupt` have the same shape, got {shapes[0]} and {shapes[1]}. Pad or "
                 "truncate the prompts to one length."
             )
-        out, found = probes.discover((clean,), kwargs)
-        with torch.no_grad():  # torch.func.grad ignores it; the corrupted forward builds no outer graph
-            corrupt_metric, rec = probes.differentiate(found, (corrupt,), kwargs)
+        state = probes.state()
+        out, found = probes.discover((clean,), kwargs, state)
+        with torch.no_grad():  # the corrupted forward's gradient is taken inside; nothing else builds a graph
+            corrupt_metric, rec = probes.differentiate(found, (corrupt,), kwargs, state)
             rows: list[torch.Tensor] = []
             points: list[str] = []
             for path in rec:
