@@ -319,6 +319,10 @@ def test_a_steps_index_after_the_last_step_is_an_error_at_the_end(lm: tuple[nn.M
     assert fh.generate(model, last, PROMPT, **GREEDY).tokens.shape == (2, NEW)
     for step in fh.iter_generate(model, spec, PROMPT, **GREEDY):  # closed before the end: no error
         break
+    on_op = fh.scale(fh.transformer.points(model).pattern[0], 2.0, index=fh.steps(NEW), dim=2)  # an op spec's
+    with pytest.raises(fh.InterventionError, match=rf"generate: `index=fh.steps\({NEW}\)` addresses decode steps"):
+        fh.generate(model, on_op, PROMPT, **GREEDY)
+    fh.testing.assert_no_hooks(model)
 
 
 def test_a_named_iterator_left_suspended_leaves_nothing_on_the_model_and_closes(lm: tuple[nn.Module, str]) -> None:

@@ -151,7 +151,7 @@ _NUMBERED = ("greedy_search", "sample")
 """The generation modes that make one forward per new token, which steps number."""
 
 
-def _mode(model: nn.Module, kwargs: dict[str, Any], caller: str) -> None:
+def _mode(model: nn.Module, args: tuple, kwargs: dict[str, Any], caller: str) -> None:
     """Refuse, before anything runs, a generation mode that does not make one forward per new
     token (beam search, assisted decoding...): its steps would be misnumbered."""
     if kwargs.get("custom_generate") is not None:
@@ -159,7 +159,8 @@ def _mode(model: nn.Module, kwargs: dict[str, Any], caller: str) -> None:
                         f"custom_generate={kwargs['custom_generate']!r}, which makes calls of its own. Leave "
                         "`custom_generate` out, or call `model.generate` inside `fh.with_hooks` for one Record of "
                         "all its calls.")
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    given = kwargs.get("generation_config", args[1] if len(args) > 1 else None)  # generate(inputs, config, ...)
+    config = given or getattr(model, "generation_config", None)
     if config is None or not callable(getattr(config, "get_generation_mode", None)):
         return
     config = copy.deepcopy(config)
@@ -177,7 +178,7 @@ def _mode(model: nn.Module, kwargs: dict[str, Any], caller: str) -> None:
                         "`model.generate` inside `fh.with_hooks` for one Record of all its calls.")
 
 
-def _checked(model: object, specs: Spec | Iterable[Spec], caller: str,
+def _checked(model: object, specs: Spec | Iterable[Spec], caller: str, args: tuple,
              kwargs: dict[str, Any]) -> tuple[nn.Module, Plan, tuple[Spec, ...]]:
     module = check_model(model, caller)
     if not callable(getattr(module, "generate", None)):
@@ -188,7 +189,7 @@ def _checked(model: object, specs: Spec | Iterable[Spec], caller: str,
     if bad is not None:
         raise SpecError(f"{caller}: generation runs forward only with the values in its specs, got {bad!r}. Leave "
                         "out backward-event specs and put values in the spec instead of `fh.arg`.")
-    _mode(module, kwargs, caller)
+    _mode(module, args, kwargs, caller)
     return module, Plan.get(module, specs, caller), specs
 
 
@@ -254,7 +255,8 @@ class _Hooks:
 def _unreached(specs: tuple[Spec, ...], made: int, caller: str) -> None:
     """Raise for an intervention whose ``fh.steps`` start at or after the `made` steps."""
     for spec in specs:
-        index = getattr(spec.fn, "index", None) if spec.role in ("intervene", "op") else None
+        value = spec.fn if spec.role == "intervene" else getattr(spec.fn, "fn", None) if spec.role == "op" else None
+        index = getattr(value, "index", None)  # an intervention's, or an op spec's intervention's
         if isinstance(index, Steps) and index.start >= made:
             raise InterventionError(
                 f"{caller}: `index={index!r}` addresses decode steps that came, got a generation of {made} step(s) "
@@ -334,7 +336,7 @@ def generate(model: nn.Module, specs: Spec | Iterable[Spec], *args: Any, **kwarg
         >>> gen.tokens.shape, [tuple(r["transformer.h.0"]["output"].shape) for r in gen.records]
         (torch.Size([1, 3]), [(1, 3, 8), (1, 1, 8), (1, 1, 8)])
     """
-    module, plan, specs = _checked(model, specs, "generate", kwargs)
+    module, plan, specs = _checked(model, specs, "generate", args, kwargs)
     made: list[GenerationStep] = []
     output = _drive(module, plan, specs, args, dict(kwargs), "generate", made.append)
     return Generation(output, tuple(made))
@@ -464,7 +466,7 @@ def iter_generate(model: nn.Module, specs: Spec | Iterable[Spec], *args: Any,
         >>> step.step, tuple(step.record["transformer.h.0"]["output"].shape)
         (1, (1, 1, 8))
     """
-    module, plan, specs = _checked(model, specs, "iter_generate", kwargs)
+    module, plan, specs = _checked(model, specs, "iter_generate", args, kwargs)
 
     def work(hand_over: Callable[[GenerationStep], None]) -> None:
         _drive(module, plan, specs, args, dict(kwargs), "iter_generate", hand_over, pause=True)
