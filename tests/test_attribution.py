@@ -5,6 +5,8 @@ GPT-2's attention output before the projection; errors that name the module and 
 
 from __future__ import annotations
 
+import copy
+
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -314,3 +316,23 @@ def test_a_head_point_gives_a_column_per_head_as_the_module_input_does() -> None
         "attribution_patching: a standard point says itself where its value is (an output, an input or an op's "
         "result), got `inputs=True` with z. Leave `inputs` out.")
     fh.testing.assert_no_hooks(model)
+
+
+def test_the_estimate_by_plain_autograd_equals_torch_func_grads_with_in_place_ops_and_batch_norm() -> None:
+    """Outside transforms the corrupted pass is differentiated by plain autograd: the table is
+    the one `fh.activation_grads` (torch.func.grad) gives, with an in-place ReLU after the point
+    and a batch norm in training mode, whose statistics are updated once per call, as by one
+    plain corrupted forward; no parameter gets a `.grad`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(5), nn.ReLU(inplace=True), nn.Linear(4, 2)).train()
+    clean, corrupt = torch.randn(2, 5, 3), torch.randn(2, 5, 3)
+    twin, plain = copy.deepcopy(model), copy.deepcopy(model)
+    result = fh.attribution_patching(model, "0", lambda out: out[..., 0])(clean, corrupt)
+    with torch.no_grad():
+        clean_value = twin[0](clean)
+    _, rec = fh.activation_grads(twin, "0", lambda out: out[..., 0].sum())(corrupt)
+    expected = ((clean_value - rec["0"]["output"]) * rec["0"]["grad"]).sum((0, 2))
+    assert torch.equal(result.table[0], expected)
+    plain(corrupt)
+    assert torch.equal(model[1].running_mean, plain[1].running_mean)
+    assert all(p.grad is None for p in model.parameters())

@@ -13,7 +13,9 @@ returns under SDPA, a cache among a block's arguments) are left alone.
 Cost: one forward on the clean input (without gradients: ``activation_grads``' first pass),
 one forward and one backward on the corrupted input, whatever the number of points and
 positions; memory: the clean and corrupted values of every point, and their gradients.
-Built on :class:`~funhooks.runs.zero_probes.Probes` (zero probes differentiated with
+Built on :class:`~funhooks.runs.zero_probes.Probes`: zero probes added to the points and
+differentiated with respect to them alone (by plain autograd, with the parameters detached for
+the pass, so no graph is kept for the weights; inside a ``torch.func`` transform by
 ``torch.func.grad``), so nothing is registered on the model, no ``.grad`` of a parameter is
 touched, and in-place ops after a point are fine.
 """
