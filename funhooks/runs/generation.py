@@ -32,9 +32,11 @@ torch state (autocast) is not carried over.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
@@ -438,6 +440,12 @@ class GenerationIterator(Iterator[GenerationStep]):
 
     def __del__(self) -> None:
         if getattr(self, "closed", True):
+            return
+        if sys.is_finalizing():  # the worker may never run again: ask it to stop, wait for nothing
+            self.closed = True
+            if self._started:
+                with contextlib.suppress(queue.Full):
+                    self._channel.wanted.put_nowait(_STOP)
             return
         self.close()
 
