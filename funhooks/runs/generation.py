@@ -242,8 +242,8 @@ class _Hooks:
         self.on()
 
     def on(self) -> None:
+        self.attached = Attached(self.plan, self.frame, copies=bool(self.frame.level))  # takes itself off if it fails
         self.handle = self.module.register_forward_pre_hook(self.cursor.before, with_kwargs=True)
-        self.attached = Attached(self.plan, self.frame, copies=bool(self.frame.level))
 
     def off(self) -> None:
         if self.handle is not None:
