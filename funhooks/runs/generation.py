@@ -254,12 +254,24 @@ class _Hooks:
             self.attached = None
 
 
+def _steps_of(spec: Spec) -> Steps | None:
+    """The ``fh.steps`` an intervention spec edits at, on a module or an op (None for the
+    others): its intervention value, or its op action's."""
+    if spec.role not in ("intervene", "op"):
+        return None
+    for held in (getattr(spec, "action", None), spec.fn):  # where a spec keeps what it does
+        for value in (held, getattr(held, "intervention", None), getattr(held, "fn", None)):
+            index = getattr(value, "index", None)
+            if isinstance(index, Steps):
+                return index
+    return None
+
+
 def _unreached(specs: tuple[Spec, ...], made: int, caller: str) -> None:
     """Raise for an intervention whose ``fh.steps`` start at or after the `made` steps."""
     for spec in specs:
-        value = spec.fn if spec.role == "intervene" else getattr(spec.fn, "fn", None) if spec.role == "op" else None
-        index = getattr(value, "index", None)  # an intervention's, or an op spec's intervention's
-        if isinstance(index, Steps) and index.start >= made:
+        index = _steps_of(spec)
+        if index is not None and index.start >= made:
             raise InterventionError(
                 f"{caller}: `index={index!r}` addresses decode steps that came, got a generation of {made} step(s) "
                 f"(0 to {made - 1}) for {spec!r}, which edited nothing. Address steps below {made}, or generate "
