@@ -5,13 +5,17 @@ activation put in place, and reads a metric. Attribution patching estimates all 
 changes at once, to first order: for each point, ``(clean - corrupt) · d metric / d
 activation`` (the gradient taken on the corrupted run), summed over everything but the
 position axis (and, with ``heads=``, the head axis). The table has the sweep's shape: one row
-per point (a selected module's output, or its positional input with ``inputs=True``; one row
-per call), one column per position.
+per point (a selected module's output, or its positional input with ``inputs=True``, or a
+standard point of ``fh.transformer.points``; one row per call), one column per position. Only
+the point is differentiated: the other items of a tuple (the ``None`` an attention module
+returns under SDPA, a cache among a block's arguments) are left alone.
 
 Cost: one forward on the clean input (without gradients: ``activation_grads``' first pass),
 one forward and one backward on the corrupted input, whatever the number of points and
 positions; memory: the clean and corrupted values of every point, and their gradients.
-Built on :class:`~funhooks.runs.zero_probes.Probes` (zero probes differentiated with
+Built on :class:`~funhooks.runs.zero_probes.Probes`: zero probes added to the points and
+differentiated with respect to them alone (by plain autograd, with the parameters detached for
+the pass, so no graph is kept for the weights; inside a ``torch.func`` transform by
 ``torch.func.grad``), so nothing is registered on the model, no ``.grad`` of a parameter is
 touched, and in-place ops after a point are fine.
 """
@@ -26,8 +30,9 @@ import torch
 from torch import nn
 
 from funhooks import _frozen
-from funhooks.errors import InterventionError
+from funhooks.errors import InterventionError, SpecError
 from funhooks.specs.selector import Where
+from funhooks.specs.spec import Located
 
 from .zero_probes import Probes
 
@@ -56,7 +61,8 @@ class Attribution:
     change of the metric when that point's value at that position (and head) is patched from
     the clean run into the corrupted one: the sweep's table minus ``corrupt``."""
     points: tuple[str, ...]
-    """The module path of each row, in module order (a module called k times gives k rows)."""
+    """The module path of each row, in module order (a module called k times gives k rows); for
+    a standard point, its Record path (``blocks.L.<name>``)."""
     clean: torch.Tensor
     """The metric on the clean input."""
     corrupt: torch.Tensor
@@ -64,24 +70,30 @@ class Attribution:
 
 
 def attribution_patching(
-    model: nn.Module, where: Where, metric: Callable[[Any], torch.Tensor], *, inputs: bool = False,
+    model: nn.Module, where: Where | Located, metric: Callable[[Any], torch.Tensor], *, inputs: bool = False,
     element: int | str = 0, dim: int = 1, heads: int | None = None,
 ) -> Callable[..., Attribution]:
     """Attribution patching: the linear estimate of every patch of a sweep, in about 3 passes.
 
     Args:
         model: the model (wrappers are looked through for paths).
-        where: a selector for the points: the modules whose outputs (or inputs) are patched.
+        where: a selector for the points: the modules whose outputs (or inputs) are patched;
+            or a standard point (``fh.transformer.points(model).resid_pre``, ``.z[3]``, ...),
+            whose rows are named by its Record paths (``blocks.L.<name>``).
         metric: ``metric(model_output) -> tensor``; its sum is differentiated (a per-example
             metric gives the estimate for the batch's total, which is what a sweep patching
             every example at once changes).
         inputs: the points are the selected modules' positional inputs instead of their
             outputs (e.g. GPT-2's ``attn.c_proj`` input: the heads' outputs before the
-            projection, TransformerLens' ``z``).
+            projection, TransformerLens' ``z``). Not with a standard point, which says
+            itself where its value is.
         element: the item of a tuple, list or dict value that is the point (for ``inputs``,
-            the positional argument); a plain tensor is taken whole.
+            the positional argument); a plain tensor is taken whole. Only that item is
+            differentiated: the others (``None``, attention weights, a cache) are left alone.
         dim: the position axis of the point's value (``(batch, position, ...)``: 1).
-        heads: split the last axis into ``heads`` equal parts and keep one column per head.
+        heads: split the last axis into ``heads`` equal parts and keep one column per head;
+            for a standard point with a head axis (``q``, ``k``, ``v``, ``z``: ``(..., head,
+            d_head)``), the number of heads on that axis, kept as the column.
 
     Returns:
         ``f(clean, corrupt, **kwargs) -> Attribution`` calling ``model(clean, **kwargs)``
@@ -90,6 +102,7 @@ def attribution_patching(
 
     Raises:
         SelectorError: when `where` matches no module.
+        SpecError: for ``inputs=True`` with a standard point.
         InterventionError: (when called) for `clean` and `corrupt` of different shapes, or an
             `element`, `dim` or `heads` that does not fit a point's value.
         TransformError: (when called) when a point's value has another shape, or its module
@@ -107,8 +120,14 @@ def attribution_patching(
         >>> torch.allclose(result.table.sum(), patched, atol=1e-5)
         True
     """
+    point = isinstance(where, Located)
+    if point and inputs:
+        raise SpecError(f"{_CALLER}: a standard point says itself where its value is (an output, an input or an op's "
+                        f"result), got `inputs=True` with {where!r}. Leave `inputs` out.")
+    headed = point and getattr(where, "view", None) is not None  # a per-head view: (..., head, d_head)
     probes = Probes(model, where, lambda out: metric(out).sum(), _CALLER,
-                    event="forward_pre" if inputs else "forward")
+                    event="forward_pre" if inputs else "forward", element=None if point else element,
+                    detached=True)
 
     def attribute(clean: object, corrupt: object, **kwargs: object) -> Attribution:
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (clean, corrupt)]
@@ -117,9 +136,10 @@ def attribution_patching(
                 f"{_CALLER}: `clean` and `corrupt` have the same shape, got {shapes[0]} and {shapes[1]}. Pad or "
                 "truncate the prompts to one length."
             )
-        out, found = probes.discover((clean,), kwargs)
-        with torch.no_grad():  # torch.func.grad ignores it; the corrupted forward builds no outer graph
-            corrupt_metric, rec = probes.differentiate(found, (corrupt,), kwargs)
+        state = probes.state()
+        out, found = probes.discover((clean,), kwargs, state)
+        with torch.no_grad():  # the corrupted forward's gradient is taken inside; nothing else builds a graph
+            corrupt_metric, rec = probes.differentiate(found, (corrupt,), kwargs, state)
             rows: list[torch.Tensor] = []
             points: list[str] = []
             for path in rec:
@@ -127,7 +147,7 @@ def attribution_patching(
                                                rec.calls(path, "grad")):
                     value = _point(before, element, path)
                     rows.append(_estimate(value, _point(after, element, path), _point(grad, element, path),
-                                          dim=dim, heads=heads, path=path))
+                                          dim=dim, heads=heads, headed=headed, path=path))
                     points.append(path)
             _same_positions(rows, points, dim)
             return Attribution(torch.stack(rows), tuple(points), metric(out).sum(), corrupt_metric.detach())
@@ -153,9 +173,11 @@ def _point(value: object, element: int | str, path: str) -> torch.Tensor:
 
 
 def _estimate(clean: torch.Tensor, corrupt: torch.Tensor, grad: torch.Tensor, *, dim: int, heads: int | None,
-              path: str) -> torch.Tensor:
-    """``(clean - corrupt) * grad`` summed over every axis but `dim` (and the heads)."""
-    if not -clean.ndim <= dim < clean.ndim or (heads is not None and dim % clean.ndim == clean.ndim - 1):
+              headed: bool, path: str) -> torch.Tensor:
+    """``(clean - corrupt) * grad`` summed over every axis but `dim` (and the heads: the last
+    axis split, or where the value is `headed`, its axis -2)."""
+    head_axis = clean.ndim - (2 if headed else 1)
+    if not -clean.ndim <= dim < clean.ndim or (heads is not None and dim % clean.ndim == head_axis):
         raise InterventionError(
             f"{_CALLER}: `dim` is an axis of the point's value other than the one split into heads, got "
             f"dim={dim} for a value of shape {tuple(clean.shape)} at module {path!r}. Pass the position axis."
@@ -164,6 +186,13 @@ def _estimate(clean: torch.Tensor, corrupt: torch.Tensor, grad: torch.Tensor, *,
     position = dim % clean.ndim
     if heads is None:
         return terms.sum(tuple(d for d in range(terms.ndim) if d != position))
+    if headed:
+        if heads != clean.shape[-2]:
+            raise InterventionError(
+                f"{_CALLER}: `heads` is the number of heads of the point's value (axis -2 of (..., head, d_head)), "
+                f"got heads={heads} for a value of shape {tuple(clean.shape)} at {path!r}. Pass "
+                f"heads={clean.shape[-2]}.")
+        return terms.sum(tuple(d for d in range(terms.ndim) if d not in (position, head_axis)))
     if heads < 1 or clean.shape[-1] % heads:
         raise InterventionError(
             f"{_CALLER}: `heads` divides the last axis of the point's value, got heads={heads} for a value of "

@@ -3,8 +3,10 @@
 ``fh.generate`` / ``fh.iter_generate`` number the model's forward calls of one
 ``model.generate``: step 0 is the prompt pass (it sees the whole prompt and predicts new token
 0), step k the call that predicts new token k. With the KV cache step k sees one position (the
-token chosen at step k-1); without it, the whole sequence so far. Each position belongs to the
-step that first sees it: the prompt to step 0, position ``prompt + k - 1`` to step k.
+token chosen at step k-1); without it, the whole sequence so far; with ``prefill_chunk_size``
+the prompt pass is one call per chunk, each seeing its chunk. Each position belongs to the step
+that first sees it: the prompt to step 0, position ``prompt + k - 1`` to step k. A call's
+positions are read off the call itself (the cache's length and the input's), not assumed.
 
 ``index=fh.steps(...)`` edits the positions that belong to the steps asked for, in whichever
 calls see them: the cached run edits them once, the uncached run again at every later step,
@@ -32,10 +34,13 @@ no ``fh.arg`` name can take it)."""
 
 
 class Decoding(NamedTuple):
-    """Where a generation is: the `step` now running and the `prompt`'s length."""
+    """Where a generation is: the `step` now running, the `prompt`'s length, and `end`, the
+    position after the last one the model's call now running sees (its positions, and the
+    keys its attention reads, end there)."""
 
     step: int
     prompt: int
+    end: int
 
 
 @_frozen.frozen
@@ -58,8 +63,8 @@ class Steps:
         return f"fh.steps({self.start}{stop}{', last=True' if self.last else ''})"
 
     def mask(self, size: int, at: Decoding, device: torch.device) -> torch.Tensor:
-        """Which of a call's `size` positions (the last `size` of the sequence so far) to edit."""
-        first = at.prompt + at.step - size
+        """Which of a call's `size` positions (the `size` positions before ``at.end``) to edit."""
+        first = at.end - size
         position = torch.arange(first, first + size, device=device)
         step = (position - at.prompt + 1).clamp(min=0)
         mask = step >= self.start

@@ -345,9 +345,9 @@ class Intervention:
         if not isinstance(decoding, Decoding):
             raise at.error(f"`index={index!r}` addresses the decode steps of `fh.generate` or `fh.iter_generate`, "
                            "got a call outside one", "Generate through `fh.generate(model, specs, input_ids, ...)`")
-        if size > decoding.prompt + decoding.step:
+        if size > decoding.end:
             raise at.error(f"`index={index!r}` reads positions along dim {self.dim}, which holds at most the "
-                           f"{decoding.prompt + decoding.step} tokens of step {decoding.step}, got {size}",
+                           f"{decoding.end} tokens the call sees at step {decoding.step}, got {size}",
                            "Pass the `dim` of the positions")
         return index.mask(size, decoding, device)
 

@@ -5,6 +5,8 @@ GPT-2's attention output before the projection; errors that name the module and 
 
 from __future__ import annotations
 
+import copy
+
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -197,3 +199,140 @@ def test_points_of_different_position_sizes_are_refused() -> None:
     assert str(err.value) == (
         "attribution_patching: every point has the same size along `dim` (and the same heads), got "
         "{'0': (4,), '2': (2,)} for dim=-1. Select points of one kind per call.")
+
+
+# -- issue 36: values with None items (SDPA attention, GPT-2's block arguments), standard points ---------------
+
+import transformer_models as tm  # noqa: E402  (the small models of every family)
+
+CAUSAL = ("gpt2", "llama", "neox")
+
+
+def _tm_prompts(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    clean = tm.inputs(name)["input_ids"]
+    corrupt = clean.clone()
+    corrupt[:, 2] = 9
+    return clean, corrupt
+
+
+def tm_metric(out: object) -> torch.Tensor:
+    return out.logits[..., -1, 7] - out.logits[..., -1, 8]  # type: ignore[attr-defined]
+
+
+def _hand_item(model: nn.Module, modules: list[nn.Module], clean: torch.Tensor, corrupt: torch.Tensor, *,
+               inputs: bool = False) -> torch.Tensor:
+    """The estimate per module of item 0 of its output (or of its first positional argument),
+    with plain hooks and retain_grad: ``((clean - corrupt) * grad).sum((0, 2))`` per row."""
+    seen: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, *args: object) -> None:
+        value = args[0][0] if inputs else args[1]  # type: ignore[index]
+        value = value if isinstance(value, torch.Tensor) else value[0]  # type: ignore[index]
+        if value.requires_grad:
+            value.retain_grad()
+        seen.append(value)
+
+    handles = [m.register_forward_pre_hook(keep) if inputs else m.register_forward_hook(keep) for m in modules]
+    try:
+        with torch.no_grad():
+            model(clean)
+        clean_values, seen[:] = list(seen), []
+        tm_metric(model(corrupt)).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return torch.stack([((c - v.detach()) * v.grad).sum((0, 2)) for c, v in zip(clean_values, seen)])
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_attention_modules_returning_none_under_sdpa_are_points(name: str) -> None:
+    """Every Hugging Face attention module under SDPA (the default) returns ``(output, None)``:
+    `element=0` takes the output and leaves the None alone (was torch.func's `Expected tensors,
+    got NoneType`); the table is the hand estimate's."""
+    model, (clean, corrupt) = tm.BUILDERS[name]("sdpa"), _tm_prompts(name)
+    pts = fh.transformer.points(model)
+    result = fh.attribution_patching(model, pts.attn, tm_metric)(clean, corrupt)
+    attn = [m for _, m in pts.attn.resolve(model)]
+    torch.testing.assert_close(result.table, _hand_item(model, attn, clean, corrupt), rtol=1e-5, atol=1e-6)
+    fh.testing.assert_no_hooks(model)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_activation_grads_of_an_sdpa_attention_module_give_none_for_its_none_item(name: str) -> None:
+    model, (clean, _) = tm.BUILDERS[name]("sdpa"), _tm_prompts(name)
+    attn = fh.transformer.points(model).attn
+    loss, rec = fh.activation_grads(model, attn, lambda out: tm_metric(out).sum())(clean)
+    path = next(iter(rec))
+    output, grad = rec[path]["output"], rec[path]["grad"]
+    assert output[1] is None and grad[1] is None
+    assert grad[0].shape == output[0].shape and bool(grad[0].abs().sum() > 0)
+    fh.testing.assert_no_hooks(model)
+
+
+def test_inputs_of_gpt2_blocks_whose_arguments_hold_nones_and_a_cache() -> None:
+    """GPT-2's blocks take ``(hidden, cache, mask, encoder_hidden)`` positionally, Nones among
+    them: `inputs=True` attributes argument 0 and leaves the others alone."""
+    model, (clean, corrupt) = tm.gpt2("sdpa"), _tm_prompts("gpt2")
+    result = fh.attribution_patching(model, "transformer.h.*", tm_metric, inputs=True)(clean, corrupt)
+    expected = _hand_item(model, list(model.transformer.h), clean, corrupt, inputs=True)
+    torch.testing.assert_close(result.table, expected, rtol=1e-5, atol=1e-6)
+    fh.testing.assert_no_hooks(model)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_standard_points_are_attributed_as_their_modules_are(name: str) -> None:
+    """`pts.resid_pre` (issue 29's ask, refused before with a message about selectors): the
+    table of the modules holding it, rows named by the points' Record paths."""
+    model, (clean, corrupt) = tm.BUILDERS[name]("sdpa"), _tm_prompts(name)
+    pts = fh.transformer.points(model)
+    result = fh.attribution_patching(model, pts.resid_pre, tm_metric)(clean, corrupt)
+    by_path = fh.attribution_patching(model, [p for _, p in pts.resid_pre.paths], tm_metric)(clean, corrupt)
+    assert result.points == pts.resid_pre.keys
+    assert torch.equal(result.table, by_path.table)
+    one = fh.attribution_patching(model, pts.resid_post[1], tm_metric)(clean, corrupt)
+    assert one.points == ("blocks.1.resid_post",) and tuple(one.table.shape) == (1, clean.shape[1])
+    fh.testing.assert_no_hooks(model)
+
+
+def test_a_head_point_gives_a_column_per_head_as_the_module_input_does() -> None:
+    """`pts.z` with `heads=` equals `inputs=True, heads=` on `attn.c_proj` (GPT-2)."""
+    model, (clean, corrupt) = _gpt2(), _prompts()
+    z = fh.transformer.points(model).z
+    result = fh.attribution_patching(model, z, logit_diff, heads=HEADS)(clean, corrupt, use_cache=False)
+    by_input = fh.attribution_patching(model, Z, logit_diff, inputs=True, heads=HEADS)(clean, corrupt, use_cache=False)
+    assert result.points == ("blocks.0.z", "blocks.1.z")
+    assert torch.equal(result.table, by_input.table)
+    whole = fh.attribution_patching(model, z, logit_diff)(clean, corrupt, use_cache=False)
+    torch.testing.assert_close(whole.table, result.table.sum(-1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(fh.InterventionError) as err:
+        fh.attribution_patching(model, z, logit_diff, heads=4)(clean, corrupt, use_cache=False)
+    assert str(err.value) == (
+        "attribution_patching: `heads` is the number of heads of the point's value (axis -2 of (..., head, d_head)), "
+        "got heads=4 for a value of shape (2, 5, 2, 8) at 'blocks.0.z'. Pass heads=2.")
+    with pytest.raises(fh.SpecError) as spec_err:
+        fh.attribution_patching(model, z, logit_diff, inputs=True)
+    assert str(spec_err.value) == (
+        "attribution_patching: a standard point says itself where its value is (an output, an input or an op's "
+        "result), got `inputs=True` with z. Leave `inputs` out.")
+    fh.testing.assert_no_hooks(model)
+
+
+def test_the_estimate_by_plain_autograd_equals_torch_func_grads_with_in_place_ops_and_batch_norm() -> None:
+    """Outside transforms the corrupted pass is differentiated by plain autograd: the table is
+    the one `fh.activation_grads` (torch.func.grad) gives, with an in-place ReLU after the point
+    and a batch norm in training mode, whose statistics are updated once per call, as by one
+    plain corrupted forward; no parameter gets a `.grad`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(5), nn.ReLU(inplace=True), nn.Linear(4, 2)).train()
+    clean, corrupt = torch.randn(2, 5, 3), torch.randn(2, 5, 3)
+    twin, plain = copy.deepcopy(model), copy.deepcopy(model)
+    result = fh.attribution_patching(model, "0", lambda out: out[..., 0])(clean, corrupt)
+    with torch.no_grad():
+        clean_value = twin[0](clean)
+    _, rec = fh.activation_grads(twin, "0", lambda out: out[..., 0].sum())(corrupt)
+    expected = ((clean_value - rec["0"]["output"]) * rec["0"]["grad"]).sum((0, 2))
+    assert torch.equal(result.table[0], expected)
+    plain(corrupt)
+    assert torch.equal(model[1].running_mean, plain[1].running_mean)
+    assert all(p.grad is None for p in model.parameters())

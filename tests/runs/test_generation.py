@@ -4,6 +4,8 @@ streaming iterator."""
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -198,4 +200,153 @@ def test_an_error_inside_iter_generate_is_raised_to_the_consumer(lm: tuple[nn.Mo
     model, block = lm
     with pytest.raises(fh.InterventionError, match="broadcasts to the value it edits"):
         list(fh.iter_generate(model, fh.steer(block, torch.ones(3)), PROMPT, **GREEDY))
+    fh.testing.assert_no_hooks(model)
+
+
+# -- issue 36: chunked prefill, modes that are not one forward per token, steps that never came, ----------------
+# -- a named iterator left suspended ---------------------------------------------------------------------------
+
+PROMPT7 = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1]])
+
+
+def _hand_loop(model: nn.Module, block: str, vector: torch.Tensor, positions: Callable[[int], list[int]]) -> torch.Tensor:
+    """Greedy decoding written out: the whole sequence through the model at each token, a plain
+    forward hook adding `vector` at `positions(length)` of the block's output."""
+    def hook(module: nn.Module, args: object, output: object) -> object:
+        hidden = output[0] if isinstance(output, tuple) else output
+        edited = hidden.clone()
+        for p in positions(hidden.shape[1]):
+            edited[:, p] += vector
+        return (edited, *output[1:]) if isinstance(output, tuple) else edited
+
+    ids = PROMPT7
+    handle = model.get_submodule(block).register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            for _ in range(NEW):
+                ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    finally:
+        handle.remove()
+    return ids[:, PROMPT7.shape[1]:]
+
+
+P7 = PROMPT7.shape[1]
+CHUNKED = {  # each index, and the positions of a sequence of `n` tokens it edits, written out
+    "steps(0, last=True)": (fh.steps(0, last=True), lambda n: [P7 - 1]),
+    "steps(0)": (fh.steps(0), lambda n: list(range(P7))),
+    "steps(1, None, last=True)": (fh.steps(1, None, last=True), lambda n: list(range(P7, n))),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_chunked_prefill_edits_the_positions_of_the_steps_asked_for_as_a_hand_loop(
+        lm: tuple[nn.Module, str], name: str) -> None:
+    """`prefill_chunk_size=3` runs a 7-token prompt as 3 calls (positions 0-2, 3-5, 6): a steps
+    index follows the positions each call really holds (was: the last positions of the sequence,
+    so `steps(0, last=True)` edited positions 2, 5 and 6), and the tokens are the hand loop's."""
+    model, block = lm
+    index, positions = CHUNKED[name]
+    torch.manual_seed(4)
+    vector = torch.randn(WIDTH) * 4
+    spec = fh.steer(block, vector, index=index)
+    chunked = fh.generate(model, spec, PROMPT7, prefill_chunk_size=3, **GREEDY)
+    assert torch.equal(chunked.tokens, _hand_loop(model, block, vector, positions))
+    assert torch.equal(chunked.tokens, fh.generate(model, spec, PROMPT7, **GREEDY).tokens)
+    fh.testing.assert_no_hooks(model)
+
+
+def test_a_chunked_prompt_pass_is_step_0_with_a_call_per_chunk(lm: tuple[nn.Module, str]) -> None:
+    """Step 0 holds the 3 calls of the prompt pass (`calls == 3`), each its own positions;
+    `last=True` patches the prompt's last position alone, in the last chunk; `new()` keeps
+    every position of the prompt pass."""
+    model, block = lm
+    spec = [fh.patch(block, 0.0, index=fh.steps(0, last=True)), fh.outputs(block)]
+    gen = fh.generate(model, spec, PROMPT7, prefill_chunk_size=3, **GREEDY)
+    assert [s.calls for s in gen.steps] == [3] + [1] * (NEW - 1)
+    values = [v[0] if isinstance(v, tuple) else v for v in gen.records[0].calls(block, "output")]
+    assert [tuple(v.shape) for v in values] == [(2, 3, WIDTH), (2, 3, WIDTH), (2, 1, WIDTH)]
+    assert bool((values[2] == 0).all())
+    assert all(bool((v != 0).any(-1).all()) for v in values[:2])
+    assert [tuple((v[0] if isinstance(v, tuple) else v).shape)
+            for v in gen.steps[0].new().calls(block, "output")] == [(2, 3, WIDTH), (2, 3, WIDTH), (2, 1, WIDTH)]
+
+
+@pytest.mark.parametrize(("options", "got"), [
+    ({"num_beams": 2}, "beam search (num_beams=2)"),
+    ({"num_beams": 2, "do_sample": True}, "beam sample (num_beams=2)"),
+    ({"prompt_lookup_num_tokens": 2}, "assisted generation (prompt_lookup_num_tokens=2)"),
+])
+def test_modes_that_are_not_one_forward_per_token_are_refused_before_they_run(
+        lm: tuple[nn.Module, str], options: dict[str, object], got: str) -> None:
+    """Beam search gave `tokens` of (beams, steps) for one prompt, assisted decoding 11 steps for
+    12 tokens; both are refused before `generate` runs, by `generate` and `iter_generate`."""
+    model, block = lm
+    kwargs = {**GREEDY, **options}
+    message = (f"generate: steps are the forwards of greedy search or sampling, one per new token, got {got}, which "
+               "makes other calls and returns other shapes. Generate with num_beams=1 and no assistant, or call "
+               "`model.generate` inside `fh.with_hooks` for one Record of all its calls.")
+    with pytest.raises(fh.SpecError) as info:
+        fh.generate(model, fh.outputs(block), PROMPT, **kwargs)
+    assert str(info.value) == message
+    with pytest.raises(fh.SpecError) as info:
+        fh.iter_generate(model, fh.outputs(block), PROMPT, **kwargs)
+    assert str(info.value) == message.replace("generate:", "iter_generate:", 1)
+    fh.testing.assert_no_hooks(model)
+
+
+def test_an_assistant_model_is_refused_before_it_runs(lm: tuple[nn.Module, str]) -> None:
+    model, block = lm
+    with pytest.raises(fh.SpecError, match=r"got assisted generation \(assistant_model=\.\.\.\), which makes other "):
+        fh.generate(model, fh.outputs(block), PROMPT, assistant_model=model, **GREEDY)
+    fh.testing.assert_no_hooks(model)
+
+
+def test_a_steps_index_after_the_last_step_is_an_error_at_the_end(lm: tuple[nn.Module, str]) -> None:
+    """`fh.steps(k)` with k at or past the number of steps edited nothing, silently; now it
+    raises when the generation ends, as an op spec that took no op does."""
+    model, block = lm
+    spec = fh.steer(block, torch.ones(WIDTH), index=fh.steps(NEW, None))
+    with pytest.raises(fh.InterventionError) as info:
+        fh.generate(model, spec, PROMPT, **GREEDY)
+    assert str(info.value) == (
+        f"generate: `index=fh.steps({NEW}, None)` addresses decode steps that came, got a generation of {NEW} step(s) "
+        f"(0 to {NEW - 1}) for {spec!r}, which edited nothing. Address steps below {NEW}, or generate more tokens "
+        "(`max_new_tokens`, no early `eos_token_id`).")
+    with pytest.raises(fh.InterventionError, match="iter_generate: `index=fh.steps"):
+        list(fh.iter_generate(model, spec, PROMPT, **GREEDY))
+    fh.testing.assert_no_hooks(model)
+    last = fh.steer(block, torch.ones(WIDTH), index=fh.steps(NEW - 1))
+    assert fh.generate(model, last, PROMPT, **GREEDY).tokens.shape == (2, NEW)
+    for step in fh.iter_generate(model, spec, PROMPT, **GREEDY):  # closed before the end: no error
+        break
+    on_op = fh.scale(fh.transformer.points(model).pattern[0], 2.0, index=fh.steps(NEW), dim=2)  # an op spec's
+    with pytest.raises(fh.InterventionError, match=rf"generate: `index=fh.steps\({NEW}\)` addresses decode steps"):
+        fh.generate(model, on_op, PROMPT, **GREEDY)
+    fh.testing.assert_no_hooks(model)
+
+
+def test_a_named_iterator_left_suspended_leaves_nothing_on_the_model_and_closes(lm: tuple[nn.Module, str]) -> None:
+    """A named `iter_generate` kept after `break` held its hooks until freed; now nothing is
+    attached while the consumer holds a step, `with` closes it, and freeing it ends the worker."""
+    model, block = lm
+    threads = set(threading.enumerate())
+    steps = fh.iter_generate(model, fh.outputs(block), PROMPT, max_new_tokens=50, do_sample=False, pad_token_id=0)
+    for step in steps:
+        if step.step == 1:
+            break
+    fh.testing.assert_no_hooks(model)
+    assert not steps.closed
+    assert next(steps).step == 2  # resumes where it was
+    del steps, step
+    gc.collect()
+    assert set(threading.enumerate()) == threads
+    with fh.iter_generate(model, fh.outputs(block), PROMPT, max_new_tokens=50, do_sample=False,
+                          pad_token_id=0) as steps:
+        for step in steps:
+            fh.testing.assert_no_hooks(model)
+            if step.step == 1:
+                break
+    assert steps.closed and set(threading.enumerate()) == threads
+    with pytest.raises(StopIteration):
+        next(steps)
     fh.testing.assert_no_hooks(model)
