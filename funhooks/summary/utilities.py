@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
+import attrs
 import torch
 from torch import nn
 
@@ -314,9 +315,29 @@ def _count(params: Sequence[nn.Parameter]) -> tuple[int, int]:
     return sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad)
 
 
-def _layer(path: str, module: nn.Module, found: Pass, root_inputs: ShapeTree) -> SummaryRow:
+def _subtree_params(model: nn.Module) -> dict[int, list[nn.Parameter]]:
+    """Per module (by id), the parameters of its subtree: each module's own added to its
+    ancestors' in one walk of the tree, not one walk per module."""
+    own = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
+    below: dict[int, list[nn.Parameter]] = {}
+
+    def gather(module: nn.Module) -> list[nn.Parameter]:
+        if id(module) not in below:
+            found = list(own[id(module)])
+            below[id(module)] = found  # a module met again (shared) adds nothing twice, nor a cycle
+            for child in _torch.children(module).values():
+                if child is not None:
+                    found += gather(child)
+        return below[id(module)]
+
+    gather(model)
+    return below
+
+
+def _layer(path: str, module: nn.Module, found: Pass, root_inputs: ShapeTree,
+           subtree: dict[int, list[nn.Parameter]]) -> SummaryRow:
     calls = tracks(found.record, path)
-    params, trainable = _count(list(module.parameters()))
+    params, trainable = _count(subtree[id(module)])
     last = last_track(found.record, path)
     return SummaryRow(
         path=path, type=_torch.own_class(module).__name__, depth=_depth(path),
@@ -325,6 +346,17 @@ def _layer(path: str, module: nn.Module, found: Pass, root_inputs: ShapeTree) ->
         params=params, trainable=trainable, own_params=_count(list(module.parameters(recurse=False)))[0],
         flops=None if found.flops is None else found.flops.get(path, 0), calls=len(calls),
     )
+
+
+@attrs.frozen
+class _Within:
+    """Selects the leaves and every module down to `depth` (None: every module). A value, so
+    that the same summary asked twice reuses the run's plan."""
+
+    depth: int | None
+
+    def __call__(self, path: str, module: nn.Module) -> bool:
+        return self.depth is None or _depth(path) <= self.depth or is_leaf(path, module)
 
 
 def _check_options(depth: int | None, layout: Layout | None) -> None:
@@ -380,12 +412,12 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
     """
     _check_options(depth, layout)
     inner = _torch.unwrap(model)
-    found = record_shapes(model, lambda path, m: is_leaf(path, m) or depth is None or _depth(path) <= depth, xb,
-                          kwargs, count_flops=True)
+    found = record_shapes(model, _Within(depth), xb, kwargs, count_flops=True)
     params = list(inner.parameters())
     root_inputs = shape_tree(xb if not kwargs else {**{str(i): x for i, x in enumerate(xb)}, **kwargs})
     shown = [(p, m) for p, m in _torch.named_modules(inner) if depth is None or _depth(p) <= depth]
     leaves = [p for p, m in _torch.named_modules(inner) if is_leaf(p, m)]
+    subtree = _subtree_params(inner)
     return ModuleSummary(
         model=_torch.own_class(inner).__name__,
         input_shapes=tuple(shape_tree(x) for x in xb),
@@ -393,7 +425,7 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
         total=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
         kwarg_shapes=tuple((k, shape_tree(v)) for k, v in kwargs.items()),
-        layers=tuple(_layer(p, m, found, root_inputs) for p, m in shown),
+        layers=tuple(_layer(p, m, found, root_inputs, subtree) for p, m in shown),
         depth=depth,
         flops=None if found.flops is None else found.flops[""],
         param_bytes=sum(p.numel() * p.element_size() for p in params),
