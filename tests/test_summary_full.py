@@ -299,3 +299,20 @@ def test_layers_agree_with_fastai_rows_and_totals(pair: tuple[nn.Module, torch.T
     assert layers[""].params == s.total and layers[""].flops == s.flops
     assert all(0 <= r.flops <= s.flops for r in s.layers)
     fh.testing.assert_no_hooks(model)
+
+
+def test_bench_summary_smoke(tmp_path) -> None:
+    """benchmarks/bench_summary.py runs (smoke mode): its checks (funhooks' total and FLOPs)
+    pass before anything is timed, and torchinfo's numbers are recorded beside them."""
+    from test_benchmarks import assert_common_keys, run_quick
+
+    proc, result = run_quick("bench_summary.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert result is not None
+    assert_common_keys(result, "summary")
+    assert result["correct"] is True
+    for name in ("BERT", "GPT-2"):
+        cases = result["results"][name]["cases"]
+        assert {"bare forward", "fh.module_summary", "torchinfo.summary"} <= set(cases)
+    numbers = result["results"]["GPT-2"]["numbers"]
+    assert numbers["torchinfo"]["total"] > numbers["fh"]["total"] == numbers["parameters"]  # the tied weight

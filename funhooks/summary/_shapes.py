@@ -29,7 +29,6 @@ import attrs
 import torch
 from torch import nn
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from funhooks import _torch
 from funhooks._modes import in_mode
@@ -41,10 +40,11 @@ from funhooks.specs.spec import Spec, observe
 
 from .table import Shape, ShapeTree, shape_tree
 
-__all__ = ["REAL_BYTES", "REAL_FLOPS", "Pass", "Track", "is_leaf", "last_shape", "last_track", "nbytes",
+__all__ = ["NOT_RUN", "REAL_BYTES", "REAL_FLOPS", "Pass", "Track", "is_leaf", "last_shape", "last_track", "nbytes",
            "record_shapes", "tracks"]
 
 _T = TypeVar("_T")
+Tensor = torch.Tensor
 
 REAL_FLOPS = 2_000_000_000
 """A real pass that has done more FLOPs than this is stopped and redone on the meta device."""
@@ -83,7 +83,7 @@ class Track:
     flops: int  # the pass's FLOPs counted up to the call's end (0 when not counted)
 
 
-_NOT_RUN = Track(None, False, None, 0, 0)
+NOT_RUN = Track(None, False, None, 0, 0)
 
 
 class Pass(NamedTuple):
@@ -119,7 +119,7 @@ class _Op(enum.Enum):
     RUN = "run"  # run, counted 0
 
 
-class _Counter(TorchDispatchMode):
+class _Counter(_torch.TorchDispatchMode):
     """Counts FLOPs with ``torch.utils.flop_counter``'s formulas and rules (an op without a
     formula is decomposed where PyTorch can, a higher-order op is left alone), plus the CPU's
     fused attention; with `budget`, stops the pass (:class:`_OverBudget`) once it has done more
@@ -127,6 +127,8 @@ class _Counter(TorchDispatchMode):
 
     A formula is a function of shapes: its result is kept per op and shapes for this pass, so a
     model's repeated layers cost one call of it."""
+
+    supports_higher_order_operators = True  # and leaves them alone (NotImplemented), as torch's counter does
 
     def __init__(self, *, budget: bool) -> None:
         super().__init__()
@@ -138,7 +140,7 @@ class _Counter(TorchDispatchMode):
         self.counts: dict[object, int] = {}  # per op and shapes: the formula's result
 
     def _kind(self, func: Any) -> _Op | Callable[..., int]:
-        if func in _QUERIES or isinstance(func, torch._ops.HigherOrderOperator):
+        if func in _QUERIES or _torch.is_higher_order_op(func):
             return _Op.LEAVE
         formula = self.formulas.get(func._overloadpacket)
         if formula is not None:
@@ -147,12 +149,22 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if self.over:
             raise _OverBudget
         kind = self.ops.get(func)
         if kind is None:
             kind = self.ops[func] = self._kind(func)
+        if kind is _Op.RUN:  # most ops: no formula, nothing to decompose
+            out = func(*args, **kwargs)
+            if self.budget:
+                if type(out) is Tensor:
+                    if out.numel() * out.element_size() > REAL_BYTES:
+                        self._stop()
+                elif _largest(out) > REAL_BYTES:
+                    self._stop()
+            return out
         if kind is _Op.LEAVE:
             return NotImplemented
         if kind is _Op.DECOMPOSE:
@@ -160,7 +172,6 @@ class _Counter(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        if isinstance(kind, _Op):
             out = func(*args, **kwargs)
         else:
             flops, key = self._before(kind, func, args, kwargs)
@@ -302,17 +313,17 @@ def _meta(value: _T) -> _T:
 def _attributes_kept(model: nn.Module) -> Iterator[None]:
     """A plain tensor attribute of a module that the block set (a cache made in ``forward``) is
     put back as it was after the block, or removed when it is new: the pass leaves no trace."""
-    attributes = [(m, dict(vars(m))) for m in model.modules()]
+    tensors = [(vars(m), dict(vars(m))) for m in model.modules()]
     try:
         yield
     finally:
-        for module, before in attributes:
-            for key, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor) and value is not before.get(key):
+        for attributes, before in tensors:
+            for key, value in list(attributes.items()):
+                if isinstance(value, Tensor) and value is not before.get(key):
                     if key in before:
-                        vars(module)[key] = before[key]
+                        attributes[key] = before[key]
                     else:
-                        del vars(module)[key]
+                        del attributes[key]
 
 
 @contextlib.contextmanager
@@ -411,7 +422,7 @@ def tracks(rec: Record, path: str) -> tuple[Track, ...]:
 def last_track(rec: Record, path: str) -> Track:
     """The module's last call; shape None and `same` False when it did not run."""
     calls = tracks(rec, path)
-    return calls[-1] if calls else _NOT_RUN
+    return calls[-1] if calls else NOT_RUN
 
 
 def last_shape(rec: Record, path: str) -> ShapeTree:
