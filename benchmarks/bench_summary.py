@@ -11,7 +11,9 @@ small configs (random weights, no download, SDPA attention, the default), called
 
 - ``bare forward``: the model under ``torch.no_grad()``, the baseline of the ratios;
 - ``fh.module_summary``: the full summary (every module's shapes, parameters, FLOPs);
-- ``torchinfo.summary``: ``verbose=0`` (only where torchinfo imports).
+- ``torchinfo.summary``: ``verbose=0`` (only where torchinfo imports);
+- both again with ``input_ids`` alone (``, no mask``): before issue 36 the two took different
+  passes (a meta pass without the mask, a real one with it).
 
 Checked before timing: funhooks' total is the model's parameters, each once; its FLOPs equal
 ``FlopCounterMode``'s on a real pass (told to count the CPU's fused attention kernel, which it
@@ -72,12 +74,15 @@ def cases(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, 
         with torch.no_grad():
             return model(**inputs)
 
-    found = {"bare forward": bare, "fh.module_summary": lambda: fh.module_summary(model, **inputs)}
+    ids = {"input_ids": inputs["input_ids"]}
+    found = {"bare forward": bare, "fh.module_summary": lambda: fh.module_summary(model, **inputs),
+             "fh.module_summary, no mask": lambda: fh.module_summary(model, **ids)}
     try:
         import torchinfo
     except ImportError:
         return found
     found["torchinfo.summary"] = lambda: torchinfo.summary(model, input_data=inputs, verbose=0)
+    found["torchinfo.summary, no mask"] = lambda: torchinfo.summary(model, input_data=ids, verbose=0)
     return found
 
 
