@@ -25,13 +25,16 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
+    "TorchDispatchMode",
     "call_impl",
     "children",
+    "is_higher_order_op",
     "walk",
     "is_functorch_active",
     "own_buffers",
@@ -45,6 +48,11 @@ __all__ = [
 
 tree_map = pytree.tree_map
 tree_leaves = pytree.tree_leaves
+
+
+def is_higher_order_op(func: object) -> bool:
+    """True for a higher-order operator (``cond``, ``flex_attention``, ...) met by a dispatch mode."""
+    return isinstance(func, torch._ops.HigherOrderOperator)
 
 
 # -- a module's own tables: read directly where a walk runs per step or per plan, and in traced

@@ -15,8 +15,9 @@ never recorded. A Step's ``epoch`` and ``iteration`` are the Trainer's epoch and
 ``train(resume_from_checkpoint=...)`` numbers its steps on from the checkpoint's (and its
 states merge with the first run's). ``cb.result`` holds the results in the shape of `reducers`.
 
-With ``log_every=k`` and ``trainer=`` the callback also logs the reducers' scalars (see
-:mod:`funhooks.training.logged`) after every step whose iteration is a multiple of `k`, through
+With ``log_every=k`` and ``trainer=`` the callback also logs the reducers' scalars of the step
+(see :mod:`funhooks.training.logged`; a reducer that did not record the step is not logged
+there) after every step whose iteration is a multiple of `k`, through
 ``trainer.log``: so they land in ``state.log_history`` and reach every ``report_to`` integration
 (TensorBoard, W&B, ...) at the Trainer's step (its ``global_step`` after the update, one past
 the Step's iteration), named ``funhooks/<key>/<layer>/<statistic>`` (which the integrations,

@@ -12,8 +12,9 @@ sanity checks run outside those steps and are never recorded. A Step's ``epoch``
 run resumed with ``fit(ckpt_path=...)`` numbers its steps on from the checkpoint's (and its
 states merge with the first run's). ``cb.result`` holds the results in the shape of `reducers`.
 
-With ``log_every=k`` the callback also logs the reducers' scalars (see
-:mod:`funhooks.training.logged`) after every step whose ``global_step`` is a multiple of `k`,
+With ``log_every=k`` the callback also logs the reducers' scalars of the step (see
+:mod:`funhooks.training.logged`; a reducer that did not record the step is not logged there)
+after every step whose ``global_step`` is a multiple of `k`,
 to each of ``trainer.loggers`` (``log_metrics(..., step=global_step)``: TensorBoard, W&B, CSV),
 named ``funhooks/<key>/<layer>/<statistic>`` (``funhooks/activations/net.0/std``). The
 interval is the callback's, not ``log_every_n_steps``. Off by default: each log reads the

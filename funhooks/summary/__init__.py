@@ -3,7 +3,7 @@
 
 Modules: ``utilities`` (the functions), ``table`` (``Shape``, ``LayerRow``, ``SummaryRow``,
 ``ModuleSummary``), private ``_shapes`` (the one pass that finds each module's input and output
-shapes and FLOPs, on the meta device where it can). May import: ``errors``, ``_torch``,
+shapes and FLOPs: for real while small, else on the meta device where it can). May import: ``errors``, ``_torch``,
 ``_frozen``, ``_modes``, ``records``, ``specs``, ``runs``.
 """
 

@@ -1,15 +1,31 @@
 """One pass recording each selected module's input and output shapes, its output's bytes and
 whether fastai's ``_track`` would mark it as keeping its input's shape, and (when asked) the
-FLOPs ``torch.utils.flop_counter`` counts per module: on the meta device where the model allows
-it, else one real pass under ``torch.no_grad()`` (the rules are in :mod:`funhooks.summary`)."""
+FLOPs ``torch.utils.flop_counter``'s formulas give per module (the rules are in
+:mod:`funhooks.summary`).
+
+Which pass: a small one runs for real under ``torch.no_grad()`` (the meta device runs most
+kernels as Python reference code, about a hundred times a real small kernel's cost), watched
+by a budget: once it has done more than :data:`REAL_FLOPS` FLOPs or made a tensor of more
+than :data:`REAL_BYTES` bytes it is stopped and the pass is redone on the meta device. A
+model the meta device cannot run gets a real pass without a budget, as does a lazy or sharded
+one; inputs already on the meta device go to the meta device at once.
+
+FLOPs are counted by a dispatch mode with ``torch.utils.flop_counter``'s formulas and its
+rules (an op without a formula is decomposed where PyTorch can); PyTorch's own counter has no
+formula for the CPU's fused attention kernel (``_scaled_dot_product_flash_attention_for_cpu``),
+which the counter here counts as attention. Each module's FLOPs are the counter's total at
+its exit minus its total at entry, over all its calls."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import enum
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
+import attrs
 import torch
 from torch import nn
 from torch.utils import flop_counter
@@ -22,11 +38,18 @@ from funhooks.runs.run import with_hooks
 from funhooks.specs.selector import Where
 from funhooks.specs.spec import Spec, observe
 
-from .table import ShapeTree, shape_tree
+from .table import Shape, ShapeTree, shape_tree
 
-__all__ = ["Pass", "Track", "is_leaf", "last_shape", "last_track", "nbytes", "record_shapes", "tracks"]
+__all__ = ["NOT_RUN", "REAL_BYTES", "REAL_FLOPS", "Pass", "Track", "is_leaf", "last_shape", "last_track", "nbytes",
+           "record_shapes", "tracks"]
 
 _T = TypeVar("_T")
+Tensor = torch.Tensor
+
+REAL_FLOPS = 2_000_000_000
+"""A real pass that has done more FLOPs than this is stopped and redone on the meta device."""
+REAL_BYTES = 64 * 2**20
+"""A real pass that makes a tensor of more bytes than this is stopped and redone on the meta device."""
 
 
 def is_leaf(path: str, module: nn.Module) -> bool:
@@ -48,16 +71,19 @@ def _same(args: tuple[object, ...], output: object) -> bool:
     return any(isinstance(a, torch.Tensor) and o is not None and a.shape[1:] == o for a, o in zip(args, outs))
 
 
-class Track(NamedTuple):
-    """What the rows need of one call of a module."""
+@attrs.frozen
+class Track:
+    """What the rows need of one call of a module (a class, not a tuple: the Record stores it
+    without walking into it)."""
 
     shape: ShapeTree  # the output's
     same: bool  # fastai's "size unchanged"
     inputs: ShapeTree  # the positional arguments' (keyword arguments are not seen by a forward hook)
     output_bytes: int  # the bytes of the output's tensors
+    flops: int  # the pass's FLOPs counted up to the call's end (0 when not counted)
 
 
-_NOT_RUN = Track(None, False, None, 0)
+NOT_RUN = Track(None, False, None, 0, 0)
 
 
 class Pass(NamedTuple):
@@ -70,11 +96,213 @@ class Pass(NamedTuple):
 
 def nbytes(value: object) -> int:
     """The bytes of the tensors in `value` (meta tensors included: their size, not their storage)."""
+    if type(value) is torch.Tensor:
+        return value.numel() * value.element_size()
     return sum(t.numel() * t.element_size() for t in _torch.tensor_leaves(value))
 
 
+def _shapes_of(value: object) -> ShapeTree:
+    """:func:`shape_tree`, without the tree walk for the common cases (a tensor; a tuple of
+    tensors and Nones, which a module's positional arguments mostly are)."""
+    if type(value) is torch.Tensor:
+        return Shape(value.shape)
+    if type(value) is tuple and all(type(x) is torch.Tensor or x is None for x in value):
+        return tuple([None if x is None else Shape(x.shape) for x in value])
+    return shape_tree(value)
+
+
+class _Op(enum.Enum):
+    """What the counter does with an op that has no formula."""
+
+    LEAVE = "leave"  # a shape query or a higher-order op: left to the tensor, as torch's counter does
+    DECOMPOSE = "decompose"  # decomposed where PyTorch can, its parts counted
+    RUN = "run"  # run, counted 0
+
+
+class _Counter(_torch.TorchDispatchMode):
+    """Counts FLOPs with ``torch.utils.flop_counter``'s formulas and rules (an op without a
+    formula is decomposed where PyTorch can, a higher-order op is left alone), plus the CPU's
+    fused attention; with `budget`, stops the pass (:class:`_OverBudget`) once it has done more
+    than ``REAL_FLOPS`` FLOPs or made a tensor of more than ``REAL_BYTES`` bytes.
+
+    A formula is a function of shapes: its result is kept per op and shapes for this pass, so a
+    model's repeated layers cost one call of it."""
+
+    supports_higher_order_operators = True  # and leaves them alone (NotImplemented), as torch's counter does
+
+    def __init__(self, *, budget: bool) -> None:
+        super().__init__()
+        self.total = 0
+        self.budget = budget
+        self.over = False  # set once over budget: a model that catches the error is stopped again
+        self.formulas: dict[object, Callable[..., int]] = {**flop_counter.flop_registry, **_extra_formulas()}
+        self.ops: dict[object, _Op | Callable[..., int]] = {}  # per op overload: its formula, or what to do
+        self.counts: dict[object, int] = {}  # per op and shapes: the formula's result
+
+    def _kind(self, func: Any) -> _Op | Callable[..., int]:
+        if func in _QUERIES or _torch.is_higher_order_op(func):
+            return _Op.LEAVE
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            return formula
+        return _Op.DECOMPOSE if func is not _DEVICE and func._can_decompose() else _Op.RUN
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if self.over:
+            raise _OverBudget
+        kind = self.ops.get(func)
+        if kind is None:
+            kind = self.ops[func] = self._kind(func)
+        if kind is _Op.RUN:  # most ops: no formula, nothing to decompose
+            out = func(*args, **kwargs)
+            if self.budget:
+                if type(out) is Tensor:
+                    if out.numel() * out.element_size() > REAL_BYTES:
+                        self._stop()
+                elif _largest(out) > REAL_BYTES:
+                    self._stop()
+            return out
+        if kind is _Op.LEAVE:
+            return NotImplemented
+        if kind is _Op.DECOMPOSE:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+            out = func(*args, **kwargs)
+        else:
+            flops, key = self._before(kind, func, args, kwargs)
+            if self.budget and flops is not None and self.total + flops > REAL_FLOPS:
+                self._stop()  # before a matrix product or attention over the budget runs
+            out = func(*args, **kwargs)
+            if flops is None:
+                flops = self._after(kind, key, args, kwargs, out)
+            self.total += flops
+        if self.budget and (self.total > REAL_FLOPS or _largest(out) > REAL_BYTES):
+            self._stop()
+        return out
+
+    def _stop(self) -> None:
+        self.over = True
+        raise _OverBudget
+
+    def _before(self, formula: Callable[..., int], func: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[int | None, Any]:
+        """The op's FLOPs before it runs, where they are known from its arguments (kept per op and
+        argument shapes for this pass; an op's output shape follows from them), and the key."""
+        if not _takes_shapes(formula):
+            return None, None
+        try:
+            key: Any = (func, _frozen_shapes(_shape_args((args, kwargs))))
+            return self.counts[key], key
+        except TypeError:  # an argument that cannot be a key
+            return None, None
+        except KeyError:
+            pass
+        try:  # a formula that needs no output shape (matrix products, attention)
+            flops = formula.__wrapped__(*_shape_args(args), out_shape=None, **_shape_args(kwargs))  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - it needs the output's shape (convolutions): counted after the op
+            return None, key
+        self.counts[key] = flops
+        return flops, key
+
+    def _after(self, formula: Callable[..., int], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               out: Any) -> int:
+        if not _takes_shapes(formula):  # a formula that reads tensors
+            return formula(*args, **kwargs, out_val=out)
+        flops = formula.__wrapped__(*_shape_args(args), out_shape=_shape_args(out),  # type: ignore[attr-defined]
+                                    **_shape_args(kwargs))
+        if key is not None:
+            self.counts[key] = flops
+        return flops
+
+
+def _takes_shapes(formula: Callable[..., int]) -> bool:
+    """Whether `formula` is one torch wrapped to take shapes (its ``__wrapped__`` is called here
+    with the shapes); a formula registered to read tensors is called as torch calls it."""
+    return getattr(formula, "__code__", None) is _WRAPPED and hasattr(formula, "__wrapped__")
+
+
+def _largest(out: Any) -> int:
+    """The bytes of the largest tensor an op returned (a tensor, or a tuple or list of them)."""
+    if type(out) is torch.Tensor:
+        return out.numel() * out.element_size()
+    if isinstance(out, (tuple, list)):
+        return max([_largest(x) for x in out], default=0)
+    return out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+
+
+def _shape_args(value: Any) -> Any:
+    """torch's counter's ``tree_map(get_shape, value)`` for an op's arguments (tensors, lists,
+    tuples and dicts of them, numbers), without the tree walk."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if type(value) is tuple or type(value) is list:
+        return type(value)([_shape_args(x) for x in value])
+    if type(value) is dict:
+        return {k: _shape_args(x) for k, x in value.items()}
+    return value
+
+
+def _frozen_shapes(value: Any) -> Any:
+    """`value` (shapes from :func:`_shape_args`) as a key: lists as tuples, dicts as item tuples,
+    each container marked with its type."""
+    if type(value) is list or type(value) is tuple:
+        return (type(value), *[_frozen_shapes(x) for x in value])
+    if type(value) is dict:
+        return (dict, *[(k, _frozen_shapes(x)) for k, x in value.items()])
+    hash(value)
+    return value
+
+
+_WRAPPED = flop_counter.shape_wrapper(len).__code__  # the code of a formula torch wrapped to take shapes
+
+
+class _OverBudget(Exception):  # noqa: N818 - not an error: the pass goes on on the meta device
+    """A real pass passed its budget."""
+
+
+_aten = torch.ops.aten
+_QUERIES = frozenset(  # shape and layout queries: left to the tensor, as torch's counter leaves them
+    getattr(getattr(space, name), "default" if overload is None else overload)
+    for space, name, overload in (
+        (_aten, "sym_is_contiguous", None), (_aten, "is_contiguous", None), (_aten, "is_contiguous", "memory_format"),
+        (_aten, "is_strides_like_format", None), (_aten, "is_non_overlapping_and_dense", None), (_aten, "size", None),
+        (_aten, "sym_size", None), (_aten, "stride", None), (_aten, "sym_stride", None),
+        (_aten, "storage_offset", None), (_aten, "sym_storage_offset", None), (_aten, "numel", None),
+        (_aten, "sym_numel", None), (_aten, "dim", None), (torch.ops.prim, "layout", None),
+    ) if hasattr(space, name)
+)
+_DEVICE = torch.ops.prim.device.default
+
+
+def _extra_formulas() -> dict[object, Callable[..., int]]:
+    """Attention kernels torch's counter has no formula for: the CPU's fused attention (what
+    ``scaled_dot_product_attention`` runs on the CPU) and the fused kernel of other backends,
+    each counted as torch counts attention (``sdpa_flop``)."""
+    attention = flop_counter.flop_registry[_aten._scaled_dot_product_flash_attention]  # query, key, value first
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable")
+    return {getattr(_aten, n): attention for n in names if hasattr(_aten, n)}
+
+
+_COUNTER: contextvars.ContextVar[_Counter | None] = contextvars.ContextVar("funhooks.summary.counter", default=None)
+"""The counter of the pass running in this context, read by the hooks; None outside a pass."""
+
+
+def _counted() -> int:
+    counter = _COUNTER.get()
+    return 0 if counter is None else counter.total
+
+
+def _enter(module: nn.Module, args: tuple[object, ...]) -> int:
+    return _counted()
+
+
 def _track(module: nn.Module, args: tuple[object, ...], output: object) -> Track:
-    return Track(shape_tree(output), _same(args, output), shape_tree(args), nbytes(output))
+    return Track(_shapes_of(output), _same(args, output), _shapes_of(args), nbytes(output), _counted())
 
 
 def _meta(value: _T) -> _T:
@@ -82,14 +310,28 @@ def _meta(value: _T) -> _T:
 
 
 @contextlib.contextmanager
+def _attributes_kept(model: nn.Module) -> Iterator[None]:
+    """A plain tensor attribute of a module that the block set (a cache made in ``forward``) is
+    put back as it was after the block, or removed when it is new: the pass leaves no trace."""
+    tensors = [(vars(m), dict(vars(m))) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for attributes, before in tensors:
+            for key, value in list(attributes.items()):
+                if isinstance(value, Tensor) and value is not before.get(key):
+                    if key in before:
+                        attributes[key] = before[key]
+                    else:
+                        del attributes[key]
+
+
+@contextlib.contextmanager
 def _on_meta(model: nn.Module) -> Iterator[None]:
     """Inside the block every parameter and buffer of `model` is a meta tensor of its shape;
     the originals are put back after, however the block exits. Each module is visited
-    once, so a module shared under several paths is swapped and restored once. A plain
-    tensor attribute that ``forward`` set to a meta tensor (a cache) is put back as it was,
-    or removed when it is new."""
+    once, so a module shared under several paths is swapped and restored once."""
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    attributes = [(m, dict(vars(m))) for m in model.modules()]
     try:
         for module in model.modules():
             tables: tuple[dict[str, Any], ...] = (_torch.own_parameters(module), _torch.own_buffers(module))
@@ -104,57 +346,72 @@ def _on_meta(model: nn.Module) -> Iterator[None]:
     finally:
         for table, name, t in reversed(saved):
             table[name] = t
-        for module, before in attributes:
-            for key, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor) and value.is_meta and value is not before.get(key):
-                    if key in before:
-                        vars(module)[key] = before[key]
-                    else:
-                        del vars(module)[key]
 
 
-def _flops_by_path(model: nn.Module, counter: flop_counter.FlopCounterMode) -> dict[str, int]:
-    """The counter's totals keyed by module path. It names a module ``<root class>.<path>`` by
-    the last path it found it under; a shared module is keyed here by its first path."""
-    counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
-    root = type(model).__name__
-    first = {id(m): p for p, m in _torch.named_modules(model)}
-    flops = {first[id(m)]: counts[f"{root}.{p}"] for p, m in _torch.named_modules(model, every_path=True)
-             if p and f"{root}.{p}" in counts}
-    return {**flops, "": counter.get_total_flops()}
+def _flops_by_path(model: nn.Module, rec: Record, total: int) -> dict[str, int]:
+    """Per hooked module path, the FLOPs counted between each call's entry and exit, summed
+    over its calls; ``""`` is the whole pass."""
+    flops = {}
+    for path in rec:
+        if path:
+            enters, exits = rec.calls(path, "enter"), rec.calls(path, "shape")
+            flops[path] = sum(t.flops - e for e, t in zip(enters, exits))
+    return {**flops, "": total}
 
 
 def _run(model: nn.Module, specs: tuple[Spec, ...], args: tuple[object, ...], kwargs: dict[str, object],
-         count_flops: bool) -> Pass:
-    counter = flop_counter.FlopCounterMode(display=False) if count_flops else None
-    with with_hooks(model, specs) as run, counter or contextlib.nullcontext():
-        out = model(*args, **kwargs)
-    return Pass(run.record, shape_tree(out), None if counter is None else _flops_by_path(model, counter))
+         count_flops: bool, *, budget: bool) -> Pass:
+    counter = _Counter(budget=budget) if count_flops or budget else None
+    token = _COUNTER.set(counter)
+    try:
+        with with_hooks(model, specs) as run, counter or contextlib.nullcontext():
+            out = model(*args, **kwargs)
+    finally:
+        _COUNTER.reset(token)
+    if counter is not None and counter.over:  # the model caught the stop: still over budget
+        raise _OverBudget
+    flops = None if not count_flops or counter is None else _flops_by_path(model, run.record, counter.total)
+    return Pass(run.record, shape_tree(out), flops)
+
+
+def _has_meta(value: object) -> bool:
+    return any(t.is_meta for t in _torch.tensor_leaves(value))
 
 
 def record_shapes(model: nn.Module, where: Where | None, args: tuple[object, ...],
                   kwargs: dict[str, object] | None = None, *, count_flops: bool = False) -> Pass:
     """Run `model` on `args` and `kwargs` in eval mode, storing a :class:`Track` per call of the
     modules `where` selects (none when `where` is None), and counting FLOPs when asked (not on
-    a sharded model). On the meta device when it can, else with one real pass. Lazy modules
-    always get the real pass (it initialises them, as users of fastai's ``dummy_eval`` expect)."""
+    a sharded model). A real pass within the budget, else on the meta device when it can, else
+    a real pass (see the module's text). Lazy modules always get the real pass (it initialises
+    them, as users of fastai's ``dummy_eval`` expect)."""
     model = _torch.unwrap(model)
     kwargs = kwargs or {}
-    specs = () if where is None else (observe(where, _track, name="shape", detach=False),)
-    with_hooks(model, specs)  # validates the selector before anything runs
-    lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
     # a sharded model (FSDP2) swaps its own parameters in and out around each call: it runs for real
     sharded = _torch.is_sharded(model)
-    meta = not lazy and not sharded
     count_flops = count_flops and not sharded
+    specs: tuple[Spec, ...] = ()
+    if where is not None:
+        specs = (observe(where, _track, name="shape", detach=False),)
+        if count_flops:
+            specs = (observe(where, _enter, event="forward_pre", name="enter", detach=False), *specs)
+    with_hooks(model, specs)  # validates the selector before anything runs
+    lazy = any(nn.parameter.is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers()))
+    meta = not lazy and not sharded
     with in_mode(model, False), torch.no_grad(), isolated(), _torch.sharding_kept(model):  # funhooks' own pass
+        if meta and not _has_meta((args, kwargs)):
+            try:
+                with _attributes_kept(model):
+                    return _run(model, specs, args, kwargs, count_flops, budget=True)
+            except _OverBudget:
+                pass
         if meta:
             try:
-                with _on_meta(model):
-                    return _run(model, specs, _meta(args), _meta(kwargs), count_flops)
+                with _attributes_kept(model), _on_meta(model):
+                    return _run(model, specs, _meta(args), _meta(kwargs), count_flops, budget=False)
             except Exception:  # noqa: BLE001 - no meta kernel, real tensors made in forward, data-dependent ops
                 pass
-        return _run(model, specs, args, kwargs, count_flops)
+        return _run(model, specs, args, kwargs, count_flops, budget=False)
 
 
 def tracks(rec: Record, path: str) -> tuple[Track, ...]:
@@ -165,7 +422,7 @@ def tracks(rec: Record, path: str) -> tuple[Track, ...]:
 def last_track(rec: Record, path: str) -> Track:
     """The module's last call; shape None and `same` False when it did not run."""
     calls = tracks(rec, path)
-    return calls[-1] if calls else _NOT_RUN
+    return calls[-1] if calls else NOT_RUN
 
 
 def last_shape(rec: Record, path: str) -> ShapeTree:

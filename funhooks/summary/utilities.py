@@ -1,13 +1,14 @@
 """Model utilities with fastai's names and results: parameter counts, dummy passes, shapes,
 per-layer rows and the summary table.
 
-Shapes are computed on the *meta* device: for one call, the model's parameters, buffers and
-inputs are replaced by meta tensors of the same shapes (and put back after, however the call
-ends), so no memory is allocated and no arithmetic is done, however large the model or batch. A
-model the meta device cannot run (a kernel without a meta implementation, a real tensor made
-inside ``forward``, Python control flow on tensor values) falls back to one real pass under
-``torch.no_grad()``; its ``forward`` then runs twice. A tensor that ``forward`` caches as a
-plain module attribute during the meta pass is put back as it was; caches kept elsewhere
+Shapes are computed in one pass: a real one under ``torch.no_grad()`` while it is small (a
+budget of FLOPs and tensor bytes; see :mod:`funhooks.summary._shapes`), else on the *meta*
+device: for one call, the model's parameters, buffers and inputs are replaced by meta tensors
+of the same shapes (and put back after, however the call ends), so no memory is allocated and
+no arithmetic is done, however large the model or batch. A model the meta device cannot run (a
+kernel without a meta implementation, a real tensor made inside ``forward``, Python control
+flow on tensor values) falls back to one real pass without a budget. A tensor that ``forward``
+caches as a plain module attribute during a pass is put back as it was; caches kept elsewhere
 (in a list or dict, outside the model) can keep a meta tensor.
 
 A sharded model (FSDP2's ``fully_shard``, ``DTensor`` parameters of tensor parallelism) skips
@@ -28,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
+import attrs
 import torch
 from torch import nn
 
@@ -36,7 +38,7 @@ from funhooks._modes import in_mode
 from funhooks.records.record import Record
 from funhooks.runs.introspect import isolated
 
-from ._shapes import Pass, is_leaf, last_shape, last_track, nbytes, record_shapes, tracks
+from ._shapes import NOT_RUN, Pass, Track, is_leaf, last_shape, nbytes, record_shapes, tracks
 from .table import LAYOUTS, NO_WEIGHT, LayerRow, Layout, ModuleSummary, Shape, ShapeTree, SummaryRow, shape_tree
 
 __all__ = [
@@ -262,16 +264,17 @@ def num_features_model(m: nn.Module) -> int:
     return out[1]
 
 
-def _row(path: str, module: nn.Module, rec: Record) -> LayerRow:
+def _row(path: str, module: nn.Module, calls: tuple[Track, ...]) -> LayerRow:
     """fastai 2.8's ``_track`` row: parameter count and trainable only for a module with a
     ``weight`` attribute (``hasattr``, so a BatchNorm without affine gives ``0, False``)."""
     params, trainable = total_params(module) if hasattr(module, "weight") else (NO_WEIGHT, NO_WEIGHT)
-    track = last_track(rec, path)
+    track = calls[-1] if calls else NOT_RUN
     return LayerRow(path, _torch.own_class(module).__name__, params, trainable, track.shape, track.same)
 
 
 def _rows(model: nn.Module, rec: Record) -> tuple[LayerRow, ...]:
-    return tuple(_row(path, mod, rec) for path, mod in _torch.named_modules(_torch.unwrap(model)) if is_leaf(path, mod))
+    return tuple(_row(path, mod, tracks(rec, path))
+                 for path, mod in _torch.named_modules(_torch.unwrap(model)) if is_leaf(path, mod))
 
 
 def _first_example(value: _T) -> _T:
@@ -314,17 +317,45 @@ def _count(params: Sequence[nn.Parameter]) -> tuple[int, int]:
     return sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad)
 
 
-def _layer(path: str, module: nn.Module, found: Pass, root_inputs: ShapeTree) -> SummaryRow:
-    calls = tracks(found.record, path)
-    params, trainable = _count(list(module.parameters()))
-    last = last_track(found.record, path)
+def _subtree_params(model: nn.Module, own: dict[int, list[nn.Parameter]]) -> dict[int, list[nn.Parameter]]:
+    """Per module (by id), the parameters of its subtree: each module's `own` added to its
+    ancestors' in one walk of the tree, not one walk per module."""
+    below: dict[int, list[nn.Parameter]] = {}
+
+    def gather(module: nn.Module) -> list[nn.Parameter]:
+        if id(module) not in below:
+            found = list(own[id(module)])
+            below[id(module)] = found  # a module met again (shared) adds nothing twice, nor a cycle
+            for child in _torch.children(module).values():
+                if child is not None:
+                    found += gather(child)
+        return below[id(module)]
+
+    gather(model)
+    return below
+
+
+def _layer(path: str, module: nn.Module, found: Pass, root_inputs: ShapeTree, calls: tuple[Track, ...],
+           params: tuple[int, int], own: int) -> SummaryRow:
+    last = calls[-1] if calls else NOT_RUN
     return SummaryRow(
         path=path, type=_torch.own_class(module).__name__, depth=_depth(path),
         input_shape=root_inputs if not path else last.inputs,
         output_shape=found.output if not path else last.shape,
-        params=params, trainable=trainable, own_params=_count(list(module.parameters(recurse=False)))[0],
+        params=params[0], trainable=params[1], own_params=own,
         flops=None if found.flops is None else found.flops.get(path, 0), calls=len(calls),
     )
+
+
+@attrs.frozen
+class _Within:
+    """Selects the leaves and every module down to `depth` (None: every module). A value, so
+    that the same summary asked twice reuses the run's plan."""
+
+    depth: int | None
+
+    def __call__(self, path: str, module: nn.Module) -> bool:
+        return self.depth is None or _depth(path) <= self.depth or is_leaf(path, module)
 
 
 def _check_options(depth: int | None, layout: Layout | None) -> None:
@@ -340,11 +371,11 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
                    **kwargs: object) -> ModuleSummary:
     """A summary of `model` on the inputs `xb` and `kwargs`: ``print`` it for the table.
 
-    Output shapes are those of the whole batch you pass (computed on the meta device, so a
-    big batch costs nothing); fastai ran one example and wrote the batch size in front.
+    Output shapes are those of the whole batch you pass (a big batch is computed on the meta
+    device, so it costs nothing); fastai ran one example and wrote the batch size in front.
     Totals count every parameter of the model once, including those of non-leaf modules and
-    weights tied between modules. FLOPs are counted by ``torch.utils.flop_counter`` in the same
-    pass (shapes only on the meta device: no arithmetic is done).
+    weights tied between modules. FLOPs are counted with ``torch.utils.flop_counter``'s formulas
+    in the same pass, attention included on every path (the CPU's fused attention kernel too).
 
     Args:
         model: the model.
@@ -380,24 +411,28 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
     """
     _check_options(depth, layout)
     inner = _torch.unwrap(model)
-    found = record_shapes(model, lambda path, m: is_leaf(path, m) or depth is None or _depth(path) <= depth, xb,
-                          kwargs, count_flops=True)
+    found = record_shapes(model, _Within(depth), xb, kwargs, count_flops=True)
     params = list(inner.parameters())
     root_inputs = shape_tree(xb if not kwargs else {**{str(i): x for i, x in enumerate(xb)}, **kwargs})
-    shown = [(p, m) for p, m in _torch.named_modules(inner) if depth is None or _depth(p) <= depth]
-    leaves = [p for p, m in _torch.named_modules(inner) if is_leaf(p, m)]
+    modules = list(_torch.named_modules(inner))
+    calls = {p: tracks(found.record, p) for p, _ in modules}
+    own = {id(m): list(m.parameters(recurse=False)) for _, m in modules}
+    subtree = _subtree_params(inner, own)
+    layers = tuple(_layer(p, m, found, root_inputs, calls[p], _count(subtree[id(m)]), _count(own[id(m)])[0])
+                   for p, m in modules if depth is None or _depth(p) <= depth)
+    leaves = [p for p, m in modules if is_leaf(p, m)]
     return ModuleSummary(
         model=_torch.own_class(inner).__name__,
         input_shapes=tuple(shape_tree(x) for x in xb),
-        rows=_rows(model, found.record),
+        rows=tuple(_row(p, m, calls[p]) for p, m in modules if is_leaf(p, m)),
         total=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
         kwarg_shapes=tuple((k, shape_tree(v)) for k, v in kwargs.items()),
-        layers=tuple(_layer(p, m, found, root_inputs) for p, m in shown),
+        layers=layers,
         depth=depth,
         flops=None if found.flops is None else found.flops[""],
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         input_bytes=nbytes((xb, kwargs)),
-        activation_bytes=sum(t.output_bytes for p in leaves for t in tracks(found.record, p)),
+        activation_bytes=sum(t.output_bytes for p in leaves for t in calls[p]),
         layout=layout or ("fastai" if depth is None and not kwargs else "full"),
     )

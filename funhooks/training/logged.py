@@ -3,9 +3,10 @@ dashboard groups, and :class:`Logged`, reducers whose scalars go to TensorBoard 
 
 A reducer may have ``scalars(state, *, since=0) -> {name: float}``: the statistics of its
 newest step when that step's iteration is `since` or later, else ``{}`` (every library reducer
-has it; see docs/folds.md). A logger reads it every `every` steps with ``since`` the first
-iteration after the last read, so it reads each recorded step at most once and never reads
-the whole history. The names are ``"<layer>/<statistic>"``; a logger puts
+has it; see docs/folds.md). A logger reads it every `every` steps with ``since`` the step's own
+iteration, so a point logged at step ``i`` is the result for step ``i`` (a reducer that did not
+record step ``i`` gives ``{}`` and is not written), each recorded step is read at most once,
+and the whole history never is. The names are ``"<layer>/<statistic>"``; a logger puts
 ``funhooks/<group>/`` in front, the group being the reducer's key in a dict of reducers (or
 its class name in a list): ``funhooks/activations/0/std``. Dashboards group on the slashes.
 
@@ -16,6 +17,9 @@ the newest step of each reducer to the host (on CUDA, one sync per read).
 from __future__ import annotations
 
 import os
+import secrets
+import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -29,7 +33,7 @@ from .folds import AnyReducer, Reducers, Shape, as_items, records_of, watches_of
 from .step import Step
 from .watch import OptimizerWatch
 
-__all__ = ["LOG_EVERY", "PREFIX", "Logged", "Scalars", "Writer", "check_log_every", "group_names", "scalars_of"]
+__all__ = ["LOG_EVERY", "PREFIX", "EventFile", "Logged", "Scalars", "Writer", "check_log_every", "group_names", "scalars_of"]
 
 S_contra = TypeVar("S_contra", contravariant=True)
 """A reducer's state."""
@@ -81,7 +85,7 @@ def group_names(reducers: Reducers) -> tuple[str, ...]:
 
 def scalars_of(names: Sequence[str], items: Sequence[AnyReducer], states: Sequence[object], since: int) -> dict[str, float]:
     """``{"funhooks/<group>/<name>": value}`` of every reducer that has ``scalars``, read from
-    its newest step at iteration `since` or later."""
+    its newest step at iteration `since` or later (loggers pass the step's own iteration)."""
     out: dict[str, float] = {}
     for group, reducer, state in zip(names, items, states):
         if isinstance(reducer, Scalars):
@@ -89,21 +93,59 @@ def scalars_of(names: Sequence[str], items: Sequence[AnyReducer], states: Sequen
     return out
 
 
-def tensorboard_writer(logdir: str | os.PathLike[str]) -> Writer:
-    """A ``torch.utils.tensorboard.SummaryWriter`` writing to `logdir` (the ``tensorboard`` extra)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ExtraError(
-            "Logged: writing to a log directory needs tensorboard, got it not installed. "
-            "Install the extra: pip install 'funhooks[tensorboard]'."
-        ) from None
-    return SummaryWriter(os.fspath(logdir))
+class EventFile:
+    """A TensorBoard event file in `logdir` that holds nothing open: each :meth:`flush` opens
+    the file, appends the scalars added since the last one and closes it. No thread is
+    started (``SummaryWriter`` starts one per writer and keeps it until ``close()``, which a
+    reducer is never told to call), so a run that ends, fails or is abandoned leaves nothing
+    behind. The file (``events.out.tfevents.<time>.<host>.<pid>.<random>``, in TensorBoard's
+    format, made with the ``tensorboard`` package) is created at the first flush.
+
+    Raises:
+        ExtraError: at construction, when tensorboard is not installed.
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        try:
+            from tensorboard.compat.proto import event_pb2, summary_pb2  # type: ignore[import-untyped]
+            from tensorboard.summary.writer.record_writer import RecordWriter  # type: ignore[import-untyped]
+        except ImportError:
+            raise ExtraError(
+                "Logged: writing to a log directory needs tensorboard, got it not installed. "
+                "Install the extra: pip install 'funhooks[tensorboard]'."
+            ) from None
+        self._event, self._summary, self._records = event_pb2.Event, summary_pb2.Summary, RecordWriter
+        self.logdir = os.fspath(logdir)
+        self.path: str | None = None  # made at the first flush
+        self._pending: list[bytes] = []
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> None:
+        """Queue one scalar, written at the next :meth:`flush`."""
+        value = self._summary.Value(tag=tag, simple_value=float(scalar_value))
+        event = self._event(wall_time=time.time(), step=global_step or 0, summary=self._summary(value=[value]))
+        self._pending.append(event.SerializeToString())
+
+    def flush(self) -> None:
+        """Append the queued scalars to the file (made, with its version record, the first time)."""
+        if not self._pending:
+            return
+        records = self._pending
+        if self.path is None:
+            os.makedirs(self.logdir, exist_ok=True)
+            name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+                    f"{secrets.token_hex(4)}")
+            self.path = os.path.join(self.logdir, name)
+            records = [self._event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString(), *records]
+        with open(self.path, "ab") as file:
+            writer = self._records(file)
+            for record in records:
+                writer.write(record)
+        self._pending = []
 
 
 def _writer(to: object) -> Writer:
     if isinstance(to, (str, os.PathLike)):
-        return tensorboard_writer(to)
+        return EventFile(to)
     if callable(getattr(to, "add_scalar", None)):
         return to  # type: ignore[return-value]  # add_scalar is there; its signature is the writer's
     raise ReducerError(
@@ -126,16 +168,19 @@ class Logged:
     A reducer itself (give it to ``fh.fit``, ``fh.fold``, ``fh.fold_all``, ``fh.folding`` or a
     trainer callback): its result is the reducers' results in the shape of `reducers`. After
     each train step whose iteration is a multiple of `every` it reads the reducers'
-    :class:`Scalars` of their steps since the last write and writes them with
+    :class:`Scalars` of that step and writes them with
     ``add_scalar("funhooks/<group>/<layer>/<statistic>", value, iteration)``, the group being
-    the key in a dict of reducers (a class name in a list). A reducer recording with the same
-    ``every`` is written at each of its steps. Nothing is read in between: on CUDA, one host
-    sync per write, none per step. The writer is flushed after each write.
+    the key in a dict of reducers (a class name in a list). A reducer that did not record the
+    step is not written there: one recording with the same ``every`` (or a divisor of it) is
+    written at each of the logger's steps. Nothing is read in between: on CUDA, one host sync
+    per write, none per step. The writer is flushed after each write; a log directory gets an
+    :class:`EventFile`, which holds nothing open between writes.
 
     Args:
         reducers: a dict or a list of reducers (a single reducer gives its result).
-        to: a log directory (a ``SummaryWriter`` is made there; the ``tensorboard`` extra), or
-            a writer with ``add_scalar(tag, value, global_step)`` (``SummaryWriter``, yours).
+        to: a log directory (an :class:`EventFile` is written there; the ``tensorboard``
+            extra), or a writer with ``add_scalar(tag, value, global_step)`` (a
+            ``SummaryWriter``, yours to close).
         every: write every that many steps (:data:`LOG_EVERY`).
 
     Raises:
@@ -200,7 +245,7 @@ class Logged:
         ``every``, their scalars since the last write written."""
         states = tuple(r.step(s, step) for r, s in zip(self._items, state))
         if step.training and step.iteration % self.every == 0:
-            values = scalars_of(self._names, self._items, states, step.iteration - self.every + 1)
+            values = scalars_of(self._names, self._items, states, step.iteration)
             for tag, value in values.items():
                 self.to.add_scalar(tag, value, step.iteration)
             flush = getattr(self.to, "flush", None)

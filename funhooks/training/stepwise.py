@@ -118,11 +118,11 @@ class Stepwise:
 
     def scalars(self, step: Step | None) -> dict[str, float]:
         """The reducers' scalars to log after `step` (``funhooks/<group>/<layer>/<statistic>``,
-        of their steps since the last logging step); ``{}`` on other steps and without
+        of the reducers that recorded `step` itself); ``{}`` on other steps and without
         ``log_every``."""
         if step is None or self.log_every is None or step.iteration % self.log_every:
             return {}
-        return scalars_of(self.names, self.items, self.states, step.iteration - self.log_every + 1)
+        return scalars_of(self.names, self.items, self.states, step.iteration)
 
     def abort(self) -> None:
         """Drop an open step (training raised or stopped mid-step): everything detached."""

@@ -210,6 +210,24 @@ def test_log_every_sends_the_results_to_the_trainers_loggers(tmp_path: pathlib.P
     assert "funhooks/activations/net.1/std" not in rows[0]  # the default layers: leaves with parameters
 
 
+def test_a_point_logged_at_step_i_is_step_is_result(tmp_path: pathlib.Path) -> None:
+    """Issue 36 item 8, through the callback: `GradientStats(every=2)` with `log_every=3` logged
+    step 2's statistics at step 3. The callback logs a reducer only at the steps it recorded:
+    of steps 0-7, at 0 and 6 (the loss, recorded at every step, at 0, 3 and 6)."""
+    cb = fh.lightning.FoldCallback({"grads": fh.GradientStats(every=2), "loss": fh.LossCurve()}, log_every=3)
+    logger = lightning.pytorch.loggers.CSVLogger(tmp_path)
+    _trainer(cb, logger=logger, max_epochs=2, log_every_n_steps=1).fit(
+        Regressor(), torch.utils.data.DataLoader(_data(), batch_size=BATCH))
+    res = cb.result
+    assert res["grads"].iterations == (0, 2, 4, 6)
+    rows = _csv_rows(tmp_path)
+    grads = {int(r["step"]): r for r in rows if r.get("funhooks/grads/net.4/norm")}
+    losses = {int(r["step"]): r for r in rows if r.get("funhooks/loss/loss")}
+    assert sorted(grads) == [0, 6] and sorted(losses) == [0, 3, 6]
+    for k, r in grads.items():
+        assert float(r["funhooks/grads/net.4/norm"]) == res["grads"].stats[res["grads"].iterations.index(k)][2]["norm"]
+
+
 def test_logging_is_off_by_default(tmp_path: pathlib.Path) -> None:
     """Without `log_every`, nothing of funhooks reaches the logger (this module logs nothing itself: no file)."""
     cb = fh.lightning.FoldCallback({"loss": fh.LossCurve()})

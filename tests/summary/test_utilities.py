@@ -294,6 +294,32 @@ def test_summary_of_a_large_batch_costs_no_memory() -> None:
     assert s.rows[-1].shape == (4096, 64, 224, 224)
 
 
+class Probe(nn.Module):
+    """Notes the device of each input it sees: "meta" for the meta pass, "cpu" for a real one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.device.type)
+        return x
+
+
+def test_small_passes_run_for_real_and_big_ones_on_meta() -> None:
+    """A small pass runs for real (the meta device's kernels are Python code, slower than a small
+    real pass); one whose matrix product would pass the budget is stopped before it runs and
+    done on the meta device, with the same rows."""
+    probe = Probe()
+    m = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), probe)
+    small = fh.module_summary(m, torch.randn(2, 4096))
+    assert probe.seen == ["cpu"] and small.rows[0].shape == (2, 4096)
+    probe.seen.clear()
+    big = fh.module_summary(m, torch.randn(2048, 4096))  # 68.7 GFLOPs in the first layer
+    assert probe.seen == ["meta"] and big.rows[0].shape == (2048, 4096)
+    assert big.flops == 2 * 2048 * 4096 * 4096 and m[0].weight.device.type == "cpu"
+
+
 def _real_shape(module: nn.Module, args: tuple, output: object) -> object:
     return torch.utils._pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else None, output)
 

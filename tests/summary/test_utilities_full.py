@@ -170,12 +170,23 @@ def test_bad_options_raise(kwargs: dict[str, object], message: str) -> None:
 # -- FLOPs and memory ------------------------------------------------------------------------------------
 
 
+def cpu_attention_counter() -> FlopCounterMode:
+    """torch's counter, told by hand to count the CPU's fused attention kernel (what
+    `scaled_dot_product_attention` runs on the CPU) as it counts the CUDA ones: it has no
+    formula for it and counts 0."""
+    aten = torch.ops.aten
+    formula = torch.utils.flop_counter.sdpa_flop_count
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *args, out_shape=None, **kwargs: formula(q, k, v)})
+
+
 def test_flops_are_torch_flop_counters(gpt2: nn.Module) -> None:
-    """Per-module and total FLOPs are those `torch.utils.flop_counter` counts on a real pass
-    (the summary's pass runs on the meta device); MACs are half the FLOPs."""
+    """Per-module and total FLOPs are those `torch.utils.flop_counter` counts on a real pass,
+    attention included; MACs are half the FLOPs."""
     inputs = hf_inputs()
     s = fh.module_summary(gpt2, **inputs)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), cpu_attention_counter() as counter:
         gpt2(**inputs)
     counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     assert s.flops == counter.get_total_flops() > 0 and s.macs * 2 == s.flops
@@ -184,6 +195,29 @@ def test_flops_are_torch_flop_counters(gpt2: nn.Module) -> None:
         name = "GPT2LMHeadModel" + ("." + path if path else "")
         assert layers[path].flops == counts[name], path
     assert layers["transformer.h.0.ln_1"].flops == 0
+
+
+@pytest.mark.parametrize("mask", ["none", "ones", "padding"])
+def test_attention_flops_are_counted_with_an_attention_mask(bert: nn.Module, mask: str) -> None:
+    """Issue 36 item 10: BERT under SDPA counted 148,480 FLOPs without `attention_mask` and
+    132,096 with an all-ones one (the pass with a mask ran the CPU's fused attention kernel,
+    which torch's counter has no formula for). Every path counts attention: the totals equal
+    torch's counter told about that kernel, and the attention's FLOPs by hand."""
+    assert bert.config._attn_implementation == "sdpa"
+    inputs = hf_inputs()
+    if mask == "none":
+        del inputs["attention_mask"]
+    elif mask == "padding":
+        inputs["attention_mask"][0, -3:] = 0
+    s = fh.module_summary(bert, **inputs)
+    with torch.no_grad(), cpu_attention_counter() as counter:
+        bert(**inputs)
+    assert s.flops == counter.get_total_flops() == 148_480
+    heads, head_dim = 2, 8
+    by_hand = 2 * (2 * BATCH * heads * SEQ * SEQ * head_dim)  # q @ k^T and p @ v, 2 FLOPs per multiply-add
+    layers = {r.path: r for r in s.layers}
+    projections = sum(layers[f"encoder.layer.0.attention.self.{n}"].flops for n in ("query", "key", "value"))
+    assert layers["encoder.layer.0.attention.self"].flops == projections + by_hand
 
 
 def test_activation_memory_counts_every_call() -> None:
@@ -265,3 +299,20 @@ def test_layers_agree_with_fastai_rows_and_totals(pair: tuple[nn.Module, torch.T
     assert layers[""].params == s.total and layers[""].flops == s.flops
     assert all(0 <= r.flops <= s.flops for r in s.layers)
     fh.testing.assert_no_hooks(model)
+
+
+def test_bench_summary_smoke(tmp_path) -> None:
+    """benchmarks/bench_summary.py runs (smoke mode): its checks (funhooks' total and FLOPs)
+    pass before anything is timed, and torchinfo's numbers are recorded beside them."""
+    from test_benchmarks import assert_common_keys, run_quick
+
+    proc, result = run_quick("bench_summary.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert result is not None
+    assert_common_keys(result, "summary")
+    assert result["correct"] is True
+    for name in ("BERT", "GPT-2"):
+        cases = result["results"][name]["cases"]
+        assert {"bare forward", "fh.module_summary", "torchinfo.summary"} <= set(cases)
+    numbers = result["results"]["GPT-2"]["numbers"]
+    assert numbers["torchinfo"]["total"] > numbers["fh"]["total"] == numbers["parameters"]  # the tied weight

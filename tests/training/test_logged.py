@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import threading
 from typing import Any
 
 import pytest
@@ -129,13 +130,13 @@ class Counting:
 
 
 def test_logged_reads_only_at_the_interval() -> None:
-    """The reducers are read on every `every`-th step only (ceil(n / every) reads), each since the last read."""
+    """The reducers are read on every `every`-th step only (ceil(n / every) reads), each for that step."""
     counting, writer = Counting(), ListWriter()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert fh.fit(model, _batches(n=7), MSE, opt, {"n": fh.Logged({"count": counting}, writer, every=3)},
                   progress=False) == {"n": {"count": 7}}
-    assert counting.reads == [-2, 1, 4]
+    assert counting.reads == [0, 3, 6]
     assert writer.rows == [(0, "funhooks/count/steps", 1.0), (3, "funhooks/count/steps", 4.0),
                            (6, "funhooks/count/steps", 7.0)]
 
@@ -179,3 +180,71 @@ def test_tensorboard_event_files_hold_the_results(tmp_path: pathlib.Path) -> Non
     means, stds, near_zero = res["activations"].layer_stats("2")
     assert events["funhooks/activations/2/std"] == [(k, pytest.approx(s, rel=1e-6)) for k, s in zip((0, 2, 4), stds)]
     assert not any(math.isnan(v) for series in events.values() for _, v in series)
+
+
+def test_a_point_logged_at_step_i_is_step_is_result_when_the_intervals_differ() -> None:
+    """Issue 36 item 8: `GradientStats(every=2)` in `Logged(..., every=3)` wrote step 2's
+    statistics at step 3 (the newest the reducer had). A point at step i is the result for step
+    i: the logger writes a reducer only at steps it recorded, here 0 and 6 (the common steps)."""
+    writer = ListWriter()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = fh.Logged({"grads": fh.GradientStats(every=2), "loss": fh.LossCurve()}, writer, every=3)
+    res = fh.fit(model, _batches(n=8), MSE, opt, logged, progress=False)
+    grads = res["grads"]
+    assert grads.iterations == (0, 2, 4, 6)
+    steps = sorted({s for s, tag, _ in writer.rows if tag.startswith("funhooks/grads/")})
+    assert steps == [0, 6]
+    for s in steps:
+        k = grads.iterations.index(s)
+        for path, stats in zip(grads.paths, grads.stats[k]):
+            assert writer.at(s)[f"funhooks/grads/{path}/norm"] == stats["norm"]
+    assert sorted({s for s, tag, _ in writer.rows if tag.startswith("funhooks/loss/")}) == [0, 3, 6]
+    assert all(writer.at(s)["funhooks/loss/loss"] == res["loss"].losses[s] for s in (0, 3, 6))
+
+
+def _threads() -> set:
+    return set(threading.enumerate())
+
+
+def test_a_log_directory_leaves_no_thread_behind(tmp_path: pathlib.Path) -> None:
+    """Issue 36 item 4: each `Logged(reducers, logdir)` left a TensorBoard writer thread alive
+    (5 fits: 5 threads). Nothing is left open after a run that ends, fails, or is abandoned
+    (`fh.folding` closed mid-run), and every fit's points are in the directory."""
+    pytest.importorskip("tensorboard", reason="the `tensorboard` extra is not installed")
+    before = _threads()
+    for i in range(5):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fh.fit(model, _batches(), MSE, opt, fh.Logged({"loss": fh.LossCurve()}, tmp_path / str(i), every=2),
+               progress=False)
+    assert _threads() - before == set()
+    assert all(len(_events(tmp_path / str(i))["funhooks/loss/loss"]) == 3 for i in range(5))
+
+    class Boom(Exception):
+        pass
+
+    def failing(model: nn.Module, batch: Any) -> torch.Tensor:
+        raise Boom
+
+    model = _model()
+    with pytest.raises(Boom):
+        fh.fit(model, _batches(), failing, torch.optim.SGD(model.parameters(), lr=0.1),
+               fh.Logged({"loss": fh.LossCurve()}, tmp_path / "failed", every=1), progress=False)
+    assert _threads() - before == set()
+
+    model = _model()
+    with fh.folding(model, fh.Logged({"acts": fh.ActivationStats()}, tmp_path / "folding", every=1)) as fold:
+        for x, _ in _batches(n=2):
+            model(x)
+            fold.step()
+    assert _threads() - before == set()
+    assert len(_events(tmp_path / "folding")["funhooks/acts/0/std"]) == 2
+
+    model = _model()
+    logged = fh.Logged({"loss": fh.LossCurve()}, tmp_path / "running", every=1)
+    live = fh.running(logged, fh.train(model, _batches(), MSE, torch.optim.SGD(model.parameters(), lr=0.1)))
+    next(live), next(live)
+    live.close()  # abandoned after two steps
+    assert _threads() - before == set()
+    assert len(_events(tmp_path / "running")["funhooks/loss/loss"]) == 2
