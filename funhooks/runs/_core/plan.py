@@ -10,13 +10,16 @@ an ``FSDPModule``), which the forward of the FSDP module managing them watches (
 Everything is validated here, before anything is attached: selectors must match, record
 names must not clash, a spec may not select only containers that never run.
 
-Plans are cached per model (held weakly) and spec tuple. A cached plan is reused only while
+Plans are cached per model (held weakly) and spec tuple, and only plans that hold no value of
+the user's: a plan keeps its specs, so the plan of a spec holding a tensor (a patch value, a
+steering vector, a Record, a tensor its function closes over) or reaching the model (a function
+closing over it) lives only as long as its run or capture function, and so does the plan of
+an intervention (compared by identity, such specs would fill the cache with plans never used
+again). A cached plan is reused only while
 the model's structure is what it was (every ``_modules`` dict holds the same children, so
 ``ModuleList.insert``/``del``/``pop`` and attribute assignment are seen, and so is the
 replacement of a parameter a ``param_grad`` spec watches, as ``fully_shard`` does, and a
-module compiled in place with ``module.compile()`` since), and only
-if no spec can reach the model itself (a function closing over the model would otherwise keep
-it alive forever): those plans are rebuilt per run.
+module compiled in place with ``module.compile()`` since).
 
 Cost: building walks the model once (a few µs per module, linear in the model: the garbage
 collector is paused meanwhile, see ``_CollectorPause``); reusing compares each module's
@@ -102,7 +105,7 @@ class ParamHook(NamedTuple):
     ref: weakref.ref[torch.Tensor]
 
 _REACH_LIMIT = 100_000
-"""How many objects :func:`_reaches` visits before it gives up (and the plan is not cached)."""
+"""How many objects :func:`_holds_values` visits before it gives up (and the plan is not cached)."""
 
 
 class _CollectorPause:
@@ -217,24 +220,27 @@ def _unwrap(path: str, module: nn.Module, info: tuple[nn.Module | None, Route] |
     return module, (owner, (route, start))
 
 
-def _reaches(start: object, target: object) -> bool:
-    """Whether `target` can be reached from `start` through closures, defaults, bound
-    ``self``, partials, containers, object attributes and submodules (not globals, which
-    live as long as their module anyway). Unsure (too many objects) counts as yes."""
+def _holds_values(start: object, model: nn.Module) -> bool:
+    """Whether `start` holds a value of the user's that a cached plan would keep alive: a
+    tensor (a patch value, a steering vector, a Record's values, a tensor a function closes
+    over, a probe's parameters), or the model itself (a function closing over the model would
+    keep it alive for ever). Followed through closures, defaults, bound ``self``, partials,
+    containers, object attributes and modules (not globals, which live as long as their module
+    anyway). Unsure (too many objects) counts as yes."""
     seen: set[int] = set()
     stack = [start]
     while stack:
         obj = stack.pop()
-        if obj is target:
+        if obj is model or isinstance(obj, torch.Tensor):
             return True
         if id(obj) in seen or isinstance(obj, (str, bytes, int, float, complex, bool, type, types.ModuleType,
-                                                torch.Tensor, type(None))):
+                                                type(None))):
             continue
         seen.add(id(obj))
         if len(seen) > _REACH_LIMIT:
             return True
         if isinstance(obj, nn.Module):
-            stack.extend(_torch.children(obj).values())
+            stack += [*_torch.children(obj).values(), *_torch.own_parameters(obj).values(), *_torch.own_buffers(obj).values()]
         elif isinstance(obj, types.FunctionType):
             stack.extend(c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None)
             stack.extend((obj.__defaults__ or ()) + tuple((obj.__kwdefaults__ or {}).values()))
@@ -523,14 +529,16 @@ class Plan:
 
     @staticmethod
     def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> Plan:
-        """The plan of `specs` on `model`: cached, unless a spec can reach the model."""
+        """The plan of `specs` on `model`: cached, unless a spec holds a value of the user's
+        (:func:`_holds_values`) or is an intervention (compared by identity, so a cache of them
+        would fill up with plans never used again); those plans live as long as their run."""
         cache = _PLANS.get(model)  # a read needs no lock: each lookup is one step under the GIL
         plan = None if cache is None else cache.get(specs)
         if plan is not None and plan.current():
             return plan
         with _PAUSE:
             plan = Plan(model, specs, caller)
-            if any(_reaches(spec, model) for spec in specs):
+            if any(spec.intervenes or _holds_values(spec, model) for spec in specs):
                 return plan
         with _LOCK:
             cache = _PLANS.setdefault(model, {})
