@@ -136,10 +136,10 @@ def never_called(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
-def _key(path: str, spec: Spec) -> Key:
-    """Where `spec` stores at the Record path `path`: ``(path, record name)``. An editor stores
-    nothing: its name, None where it has none, only labels messages."""
-    return (path, spec.name)  # type: ignore[return-value]  # an editor's name may be None
+def _name(spec: Spec) -> str:
+    """The record name in the keys of `spec` (``(Record path, record name)``). An editor
+    stores nothing: its name, None where it has none, only labels messages."""
+    return spec.name  # type: ignore[return-value]  # an editor's name may be None
 
 
 def as_copy(spec: Spec) -> Spec:
@@ -293,15 +293,23 @@ class _Resolver:
             check_nth(spec, spec.nth, paths, self.caller)
         elif spec.nth is not None:  # an `fh.arg`: checked per call
             self.out.nths.append(_PerCallNth(spec, spec.nth.name, paths))
-        labels = dict(spec.labels)  # a standard point's Record paths, by module path
+        labels, name = dict(spec.labels), _name(spec)  # labels: a standard point's Record paths, by module path
         for nth, (path, module) in enumerate(found):  # nth: the module's index in the spec's selection
-            self._on(spec, _key(labels.get(path, path), spec), nth, path, module)
+            self._on(spec, (labels.get(path, path), name), nth, path, module)
 
     def _on(self, spec: Spec, key: Key, nth: int, path: str, module: nn.Module) -> None:
         """`spec` on one module it selects, the `nth`."""
         out, mid = self.out, id(module)
         if not spec.is_edit:
-            self._store(spec, key, path)
+            clash = out.storing.get(key)
+            if clash is not None:
+                raise SpecError(
+                    f"{self.caller}: two specs store {spec.name!r} on module {path!r}, got {clash!r} and "
+                    f"{spec!r}. Give one of them another `name=`."
+                )
+            out.storing[key] = spec
+            if spec.hook != "param_grad":
+                out.stored.append(key)
         if key[0] not in out.order:  # the Record path: a standard point's label, or the module's
             out.order[key[0]] = (self.rank[mid], 0)
         if spec.hook == "param_grad":
@@ -317,17 +325,6 @@ class _Resolver:
         if target is None:
             target = out.targets[mid] = _Target(path, weakref.ref(module), [])
         target.selected.append(Selected(spec, key, nth))
-
-    def _store(self, spec: Spec, key: Key, path: str) -> None:
-        clash = self.out.storing.get(key)
-        if clash is not None:
-            raise SpecError(
-                f"{self.caller}: two specs store {spec.name!r} on module {path!r}, got {clash!r} and "
-                f"{spec!r}. Give one of them another `name=`."
-            )
-        self.out.storing[key] = spec
-        if spec.hook != "param_grad":
-            self.out.stored.append(key)
 
     def _select(self, spec: Spec) -> Found:
         modules = self.found.modules
@@ -367,7 +364,7 @@ class _Resolver:
         for i, (ppath, param, holder, name) in enumerate(_own_params(module, path)):
             holders[id(holder)] = _torch.own_parameters(holder)
             self.out.order.setdefault(ppath, (rank, i + 1))
-            key = _key(ppath, spec)
+            key = (ppath, _name(spec))
             shard = None if manager is None else sharded.shard_of(manager[1], param)
             if manager is None or shard is None:
                 self.out.params.append(ParamHook(spec, key, weakref.ref(param)))
@@ -438,7 +435,7 @@ def _wrap(resolved: _Resolved, found: walk.Walk, slot: forward.Slot, caller: str
         attr = forward.attribute(type(module))
         placed = found.placed.get(mid)
         if placed is None or placed.owner is None:
-            table = Hooked(path, selected, watch=_watch_entry(resolved.watches, mid))
+            table = Hooked(path, selected, watch=_watch_entry(resolved.watches, mid) if resolved.watches else None)
             items.append((ref, forward.Forward(module, attr, forward.call, table, slot), table))
             continue
         keys, start = placed.keys
