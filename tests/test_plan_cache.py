@@ -133,3 +133,42 @@ def test_a_per_call_index_tensor_dies_with_the_call() -> None:
     assert ref() is None
     out, _ = f(torch.ones(2, 3), pos=torch.tensor([0]))
     assert out.shape == (2, 2)
+
+
+def _forward_of(model: nn.Sequential, spec: fh.Spec) -> object:
+    with fh.with_hooks(model, spec):
+        return model[0].__dict__["forward"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda model: fh.hook_outputs(list(model)),
+    lambda model: fh.Hook(model[0], _mean),
+    lambda model: fh.outputs([model[0], model[2]]),
+    lambda model: fh.observe(_is(model[0]), _mean),
+], ids=["hook_outputs", "Hook", "module list", "predicate closing over a module"])
+def test_specs_naming_the_models_own_modules_keep_their_plan_cached(make: Callable[[nn.Sequential], fh.Spec]) -> None:
+    """Modules of the model are not values of the user's a cache could keep alive: a spec
+    selecting them by instance (fastai's spellings) reuses its plan run after run."""
+    model = _model()
+    spec = make(model)
+    assert _forward_of(model, spec) is _forward_of(model, spec)
+
+
+def _is(first: nn.Module) -> Callable[[str, nn.Module], bool]:
+    return lambda path, module: module is first
+
+
+def _mean(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.mean()
+
+
+def test_a_probe_outside_the_model_dies_while_the_model_lives() -> None:
+    """A function closing over a module outside the model (a probe) holds the user's tensors:
+    its plan is not cached, and the probe's weight dies with it."""
+    model = _model()
+    probe = nn.Linear(3, 1)
+    weight = weakref.ref(probe.weight)
+    _in_block(model, fh.observe("0", lambda module, args, output: probe(output)))
+    del probe
+    gc.collect()
+    assert weight() is None

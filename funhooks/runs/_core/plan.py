@@ -459,6 +459,10 @@ class Plan:
             resolver.add(spec)
         resolved = resolver.finish()
         self.specs = specs
+        self.keeps_values = any(spec.intervenes or walk.holds_values(spec, model, resolver.rank) for spec in specs)
+        """Whether a spec holds a value of the user's (``walk.holds_values``) or is an intervention
+        (compared by identity, so a cache of them would fill up with plans never used again): the
+        plan is then not cached, and lives as long as its run."""
         self._structure = _Structure(found, resolved.held)
         self._placed = found.placed
         self._targets = resolved.targets
@@ -530,17 +534,16 @@ class Plan:
 
     @staticmethod
     def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> Plan:
-        """The plan of `specs` on `model`: cached, unless a spec holds a value of the user's
-        (``walk.holds_values``) or is an intervention (compared by identity, so a cache of them
-        would fill up with plans never used again); those plans live as long as their run."""
+        """The plan of `specs` on `model`: cached, unless it keeps values of the user's
+        (:attr:`keeps_values`)."""
         cache = _PLANS.get(model)  # a read needs no lock: each lookup is one step under the GIL
         plan = None if cache is None else cache.get(specs)
         if plan is not None and plan.current():
             return plan
         with _PAUSE:
             plan = Plan(model, specs, caller)
-            if any(spec.intervenes or walk.holds_values(spec, model) for spec in specs):
-                return plan
+        if plan.keeps_values:
+            return plan
         with _LOCK:
             cache = _PLANS.setdefault(model, {})
             if len(cache) >= _PLANS_PER_MODEL and specs not in cache:

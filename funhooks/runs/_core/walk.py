@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import NamedTuple
 
 import torch
@@ -143,20 +143,21 @@ LIMIT = 100_000
 _LEAVES = (str, bytes, int, float, complex, bool, type, types.ModuleType, type(None))
 
 
-def holds_values(start: object, model: nn.Module) -> bool:
+def holds_values(start: object, model: nn.Module, inside: Container[int]) -> bool:
     """Whether `start` holds a value of the user's that a cached plan would keep alive: a
     tensor (a patch value, a steering vector, a Record's values, a tensor a function closes
-    over, a probe's parameters), or the model itself (a function closing over the model would
-    keep it alive for ever). Followed through closures, defaults, bound ``self``, partials,
-    containers, object attributes and modules (not globals, which live as long as their module
-    anyway). Unsure (too many objects) counts as yes."""
+    over, the parameters of a probe outside the model), or the model itself (a function
+    closing over the model would keep it alive for ever). Followed through closures, defaults,
+    bound ``self``, partials, containers, object attributes and modules, except the modules
+    `inside` the model (by id; what a plan keeps of them, it keeps anyway), and not globals,
+    which live as long as their module anyway. Unsure (too many objects) counts as yes."""
     seen: set[int] = set()
     stack = [start]
     while stack:
         obj = stack.pop()
         if obj is model or isinstance(obj, torch.Tensor):
             return True
-        if id(obj) in seen or isinstance(obj, _LEAVES):
+        if id(obj) in seen or id(obj) in inside or isinstance(obj, _LEAVES):
             continue
         seen.add(id(obj))
         if len(seen) > LIMIT:
