@@ -186,7 +186,7 @@ class Run(Frozen):
         module did not run."""
         rec = self.record
         out = []
-        for path, name in self._plan.slots:
+        for path, name in self._plan.stored:
             node = rec.get(path)
             out.append(node.calls(name)[-1] if node is not None and name in node else None)
         return out

@@ -1,7 +1,7 @@
 """Intervention values: what ``fh.patch``, ``fh.steer``, ``fh.scale`` and ``fh.ablate`` do
 to each value they edit (see ``funhooks.specs.interventions`` for the specs).
 
-An :class:`Intervention` is the ``fn`` of an intervention spec. The run core calls its
+An :class:`Intervention` is the ``action`` of an intervention spec. The run core calls its
 ``apply`` for each call of a selected module (or of a selected op inside it) with the
 module's path, its index among the modules the spec selected, how often it applied in the
 run so far, and the call's per-call values (``fh.arg`` placeholders). Everything it does is
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Literal, TypeAlias, TypeGuard, cast
 
@@ -108,7 +109,7 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 @_frozen.frozen
 @attrs.frozen(eq=False, repr=False)
 class Intervention:
-    """What an intervention spec does to each value it edits (the ``fn`` of its Spec).
+    """What an intervention spec does to each value it edits (the ``action`` of its Spec).
 
     ``kind`` is ``patch``, ``steer``, ``scale`` or ``ablate``; ``value`` the patch value,
     steering vector, factor or mean; ``coef`` the steering scale; the rest as the
@@ -134,6 +135,11 @@ class Intervention:
     def args(self) -> tuple[str, ...]:
         """The names of the ``fh.arg`` placeholders it reads."""
         return tuple(x.name for x in (self.value, self.index, self.nth, self.coef) if isinstance(x, Arg))
+
+    @property
+    def intervenes(self) -> bool:
+        """True: it edits with an intervention value (see :class:`~funhooks.specs.spec.Action`)."""
+        return True
 
     def __str__(self) -> str:
         first = {"ablate": []}.get(self.kind, [show(self.value)])
@@ -223,7 +229,7 @@ class Intervention:
             return None
         key = _key(rank, nth, index, target)
         kept = self._masks.get(rank) if key is not None else None
-        if kept is not None and kept[0] == key:
+        if kept is not None and kept[0] == key and all(ref() is not None for ref in kept[1]):
             return kept[-1]
         mask = self._mask(index, target, values, at)
         if isinstance(nth, Tensor):
@@ -234,7 +240,8 @@ class Intervention:
             return mask
         # one host read per kept mask
         where: Tensor | Literal[False] | None = False if self.per_row and mask is not None and not bool(mask.any()) else mask
-        self._masks[rank] = (key, nth, index, where)  # `nth` and `index` kept alive: their ids stay theirs
+        # the per-call tensors held weakly (no cache keeps a user's tensor alive): while one lives, its id is its own
+        self._masks[rank] = (key, tuple(weakref.ref(x) for x in (nth, index) if isinstance(x, Tensor)), where)
         return where
 
     def _new(self, target: Tensor, values: PerCall, count: int, at: _At) -> tuple[Tensor, bool]:
@@ -353,8 +360,8 @@ class Intervention:
 
 
 class _Masks(dict):
-    """An intervention's kept masks, by rank: ``(key, nth, index, mask)``. Copies and pickles
-    of the intervention start empty."""
+    """An intervention's kept masks, by rank: ``(key, weak references to the per-call tensors
+    the key names by id, mask)``. Copies and pickles of the intervention start empty."""
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return _Masks, ()

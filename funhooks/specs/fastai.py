@@ -18,7 +18,7 @@ from torch import nn
 from funhooks.errors import SpecError
 
 from .selector import select
-from .spec import Spec, check_flags, check_fn, record_name
+from .spec import Spec, check_bools, check_flags, check_fn, record_name
 
 __all__ = ["Hook", "Hooks", "hook_output", "hook_outputs"]
 
@@ -66,10 +66,11 @@ def Hook(  # noqa: N802 - fastai's spelling
     if not isinstance(m, nn.Module):
         raise SpecError(f"Hook: `m` is an nn.Module, got {type(m).__name__}. Pass the module to hook.")
     check_fn("Hook", hook_func, "hook_func")
-    flags = check_flags("Hook", is_forward=is_forward, detach=detach, cpu=cpu, gather=gather)
-    event = "forward" if flags.pop("is_forward") else "backward"
+    check_bools("Hook", is_forward=is_forward)
+    flags = check_flags("Hook", detach=detach, cpu=cpu, gather=gather)
     name = record_name("Hook", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))
-    return Spec(select(m), event, "call", name, hook_func, label="Hook", **flags)
+    return Spec(where=select(m), event="forward" if is_forward else "backward", role="call", name=name, fn=hook_func,
+                label="Hook", **flags)
 
 
 def Hooks(  # noqa: N802 - fastai's spelling
@@ -93,10 +94,11 @@ def Hooks(  # noqa: N802 - fastai's spelling
     """
     mods = _modules_of("Hooks", ms)
     check_fn("Hooks", hook_func, "hook_func")
-    flags = check_flags("Hooks", is_forward=is_forward, detach=detach, cpu=cpu)
-    event = "forward" if flags.pop("is_forward") else "backward"
+    check_bools("Hooks", is_forward=is_forward)
+    flags = check_flags("Hooks", detach=detach, cpu=cpu)
     name = record_name("Hooks", hook_func, getattr(hook_func, "__name__", _FASTAI_NAME))
-    return Spec(select(mods), event, "call", name, hook_func, label="Hooks", **flags)
+    return Spec(where=select(mods), event="forward" if is_forward else "backward", role="call", name=name,
+                fn=hook_func, label="Hooks", **flags)
 
 
 def hook_output(module: nn.Module, detach: bool = True, cpu: bool = False, grad: bool = False) -> Spec:
@@ -117,10 +119,12 @@ def hook_output(module: nn.Module, detach: bool = True, cpu: bool = False, grad:
         raise SpecError(
             f"hook_output: `module` is an nn.Module, got {type(module).__name__}. Pass the module to hook."
         )
-    flags = check_flags("hook_output", detach=detach, cpu=cpu, grad=grad)
-    if flags.pop("grad"):
-        return Spec(select(module), "backward_pre", "grad_output", "grad", label="hook_output", **flags)
-    return Spec(select(module), "forward", "output", "output", label="hook_output", **flags)
+    flags = check_flags("hook_output", detach=detach, cpu=cpu)
+    check_bools("hook_output", grad=grad)
+    if grad:
+        return Spec(where=select(module), event="backward_pre", role="grad_output", name="grad", label="hook_output",
+                    **flags)
+    return Spec(where=select(module), event="forward", role="output", name="output", label="hook_output", **flags)
 
 
 def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, cpu: bool = False, grad: bool = False) -> Spec:
@@ -136,7 +140,9 @@ def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, cpu: bool = 
         [(4, 10), (4, 10), (4, 3)]
     """
     mods = _modules_of("hook_outputs", modules, "modules")
-    flags = check_flags("hook_outputs", detach=detach, cpu=cpu, grad=grad)
-    if flags.pop("grad"):
-        return Spec(select(mods), "backward_pre", "grad_output", "grad", label="hook_outputs", **flags)
-    return Spec(select(mods), "forward", "output", "output", label="hook_outputs", **flags)
+    flags = check_flags("hook_outputs", detach=detach, cpu=cpu)
+    check_bools("hook_outputs", grad=grad)
+    if grad:
+        return Spec(where=select(mods), event="backward_pre", role="grad_output", name="grad", label="hook_outputs",
+                    **flags)
+    return Spec(where=select(mods), event="forward", role="output", name="output", label="hook_outputs", **flags)

@@ -30,9 +30,9 @@ batched ``index`` / ``nth`` cannot be read: one out of range edits nothing there
 
 Cost: per edited call, one new tensor of the edited value's size (``torch.where`` when
 ``index``/``nth`` is given); outside ``vmap`` and ``torch.compile`` a tensor ``index`` or
-``nth`` is range-checked with one small comparison read on the host. A spec holding a tensor or a Record keeps it alive as long as
-its plan is cached (at most 32 plans per model); pass large values per call with
-``fh.arg``.
+``nth`` is range-checked with one small comparison read on the host. An intervention's plan
+is made per ``with_hooks`` block (a capture function makes it once): no cache keeps a value
+it holds alive once the spec, and the run or capture function using it, are gone.
 """
 
 from __future__ import annotations
@@ -127,8 +127,9 @@ def _spec(label: str, where: Where | Located, intervention: Intervention, op: Op
     if isinstance(where, Located):
         return where.spec(label, intervention=intervention, op=op)
     if op is None:
-        return Spec(select(where), "forward", "intervene", None, intervention, is_edit=True, label=label)
-    return around_spec(label, where, op, "intervene", intervention)
+        return Spec(where=select(where), event="forward", role="intervene", name=None, action=intervention, is_edit=True,
+                    label=label)
+    return around_spec(label, where, op, "intervene", intervention=intervention)
 
 
 def _named(name: str | None, op: OpLike | None) -> str:

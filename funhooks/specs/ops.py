@@ -21,7 +21,7 @@ each here); see ``funhooks/runs/_core/op_mode.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
 
@@ -30,7 +30,7 @@ from funhooks.errors import SpecError
 
 from .editing import Intervention, Nth
 from .selector import Where, select
-from .spec import Located, Spec, check_flags, check_fn
+from .spec import Located, Spec, check_bools, check_flags, check_fn
 
 __all__ = ["OP_NAMES", "PROPERTY_READS", "Derived", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
 
@@ -181,20 +181,25 @@ def as_op(label: str, fn: object, *, call: int | None = None, deep: bool = False
         )
     if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
         raise SpecError(f"{label}: `call` is None or an int >= 0, got {call!r}. Pass the call's index in the module call.")
-    check_flags(label, deep=deep)
+    check_bools(label, deep=deep)
     return attrs.evolve(fn, call=call, deep=deep) if isinstance(fn, Op) else Op(name, call, deep)
+
+
+OpKind: TypeAlias = Literal["output", "input", "edit", "intervene"]
+"""What an op spec does with each call of its op it takes."""
 
 
 @_frozen.frozen
 @attrs.frozen(repr=False)
 class OpAction:
-    """The function of an op spec: its :class:`Op` and what it does with each call it takes
-    (``kind``: store the ``output`` or the ``input``, ``edit`` with `fn`, or ``intervene``
-    with an intervention value)."""
+    """The action of an op spec: its :class:`Op` and what it does with each call it takes
+    (``kind``: store the ``output`` or the ``input``, ``edit`` with the spec's function, or
+    ``intervene`` with an intervention value)."""
 
     op: Op
-    kind: str
-    fn: Any = None
+    kind: OpKind
+    intervention: Intervention | None = None
+    """The intervention value, for ``intervene``."""
 
     @property
     def default_name(self) -> str | None:
@@ -204,33 +209,31 @@ class OpAction:
     @property
     def args(self) -> tuple[str, ...]:
         """The per-call values it reads (an intervention's ``fh.arg`` names)."""
-        return self.fn.args if self.kind == "intervene" else ()
+        return () if self.intervention is None else self.intervention.args
 
     @property
     def nth(self) -> Nth:
         """An intervention's `nth` (None for the other kinds)."""
-        return self.fn.nth if self.kind == "intervene" else None
+        return None if self.intervention is None else self.intervention.nth
 
-    def __call__(self, *args: object) -> Any:
-        """An op editor's function: ``fn(module, args, kwargs, output)``."""
-        return self.fn(*args)
+    @property
+    def intervenes(self) -> bool:
+        """Whether it edits with an intervention value."""
+        return self.intervention is not None
 
     def __str__(self) -> str:
-        if self.kind == "edit":
-            return f"{self.op}, {getattr(self.fn, '__name__', repr(self.fn))}"
-        if self.kind == "intervene":
-            return ", ".join(part for part in (str(self.fn), f"op={self.op}") if part)
+        if self.intervention is not None:
+            return ", ".join(part for part in (str(self.intervention), f"op={self.op}") if part)
         return str(self.op)
 
 
-def around_spec(label: str, where: Where | Located, op_: OpLike, kind: str,
-                fn: Callable[..., object] | Intervention | None = None, *, name: str | None = None,
-                **flags: bool) -> Spec:
-    """An op spec: `kind` (``output``, ``input``, ``edit``, ``intervene``) on `op_` in the
-    modules `where` selects."""
+def around_spec(label: str, where: Where | Located, op_: OpLike, kind: OpKind, fn: Callable[..., object] | None = None,
+                *, intervention: Intervention | None = None, name: str | None = None, **flags: bool) -> Spec:
+    """An op spec: `kind` (``output``, ``input``, ``edit`` with `fn`, ``intervene`` with
+    `intervention`) on `op_` in the modules `where` selects."""
     if isinstance(where, Located):
         return where.spec(label, op=op_)
-    action = OpAction(as_op(label, op_), kind, fn)
+    action = OpAction(as_op(label, op_), kind, intervention)
     stores = kind in ("output", "input")
     if kind == "input" and isinstance(action.op, Derived):
         raise SpecError(f"{label}: a derived op such as {action.op!r} is a value with no inputs of its own, got it. "
@@ -239,8 +242,8 @@ def around_spec(label: str, where: Where | Located, op_: OpLike, kind: str,
     if name is not None and (not isinstance(name, str) or not name):
         raise SpecError(f"{label}: `name` is a non-empty str or None, got {name!r}. Pass a record name.")
     record = (name or action.default_name) if stores else name
-    return Spec(select(where), "forward", "op", record, action, is_edit=not stores, label=label,
-                **check_flags(label, **flags))
+    return Spec(where=select(where), event="forward", role="op", name=record, fn=fn, action=action,
+                is_edit=not stores, label=label, **check_flags(label, **flags))
 
 
 def op_outputs(where: Where | Located, op: OpLike, *, name: str | None = None, detach: bool = True,

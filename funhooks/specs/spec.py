@@ -8,10 +8,9 @@ installed once and make natural cache keys; they pickle when their function does
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import abc
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeAlias, TypedDict, TypeGuard, get_args
 
 import attrs
 import torch
@@ -23,7 +22,12 @@ from .selector import Selector, Where, select
 
 __all__ = [
     "EVENTS",
+    "Action",
+    "Event",
+    "Flags",
+    "Hook",
     "Located",
+    "Role",
     "Spec",
     "edit",
     "grads",
@@ -32,26 +36,56 @@ __all__ = [
     "outputs",
 ]
 
-EVENTS = ("forward_pre", "forward", "backward_pre", "backward", "param_grad")
+Event: TypeAlias = Literal["forward_pre", "forward", "backward_pre", "backward", "param_grad"]
+EVENTS: tuple[Event, ...] = get_args(Event)
 """The hook events, with PyTorch's hook signatures:
 ``forward_pre`` ``fn(module, args)``, ``forward`` ``fn(module, args, output)``,
 ``backward_pre`` ``fn(module, grad_output)``, ``backward`` ``fn(module, grad_input,
 grad_output)``, ``param_grad`` ``fn(param, grad)``."""
 
-ROLES = ("output", "input", "grad", "grad_output", "call", "intervene", "op")
-"""What a spec stores: the built-in stores (``output``, ``input``, ``grad`` and fastai's
-``grad_output`` tuple) have fast paths; ``call`` runs the spec's function; ``intervene`` is an
-editor whose function is an intervention value that also reads the call's per-call values
-(``funhooks.specs.interventions``); ``op`` acts on the operations called inside the module's forward
-(``funhooks.specs.ops``)."""
+Role: TypeAlias = Literal["output", "input", "grad", "grad_output", "call", "intervene", "op"]
+ROLES: tuple[Role, ...] = get_args(Role)
+"""What a spec does: the built-in stores (``output``, ``input``, ``grad`` and fastai's
+``grad_output`` tuple) have fast paths; ``call`` runs the spec's function (``fn``);
+``intervene`` is an editor whose action is an intervention value that also reads the call's
+per-call values (``funhooks.specs.interventions``); ``op`` acts on the operations called inside
+the module's forward, as its action says (``funhooks.specs.ops``)."""
 
-HOOKS = ("forward_pre", "forward", "around", "output_grad", "backward_pre", "backward", "param_grad")
-_BACKWARD_HOOKS = frozenset(HOOKS[3:])
+Hook: TypeAlias = Literal["forward_pre", "forward", "around", "output_grad", "backward_pre", "backward", "param_grad"]
+HOOKS: tuple[Hook, ...] = get_args(Hook)
+_BACKWARD_HOOKS: frozenset[Hook] = frozenset(HOOKS[3:])
 """How a run reaches a spec, the one field it dispatches on: ``forward_pre`` / ``forward``
 around the module's own forward; ``around``, during the module's own forward (the ops it
 calls); ``output_grad``, tensor hooks on the outputs (``grads``, whose event is
 ``backward_pre``, are set up during the forward); ``backward_pre`` / ``backward``, PyTorch's
 per-call backward hook; ``param_grad``, hooks on the parameters."""
+
+
+class Action(Protocol):
+    """What an intervention or op spec does (its ``action``): an ``Intervention``
+    (``funhooks.specs.editing``) or an ``OpAction`` (``funhooks.specs.ops``). ``str()`` of it
+    renders its arguments for the spec's repr."""
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The names of the ``fh.arg`` placeholders it reads per call."""
+
+    @property
+    def nth(self) -> Any:
+        """The index of the one selected module it edits (an ``Nth``), or None."""
+
+    @property
+    def intervenes(self) -> bool:
+        """Whether it edits with an intervention value (whose values are the user's)."""
+
+
+class Flags(TypedDict):
+    """What a store does with a value before keeping it (the flags of :func:`outputs`)."""
+
+    detach: bool
+    cpu: bool
+    gather: bool
+    clone: bool
 
 
 @_frozen.frozen
@@ -74,26 +108,31 @@ class Spec:
     """
 
     where: Selector = attrs.field(converter=select)  # so `attrs.evolve(spec, where="head.*")` works
-    event: str = attrs.field(validator=lambda spec, _, event: _check_event(spec.label, event))
-    role: str
+    event: Event = attrs.field(validator=lambda spec, _, event: _check_event(spec.label, event))
+    role: Role = attrs.field(validator=lambda spec, _, role: _check_role(spec.label, role))
     name: str | None
-    fn: Any = None  # the spec's function; for an intervention spec, its `Intervention`
+    fn: Callable[..., Any] | None = None
+    """The function a run calls with the hook's arguments (``observe``, ``edit``, ``op_edit``,
+    a standard point's read); None for the stores and the interventions."""
     is_edit: bool = False
     detach: bool = True
     cpu: bool = False
     gather: bool = False
     clone: bool = False
     label: str = "observe"  # the constructor's name, for repr and messages only
-    labels: Any = ()  # tuple[tuple[str, str], ...]; Any so `**flags` (bools) type-check beside it
+    labels: tuple[tuple[str, str], ...] = ()
     """``(module path, Record path)`` pairs: the values of those modules are stored (and a
     Record source read) under the Record path instead (a standard point's ``blocks.3.resid_pre``)."""
-    shown: Any = None  # str | None, typed Any as `labels` is
+    shown: str | None = None
     """How repr shows `where` (a standard point's name), None for the selector's repr."""
-    hook: str = attrs.field(init=False)
+    action: Action | None = attrs.field(default=None, kw_only=True)
+    """What an intervention or op spec does (``role`` ``intervene``: an ``Intervention``;
+    ``op``: an ``OpAction``); None for the others."""
+    hook: Hook = attrs.field(init=False)
     """How a run reaches this spec (see :data:`HOOKS`), derived from `event` and `role`."""
 
     @hook.default
-    def _hook(self) -> str:
+    def _hook(self) -> Hook:
         if self.role == "op":
             return "around"
         return "output_grad" if self.role in ("grad", "grad_output") else self.event
@@ -101,13 +140,18 @@ class Spec:
     @property
     def args(self) -> tuple[str, ...]:
         """The per-call values the spec reads: the names of its ``fh.arg`` placeholders."""
-        return self.fn.args if self.role in ("intervene", "op") else ()
+        return () if self.action is None else self.action.args
 
     @property
     def nth(self) -> Any:  # an `Nth` (specs/editing.py, which imports this module)
         """The index, among the modules it selects, of the one an intervention spec edits
         (an int, a tensor or an ``fh.arg``); None for every module, and for other specs."""
-        return self.fn.nth if self.role in ("intervene", "op") else None
+        return None if self.action is None else self.action.nth
+
+    @property
+    def intervenes(self) -> bool:
+        """Whether the spec edits with an intervention value (on a module or an op)."""
+        return self.action is not None and self.action.intervenes
 
     @property
     def needs_backward(self) -> bool:
@@ -123,10 +167,13 @@ class Spec:
                 parts.append(f"event={self.event!r}")
             if self.name is not None and self.name != getattr(self.fn, "__name__", None):
                 parts.append(f"name={self.name!r}")
-        if self.role in ("intervene", "op") and str(self.fn):  # the value renders its own arguments
-            parts.append(str(self.fn))
-            if self.role == "op" and self.name is not None and self.name != self.fn.default_name:
-                parts.append(f"name={self.name!r}")
+        if self.action is not None and (shown := str(self.action)):  # the action renders its own arguments
+            parts.append(shown)
+            if self.role == "op":
+                if self.fn is not None:  # an op editor's function
+                    parts.append(getattr(self.fn, "__name__", repr(self.fn)))
+                if self.name is not None and self.name != getattr(self.action, "default_name", None):
+                    parts.append(f"name={self.name!r}")
         if self.role == "grad_output":
             parts.append("grad=True")
         if not self.is_edit:
@@ -188,17 +235,33 @@ def check_nth(spec: Spec, nth: object, paths: list[str], caller: str) -> None:
     )
 
 
-def check_flags(label: str, **flags: bool) -> dict[str, bool]:
+def check_bools(label: str, **flags: object) -> None:
+    """Refuse a flag that is not a bool."""
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise SpecError(f"{label}: `{key}` is a bool, got {value!r}. Pass True or False.")
-    return flags
 
 
-def _check_event(label: str, event: str) -> str:
-    if event not in EVENTS:
+def check_flags(label: str, *, detach: bool = True, cpu: bool = False, gather: bool = False,
+                clone: bool = False) -> Flags:
+    """A store's flags, each refused unless a bool."""
+    check_bools(label, detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return Flags(detach=detach, cpu=cpu, gather=gather, clone=clone)
+
+
+def _is_event(event: object) -> TypeGuard[Event]:
+    return event in EVENTS
+
+
+def _check_event(label: str, event: object) -> Event:
+    if not _is_event(event):
         raise SpecError(f"{label}: `event` is one of {list(EVENTS)}, got {event!r}. Pick one of those.")
     return event
+
+
+def _check_role(label: str, role: str) -> None:
+    if role not in ROLES:
+        raise SpecError(f"{label}: a spec's `role` is one of {list(ROLES)}, got {role!r}.")
 
 
 def check_fn(label: str, fn: object, arg: str = "fn") -> Callable[..., object]:
@@ -257,7 +320,7 @@ def outputs(where: Where | Located, *, detach: bool = True, cpu: bool = False, g
     flags = check_flags("outputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
     if isinstance(where, Located):
         return where.spec("outputs", **flags)
-    return Spec(select(where), "forward", "output", "output", label="outputs", **flags)
+    return Spec(where=select(where), event="forward", role="output", name="output", label="outputs", **flags)
 
 
 def inputs(where: Where | Located, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
@@ -286,7 +349,7 @@ def inputs(where: Where | Located, *, detach: bool = True, cpu: bool = False, ga
     flags = check_flags("inputs", detach=detach, cpu=cpu, gather=gather, clone=clone)
     if isinstance(where, Located):
         return where.spec("inputs", **flags)
-    return Spec(select(where), "forward_pre", "input", "input", label="inputs", **flags)
+    return Spec(where=select(where), event="forward_pre", role="input", name="input", label="inputs", **flags)
 
 
 def grads(where: Where | Located, *, detach: bool = True, cpu: bool = False, gather: bool = False, clone: bool = False) -> Spec:
@@ -315,7 +378,7 @@ def grads(where: Where | Located, *, detach: bool = True, cpu: bool = False, gat
     flags = check_flags("grads", detach=detach, cpu=cpu, gather=gather, clone=clone)
     if isinstance(where, Located):
         return where.spec("grads", **flags)
-    return Spec(select(where), "backward_pre", "grad", "grad", label="grads", **flags)
+    return Spec(where=select(where), event="backward_pre", role="grad", name="grad", label="grads", **flags)
 
 
 def observe(
@@ -360,11 +423,12 @@ def observe(
         True
     """
     check_fn("observe", fn)
-    _check_event("observe", event)
+    checked = _check_event("observe", event)
     flags = check_flags("observe", detach=detach, cpu=cpu, gather=gather, clone=clone)
     if isinstance(where, Located):
         return where.spec("observe", fn=fn, event=event, name=name, **flags)
-    return Spec(select(where), event, "call", record_name("observe", fn, name), fn, label="observe", **flags)
+    return Spec(where=select(where), event=checked, role="call", name=record_name("observe", fn, name), fn=fn,
+                label="observe", **flags)
 
 
 def edit(where: Where | Located, fn: Callable[..., object], *, event: str = "forward", name: str | None = None) -> Spec:
@@ -393,9 +457,9 @@ def edit(where: Where | Located, fn: Callable[..., object], *, event: str = "for
         tensor([[0., 0.]])
     """
     check_fn("edit", fn)
-    _check_event("edit", event)
+    checked = _check_event("edit", event)
     if name is not None and (not isinstance(name, str) or not name):
         raise SpecError(f"edit: `name` is a non-empty str or None, got {name!r}. Pass a label.")
     if isinstance(where, Located):
         return where.spec("edit", fn=fn, event=event, name=name)
-    return Spec(select(where), event, "call", name, fn, is_edit=True, label="edit")
+    return Spec(where=select(where), event=checked, role="call", name=name, fn=fn, is_edit=True, label="edit")

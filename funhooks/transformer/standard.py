@@ -26,7 +26,7 @@ once, like any spec; nothing runs per forward beyond what the spec made does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from funhooks.specs.attention import attention_pattern, attention_scores
 from funhooks.specs.editing import Intervention, View
 from funhooks.specs.ops import Op, around_spec, op
 from funhooks.specs.selector import Selector, select
-from funhooks.specs.spec import Located, Spec, record_name
+from funhooks.specs.spec import Event, Located, Spec, check_flags, record_name
 
 from .architectures import Architecture, architecture
 from .views import Heads, Interleaved, Thirds
@@ -214,16 +214,18 @@ class Point(Located):
                 raise SpecError(f"grads: `{self.name}` is the value of an op inside a module, where no gradient is "
                                 f"watched, got `{self!r}`. Take the gradient of a module's point (e.g. "
                                 "`pts.resid_post`, `pts.mlp_in`).")
-            return around_spec(label, where, self.op, "output", None, name="output", **flags)
-        name = "output" if label == "outputs" else "grad"
+            return around_spec(label, where, self.op, "output", name="output", **check_flags(label, **flags))
+        name: Literal["output", "grad"] = "output" if label == "outputs" else "grad"
+        event: Event
         if self.kind == "output" and self.view is None and self.tensor:  # the module path's own spec
             event = "forward" if label == "outputs" else "backward_pre"
-            return Spec(where, event, name, name, label=label, **flags)
-        events = {("output", "outputs"): "forward", ("input", "outputs"): "forward_pre",
+            return Spec(where=where, event=event, role=name, name=name, label=label, **check_flags(label, **flags))
+        events: dict[tuple[str, str], Event] = {("output", "outputs"): "forward", ("input", "outputs"): "forward_pre",
                   ("output", "grads"): "backward_pre", ("input", "grads"): "backward"}
         event = events[(self.kind, label)]
         at = {"forward": 1, "forward_pre": 0, "backward_pre": 0, "backward": 0}[event]
-        return Spec(where, event, "call", name, _Read(self.view, at), label=label, **flags)
+        return Spec(where=where, event=event, role="call", name=name, fn=_Read(self.view, at), label=label,
+                    **check_flags(label, **flags))
 
     def _call(self, label: str, where: Selector, *, fn: Callable[..., object], event: str, name: str | None,
               **flags: bool) -> Spec:
@@ -240,20 +242,21 @@ class Point(Located):
             return around_spec("edit", where, self.op, "edit", _Call(fn, "op", None, True), name=name)
         plain = self.kind == "output" and self.view is None and self.tensor  # fn is the module path's hook
         call = fn if plain else _Call(fn, self.kind, self.view, edits)
-        hook = "forward" if self.kind == "output" else "forward_pre"
+        hook: Event = "forward" if self.kind == "output" else "forward_pre"
         if edits:
-            return Spec(where, hook, "call", name, call, is_edit=True, label="edit")
-        return Spec(where, hook, "call", record_name("observe", fn, name), call, label="observe", **flags)
+            return Spec(where=where, event=hook, role="call", name=name, fn=call, is_edit=True, label="edit")
+        return Spec(where=where, event=hook, role="call", name=record_name("observe", fn, name), fn=call, label="observe",
+                    **check_flags("observe", **flags))
 
     def _edit(self, label: str, where: Selector, *, intervention: Intervention, op: object = None) -> Spec:
         if op is not None:
             raise SpecError(f"{label}: a standard point already says where the value is, got `op={op!r}` with "
                             f"`{self!r}`. Leave `op` out, or give {label} a module (`pts.attn`) with `op=`.")
         if self.op is not None:
-            return around_spec(label, where, self.op, "intervene", intervention)
-        event = "forward" if self.kind == "output" else "forward_pre"
-        return Spec(where, event, "intervene", None, attrs.evolve(intervention, view=self.view), is_edit=True,
-                    label=label)
+            return around_spec(label, where, self.op, "intervene", intervention=intervention)
+        event: Event = "forward" if self.kind == "output" else "forward_pre"
+        return Spec(where=where, event=event, role="intervene", name=None, action=attrs.evolve(intervention, view=self.view),
+                    is_edit=True, label=label)
 
 
 @_frozen.frozen

@@ -1,9 +1,11 @@
 """The run core: how specs reach the module calls they hook.
 
-A **plan** (``plan``) resolves specs against a model once: per hooked module, a ``Hooked``
+A **plan** (``plan``) resolves specs against a model once, after one walk of it (``walk``):
+per hooked module, a ``Hooked``
 table (``hooked``) of **entries** (``entries``), the small functions that store, observe or
 edit one spec's values, and of **op entries** (``ops``), which run during the module's own
-forward on the torch ops it calls. Plans are cached per model and spec tuple while the model's structure holds.
+forward on the torch ops it calls. Plans are cached per model and spec tuple while the model's structure holds,
+except plans holding a value of the user's (a tensor, an intervention), which live with their run.
 
 A **frame** (``frame``) is one run's mutable state: the buffer its entries append to, the
 tensor hooks they registered, the ``torch.func`` level it was opened at. The Record is built

@@ -102,7 +102,7 @@ def _unmatched(caller: str, miss: Miss) -> SelectorError:
     else:
         got = f"no call of `{miss.op}`"
         fix = f"Pick one of the ops called while it ran, {shown}, or select the module that calls it"
-    hint = getattr(miss.spec.fn.op, "HINT", "")
+    hint = getattr(getattr(miss.spec.action, "op", None), "HINT", "")
     if hint and not n:
         fix = hint
     if outside:

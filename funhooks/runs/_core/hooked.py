@@ -13,9 +13,11 @@ Cost: built once per plan and module; reading it is attribute loads.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from torch import nn
 
+from funhooks.specs.editing import Intervention
 from funhooks.specs.spec import Spec
 
 from .entries import BackwardEntry, PostEntry, PreEntry, backward_hook, post_entry, pre_entry, stores_as_is
@@ -27,10 +29,10 @@ __all__ = ["Hooked", "intervene_entry", "intervene_pre_entry"]
 
 
 def intervene_entry(spec: Spec, key: Key, rank: int) -> PostEntry:
-    """The entry of an intervention on a module's output (``spec.fn`` an intervention value):
+    """The entry of an intervention on a module's output (``spec.action`` an intervention value):
     it applies with the frame's per-call values, counting the calls it applied to in the frame
     (a Record source holding several calls gives call k to the module's k-th call)."""
-    apply, path = spec.fn.apply, key[0]
+    apply, path = cast(Intervention, spec.action).apply, key[0]
 
     def intervene(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         count = frame.counts.get(intervene, 0)
@@ -43,7 +45,7 @@ def intervene_entry(spec: Spec, key: Key, rank: int) -> PostEntry:
 def intervene_pre_entry(spec: Spec, key: Key, rank: int) -> PreEntry:
     """The entry of an intervention on a module's positional arguments (a standard point that
     is a module's input): as :func:`intervene_entry`, on the args tuple."""
-    apply, path = spec.fn.apply, key[0]
+    apply, path = cast(Intervention, spec.action).apply, key[0]
 
     def intervene_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         count = frame.counts.get(intervene_args, 0)

@@ -28,14 +28,15 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from funhooks import _torch
 from funhooks.errors import TransformError
-from funhooks.specs.ops import OP_NAMES, At, Derived, Op, op_name
+from funhooks.specs.editing import Intervention
+from funhooks.specs.ops import OP_NAMES, At, Derived, Op, OpAction, op_name
 from funhooks.specs.selector import path_label as where
 from funhooks.specs.spec import Spec
 
@@ -88,7 +89,7 @@ def _store(spec: Spec, key: Key, copies: bool) -> Callable[[Frame, object], None
 def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
     """The entry of an ``around`` spec on the module at ``key[0]``, the `rank`-th module its
     selector matched. `copies`: store copies (inside compiled graphs and transforms)."""
-    action, path = spec.fn, key[0]
+    action, path = cast(OpAction, spec.action), key[0]
     op = action.op
     entry = OpEntry(spec, op)
     kind = action.kind
@@ -104,7 +105,7 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
 
         entry.edit = edit_op
     else:  # an intervention: counted per frame, so a Record with several calls gives call k to the k-th
-        apply = action.fn.apply
+        apply = cast(Intervention, action.intervention).apply
 
         def intervene_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
             count = frame.counts.get(entry, 0)
