@@ -16,7 +16,7 @@ import funhooks as fh
 from funhooks.errors import SpecError
 from funhooks.specs import editing, ops, spec
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _literal(hint: object) -> tuple[object, ...]:
