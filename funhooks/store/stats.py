@@ -168,25 +168,35 @@ def to_json(moments: Mapping[str, Moments]) -> dict[str, object]:
             for name, m in moments.items()}
 
 
-def from_json(obj: object, column: Column, where: str, caller: str) -> Moments:
-    """One column's moments from a manifest line; a StoreError for a field that does not fit."""
+def from_json(obj: object, column: Column, rows: int, where: str, caller: str) -> Moments:
+    """One column's moments from the manifest line of a shard of `rows` rows; a StoreError for a
+    field that does not fit: the shape of each, a ``count`` other than `rows`, a negative ``m2``
+    or ``norm_sum`` (sums of squares and of norms; NaN, from NaN rows, passes)."""
     width = math.prod(column.shape)
     fields = obj if isinstance(obj, Mapping) else {}
-    ok = (isinstance(fields.get("count"), int) and fields["count"] >= 0
+    ok = (isinstance(fields.get("count"), int) and not isinstance(fields["count"], bool)
           and all(isinstance(fields.get(k), list) and len(fields[k]) == width for k in ("mean", "m2"))
-          and isinstance(fields.get("norm_sum"), (int, float)))
+          and isinstance(fields.get("norm_sum"), (int, float)) and not isinstance(fields["norm_sum"], bool))
     try:
         mean = torch.tensor(fields["mean"], dtype=torch.float64) if ok else None
         m2 = torch.tensor(fields["m2"], dtype=torch.float64) if ok else None
     except (TypeError, ValueError, RuntimeError):
         mean = m2 = None
+    fix = "Restore the manifest, or read the statistics again with `ds.stats(recompute=True)`."
     if mean is None or m2 is None:
         raise StoreError(
             f"{caller}: a shard line's `stats` give {column.name!r} a `count` and `mean`, `m2` lists of {width} "
-            f"numbers and a `norm_sum`, got {obj!r:.80} in {where}. Restore the manifest, or read the statistics "
-            "again with `ds.stats(recompute=True)`."
+            f"numbers and a `norm_sum`, got {obj!r:.80} in {where}. {fix}"
         )
-    return Moments(int(fields["count"]), mean.reshape(-1), m2.reshape(-1), float(fields["norm_sum"]))
+    problem = (f"`count` {fields['count']!r} where the shard holds {rows} rows" if fields["count"] != rows else
+               f"a negative `m2` ({float(m2.min())!r})" if bool((m2 < 0).any()) else
+               f"a negative `norm_sum` ({fields['norm_sum']!r})" if fields["norm_sum"] < 0 else None)
+    if problem is not None:
+        raise StoreError(
+            f"{caller}: a shard line's `stats` for {column.name!r} are those of the shard's rows (a `count` equal to "
+            f"its rows, sums of squares and norms >= 0), got {problem} in {where}. {fix}"
+        )
+    return Moments(rows, mean.reshape(-1), m2.reshape(-1), float(fields["norm_sum"]))
 
 
 def _shape(dims: Iterable[int]) -> tuple[int, ...]:
