@@ -86,7 +86,7 @@ class Sink:
         """The worker's tasks not known to be done, oldest first (at most ``MAX_PENDING``)."""
         self._digest: concurrent.futures.Future[object] | None = None
         """The last digest (checksums and statistics of written rows) handed to the worker."""
-        self._buffers = stats.Buffers()
+        self._reuse = stats.Buffers()
         """The statistics' buffers, kept from shard to shard."""
         self._finalizer = weakref.finalize(self, _Held.close, self._held)
         try:
@@ -208,7 +208,7 @@ class Sink:
         meta = {"format": "pt", "funhooks": json.dumps(about)}
         assert self.columns is not None
         shard = self._held.shard = _shards.ShardFile(self.directory, self.rank, self.shards, self.columns, self.capacity, meta)
-        self._moments = stats.Accumulator(self.columns, self._buffers)
+        self._moments = stats.Accumulator(self.columns, self._reuse)
         return shard
 
     def _commit(self, end: tuple[int, int]) -> None:

@@ -124,13 +124,13 @@ class Accumulator:
 
     def __init__(self, columns: Sequence[Column], buffers: Buffers) -> None:
         self.columns = [c for c in columns if c.dtype.is_floating_point]
-        self._buffers, self._chunks, self._held = buffers, buffers.rows, 0
+        self._reuse, self._chunks, self._held = buffers, buffers.rows, 0
         self.totals = {c.name: Moments(0, torch.zeros(math.prod(c.shape), dtype=torch.float64),
                                        torch.zeros(math.prod(c.shape), dtype=torch.float64), 0.0)
                        for c in self.columns}
 
     def _add(self, name: str, x: torch.Tensor) -> None:
-        self.totals[name] = merge(self.totals[name], _chunk(x, self._buffers))
+        self.totals[name] = merge(self.totals[name], _chunk(x, self._reuse))
 
     def add(self, rows: Mapping[str, torch.Tensor]) -> None:
         """The next rows of the shard (same length in every column)."""
