@@ -244,6 +244,7 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
                 if max_rows is not None:
                     keep, _ = _budget_mask(record, writer, keep, max_rows - state.rows)
                 state = writer.write(state, index, record, mask=keep)
+                del record, keep  # this batch's activations go now, not when the next batch's are made
             else:
                 seen.end()
     finally:
