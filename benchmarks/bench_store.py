@@ -24,6 +24,14 @@ batches, each made on the fly and dropped, through ``fh.ActivationWriter``; repo
 peak RSS (``VmHWM``) and the peak's growth over the RSS after set-up. Goal: flat within
 10% from 100 to 10,000 batches.
 
+Collect memory (issue 36): for each dataset size (16, 64, 256 batches) a fresh process runs
+``fh.collect`` (``fsync=False``) of a ``Linear(1024, 1024)`` over batches of 1024 x 1024 float32
+(4 MiB, made on the fly from a seeded generator), writing its output; reported: the peak RSS
+(``VmHWM``) above the RSS after set-up (model, writer, one batch run), over
+``COLLECT_RSS_REPEATS`` processes per size (median and max: the peak varies from process to
+process with the C allocator). Goal: about two batches (8 MiB) plus a constant, flat in the
+number of batches.
+
 Read: random batches of ``READ_BATCH`` rows from the written store, through ``ds[indices]``
 and through a ``DataLoader(ds, batch_size=READ_BATCH, shuffle=True)``; rows/s and MB/s
 (the files are in the page cache: they were just written).
@@ -41,6 +49,7 @@ disk to write to, default a temporary directory).
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import json
 import os
 import pathlib
@@ -67,8 +76,9 @@ WRITE_ROUNDS = 7
 RSS_SIZES = (100, 1_000, 10_000)
 RSS_BATCH, RSS_WIDTH = 64, 256  # 64 KiB per batch: 10,000 batches = 625 MiB on disk
 READ_BATCH, READ_CALLS = 256, 50
+COLLECT_RSS_SIZES, COLLECT_RSS_REPEATS, COLLECT_ROWS = (16, 64, 256), 3, 1024  # 1024 x 1024 float32: 4 MiB
 QUICK = {"batches": 4, "batch": 8, "width": 16, "rows_per_shard": 12, "rounds": 2, "rss_sizes": (10, 20),
-         "read_calls": 3}
+         "read_calls": 3, "collect_rss_sizes": (4, 8), "collect_rss_repeats": 1}
 
 
 def _model() -> nn.Module:
@@ -231,6 +241,55 @@ def rss_child(directory: str, batches: int, batch: int, width: int) -> dict[str,
     return {"peak_rss_mib": peak, "rss_after_setup_mib": base, "growth_mib": peak - base}
 
 
+class _Generated(collections.abc.Sequence):
+    """`n` batches of COLLECT_ROWS x COLLECT_ROWS float32, each made when it is read (seeded)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return torch.randn(COLLECT_ROWS, COLLECT_ROWS, generator=torch.Generator().manual_seed(i))
+
+
+def collect_rss_child(directory: str, batches: int) -> dict[str, float]:
+    """``fh.collect`` of `batches` generated 4 MiB batches; peak RSS over the RSS after set-up, in MiB."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(COLLECT_ROWS, COLLECT_ROWS))
+    with torch.no_grad():
+        model(_Generated(1)[0])
+    writer = fh.ActivationWriter(model, fh.outputs("0"), pathlib.Path(directory), rows_per_shard=16 * COLLECT_ROWS,
+                                 fsync=False)
+    base = _rss_now()
+    ds = fh.collect(writer, _Generated(batches), progress=False)
+    assert len(ds) == batches * COLLECT_ROWS
+    peak = _status_mib("VmHWM")
+    return {"peak_rss_mib": peak, "rss_after_setup_mib": base, "growth_mib": peak - base}
+
+
+def measure_collect_rss(sizes: tuple[int, ...], repeats: int, root: pathlib.Path) -> dict[str, Any]:
+    out = {}
+    for n in sizes:
+        runs = []
+        for r in range(repeats):
+            d = root / f"collect-rss{n}-{r}"
+            proc = subprocess.run([sys.executable, __file__, "--collect-rss-child", str(d), str(n)],
+                                  capture_output=True, text=True, check=False,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if proc.returncode != 0:
+                print(proc.stderr, file=sys.stderr)
+                raise SystemExit(1)
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1])["growth_mib"])
+            shutil.rmtree(d, ignore_errors=True)
+        out[str(n)] = {"growth_mib": runs, "median_mib": statistics.median(runs), "max_mib": max(runs)}
+    return out
+
+
 def _status_mib(field: str) -> float:
     """A memory field of /proc/self/status, in MiB (``VmHWM``: this process's peak RSS;
     unlike ``ru_maxrss``, it does not start from the parent's RSS at fork)."""
@@ -291,6 +350,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rss-child":
         print(json.dumps(rss_child(sys.argv[2], *map(int, sys.argv[3:6]))))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--collect-rss-child":
+        print(json.dumps(collect_rss_child(sys.argv[2], int(sys.argv[3]))))
+        return
 
     def extra(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write (default: a temp dir)")
@@ -330,13 +392,18 @@ def main() -> None:
             print(f"  rss {size:>6} batches: peak {r['peak_rss_mib']:.1f} MiB, "
                   f"growth over set-up {r['growth_mib']:.1f} MiB")
         print(f"  peak max/min {rss['peak_max_over_min']:.3f}")
+        collect_rss = measure_collect_rss(q.get("collect_rss_sizes", COLLECT_RSS_SIZES),
+                                          q.get("collect_rss_repeats", COLLECT_RSS_REPEATS), root)
+        for size, r in collect_rss.items():
+            print(f"  collect rss {size:>4} batches of 4 MiB: peak over set-up median {r['median_mib']:.1f} MiB, "
+                  f"max {r['max_mib']:.1f} MiB ({', '.join(f'{g:.1f}' for g in r['growth_mib'])})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "correct": correct,
         "data": {"batches": n, "batch": batch, "width": width, "dtype": "float32", "bytes": nbytes,
                  "rows_per_shard": rows_per_shard, "rounds": rounds},
-        "results": {"write": write, "collect": collected, "read": read, "rss": rss},
+        "results": {"write": write, "collect": collected, "read": read, "rss": rss, "collect_rss": collect_rss},
     })
     print(f"wrote {path}")
 

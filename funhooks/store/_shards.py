@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import json
 import os
 import pathlib
@@ -44,8 +45,9 @@ from funhooks.errors import StoreError
 
 SHARD = "shard.rank{rank}.{index:06d}.safetensors"
 TEMP_SUFFIX = ".tmp"
-COPY_CHUNK_BYTES = 1 << 24
-"""Compaction of a last, shorter shard copies, and ``verify`` reads, at most this many bytes at a time."""
+COPY_CHUNK_BYTES = 1 << 20
+"""Compaction of a last, shorter shard copies, and ``verify`` reads, at most this many bytes at
+a time, through one buffer of this size (a constant next to a batch)."""
 
 JsonObject: TypeAlias = "Mapping[str, Any]"
 """A JSON object as ``json.loads`` reads it: its values are whatever the file holds, so every
@@ -124,16 +126,16 @@ class Finished(NamedTuple):
     crc32s: dict[str, int]
 
 
-def crc32_of(f: BinaryIO, size: int | None = None) -> int:
+def crc32_of(f: io.BufferedIOBase, size: int | None = None) -> int:
     """The CRC-32 of the next `size` bytes of `f` (all that is left if None; fewer if
     the file ends first), read ``COPY_CHUNK_BYTES`` at a time."""
-    crc = 0
+    crc, buffer = 0, memoryview(bytearray(COPY_CHUNK_BYTES))
     while size is None or size > 0:
-        chunk = f.read(COPY_CHUNK_BYTES if size is None else min(size, COPY_CHUNK_BYTES))
-        if not chunk:
+        got = f.readinto(buffer if size is None else buffer[:min(size, COPY_CHUNK_BYTES)])
+        if not got:
             break
-        crc = zlib.crc32(chunk, crc)
-        size = None if size is None else size - len(chunk)
+        crc = zlib.crc32(buffer[:got], crc)
+        size = None if size is None else size - got
     return crc
 
 
@@ -239,15 +241,16 @@ class ShardFile:
     def _compact(self) -> None:
         header = _header(self.columns, self.rows, self._meta, reserve=self._reserve)
         assert len(header) == self._reserve, "a header for fewer rows is never longer"
+        buffer = memoryview(bytearray(COPY_CHUNK_BYTES))
         for c in self.columns:
             src, dst = self._data + self._begin[c.name], self._data + _layout(self.columns, self.rows)[c.name][0]
             left = self.rows * c.row_bytes
             while left and src != dst:  # dst < src: copying forward never overwrites unread bytes
                 self._file.seek(src)
-                chunk = self._file.read(min(left, COPY_CHUNK_BYTES))
+                got = self._file.readinto(buffer[:min(left, COPY_CHUNK_BYTES)])
                 self._file.seek(dst)
-                self._file.write(chunk)
-                src, dst, left = src + len(chunk), dst + len(chunk), left - len(chunk)
+                self._file.write(buffer[:got])
+                src, dst, left = src + got, dst + got, left - got
         self._file.seek(8)
         self._file.write(header)
         self._head = self._head[:8] + header

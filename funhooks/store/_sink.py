@@ -10,16 +10,21 @@ In one process, opening a rank again (a restart after an exception) closes the s
 had it, whose state then refuses further steps. A sink dropped without a flush deletes
 its temporary and releases its lock when it is garbage collected.
 
-Costs: memory holds no rows (they go from the activation to the file) beyond one
-statistics chunk per floating-point column (``stats.Accumulator``) and at most
-``MAX_PENDING`` pieces a worker thread has yet to digest; see ``_shards.py`` for the
-per-batch and per-shard I/O. No shard is read back: its checksums and statistics are
-computed from the rows as they are written, on that worker (``zlib.crc32`` and torch's
-reductions release the GIL), and a shard is committed once they are done.
+Costs: memory holds no rows (they go from the activation to the file) beyond the
+statistics' buffers (``stats.Buffers``: a chunk per floating-point column, one working
+chunk) and what the worker thread has yet to finish: at most ``MAX_PENDING`` tasks, of
+which one digest of written rows. So while the caller makes batch ``i + 1``, the worker
+holds batch ``i``'s rows at most (and, under ``collect``, batch ``i + 1``'s inputs, which
+the caller holds anyway): two batches and a constant, however slow the worker and however
+long the run. See ``_shards.py`` for the per-batch and per-shard I/O. No shard is read
+back: its checksums and statistics are computed from the rows as they are written, on
+that worker (``zlib.crc32`` and torch's reductions release the GIL), and a shard is
+committed once they are done.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import json
@@ -27,7 +32,7 @@ import os
 import pathlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -77,10 +82,12 @@ class Sink:
         self._moments: stats.Accumulator | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_pid = 0
-        self._pending: list[concurrent.futures.Future[None]] = []
-        """Checksums and statistics of written rows, made on a worker thread in write order."""
-        self._chunks: dict[str, torch.Tensor] = {}
-        """The statistics' chunk buffers, kept from shard to shard."""
+        self._pending: collections.deque[concurrent.futures.Future[object]] = collections.deque()
+        """The worker's tasks not known to be done, oldest first (at most ``MAX_PENDING``)."""
+        self._digest: concurrent.futures.Future[object] | None = None
+        """The last digest (checksums and statistics of written rows) handed to the worker."""
+        self._reuse = stats.Buffers()
+        """The statistics' buffers, kept from shard to shard."""
         self._finalizer = weakref.finalize(self, _Held.close, self._held)
         try:
             self._recover()
@@ -150,9 +157,9 @@ class Sink:
             piece = {k: v[done:done + take] for k, v in rows.items()}
             written = self._io("writing", shard.write, piece)
             assert self._moments is not None
-            self._pending.append(self.background(_digest, shard, written, self._moments, piece))
-            if len(self._pending) > MAX_PENDING:  # the worker holds the rows it has not digested: keep them few
-                self._pending.pop(0).result()
+            if self._digest is not None:  # the worker holds the rows it has not digested: one piece at most
+                self._digest.result()
+            self._digest = self.background(_digest, shard, written, self._moments, piece)
             done += take
             if shard.rows == shard.capacity:
                 self._commit((batch, first_row + done) if done < n else (batch + 1, 0))
@@ -160,11 +167,21 @@ class Sink:
 
     def background(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
         """``fn(*args)`` on the sink's worker thread, after everything submitted before it (the
-        shards' checksums and statistics, ``collect``'s input fingerprints)."""
+        shards' checksums and statistics, ``collect``'s input fingerprints). Waits first until
+        fewer than ``MAX_PENDING`` tasks are unfinished, so the worker holds few arguments;
+        an error of a task waited for raises here."""
         if self._worker is None or self._worker_pid != os.getpid():  # a forked child has no thread of it
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-store")
             self._worker_pid = os.getpid()
-        return self._worker.submit(fn, *args)
+            self._pending.clear()
+            self._digest = None
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()
+        while len(self._pending) >= MAX_PENDING:
+            self._pending.popleft().result()
+        future = self._worker.submit(fn, *args)
+        self._pending.append(cast("concurrent.futures.Future[object]", future))
+        return future
 
     def flush(self, next_batch: int) -> None:
         """Commit the unfinished shard, if it holds rows; its end is batch `next_batch`. The
@@ -178,10 +195,11 @@ class Sink:
             self._worker = None
 
     def _settle(self) -> None:
-        """Wait for the checksums and statistics of every row written so far (their errors raise here)."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
+        """Wait for every task handed to the worker, the checksums and statistics of every row
+        written so far among them (their errors raise here)."""
+        self._digest = None
+        while self._pending:
+            self._pending.popleft().result()
 
     def _open_shard(self) -> _shards.ShardFile:
         self._settle()  # the statistics' chunk buffers pass from shard to shard
@@ -190,7 +208,7 @@ class Sink:
         meta = {"format": "pt", "funhooks": json.dumps(about)}
         assert self.columns is not None
         shard = self._held.shard = _shards.ShardFile(self.directory, self.rank, self.shards, self.columns, self.capacity, meta)
-        self._moments = stats.Accumulator(self.columns, self._chunks)
+        self._moments = stats.Accumulator(self.columns, self._reuse)
         return shard
 
     def _commit(self, end: tuple[int, int]) -> None:
@@ -239,8 +257,9 @@ class Sink:
 
 
 MAX_PENDING = 2
-"""Pieces of rows the worker may have left to digest before a write waits for it (memory stays
-flat however fast rows come)."""
+"""Tasks the worker may have unfinished before another waits for the oldest: a digest of one
+piece of rows and one input fingerprint of ``collect`` (memory stays flat however fast rows
+come). A digest also waits for the one before it."""
 
 
 def _digest(shard: _shards.ShardFile, written: list[tuple[str, memoryview]], moments: stats.Accumulator,

@@ -181,6 +181,9 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
             giving the rows to keep; None keeps all.
         max_rows: stop once the store holds this many rows (tokens, with ``flatten=True``
             and a mask), keeping the first rows of the batch that reaches it; None: all inputs.
+            ``0`` runs nothing: it returns a store that exists as it is, and is refused for a
+            new directory (a store's columns come from its first batch; there is no empty
+            store without columns).
         progress: show a progress bar (tqdm); None: in a terminal and not in CI.
 
     Returns:
@@ -193,8 +196,8 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
     from the next batch.
 
     Raises:
-        LoopError: for a `mask` key missing from a batch, a writer with its own `mask`, or a
-            bad `max_rows`.
+        LoopError: for a `mask` key missing from a batch, a writer with its own `mask`, a
+            bad `max_rows`, or a new directory given no batch (``max_rows=0``, or empty `inputs`).
         StoreError: for inputs other than those the store was written from; as for
             :class:`ActivationWriter`.
 
@@ -241,11 +244,19 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
                 if max_rows is not None:
                     keep, _ = _budget_mask(record, writer, keep, max_rows - state.rows)
                 state = writer.write(state, index, record, mask=keep)
+                del record, keep  # this batch's activations go now, not when the next batch's are made
             else:
                 seen.end()
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
             close()
+    if sink.header is None:  # a new directory, and no batch came: a store's columns come from its first batch
+        sink.close()
+        why = "`max_rows=0` asks for 0 rows" if max_rows == 0 else "`inputs` gave no batch"
+        raise LoopError(
+            f"collect: a new store takes its columns from its first batch, got {why} for {str(writer.directory)!r}, "
+            "which holds no store yet. Pass max_rows >= 1 (or None for every input) and inputs that give a batch."
+        )
     return writer.result(state)
 

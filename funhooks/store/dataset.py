@@ -257,7 +257,9 @@ class ActivationDataset(torch.utils.data.Dataset):
         return tensors
 
     def verify(self) -> None:
-        """Read every shard whole: its CRC-32, its own rank and index, and its columns' layout.
+        """Read every shard whole: its CRC-32, its own rank and index, and its columns' layout;
+        and check each manifest line's statistics against its shard (a ``count`` equal to its
+        rows, no negative sum of squares or norms).
 
         Opening a dataset checks each shard's size only, and a read checks a shard's rank,
         index and layout when it is first mapped; only this reads every byte, so bit rot
@@ -265,7 +267,8 @@ class ActivationDataset(torch.utils.data.Dataset):
         for all but the checksum.
 
         Raises:
-            StoreError: naming the first shard that differs from its manifest line.
+            StoreError: naming the first shard that differs from its manifest line, or whose
+                line's statistics cannot be its rows'.
 
         Example:
             >>> import tempfile, torch, funhooks as fh
@@ -288,6 +291,13 @@ class ActivationDataset(torch.utils.data.Dataset):
             elif listed.crc32 is not None:
                 with open(listed.path, "rb") as f:
                     self._check_crc(listed.path, _shards.crc32_of(f), listed.crc32, "")
+            if isinstance(listed.stats, dict):
+                for c in self._every:
+                    if c.dtype.is_floating_point:
+                        column_stats.from_json(listed.stats.get(c.name), c, listed.rows, self._where(listed), CALLER)
+
+    def _where(self, listed: _Listed) -> str:
+        return f"shard {listed.shard} of rank {listed.rank} ({listed.path.name}) in {str(self.directory)!r}"
 
     @staticmethod
     def _check_crc(path: pathlib.Path, crc: int, want: int, where: str) -> None:
@@ -306,7 +316,8 @@ class ActivationDataset(torch.utils.data.Dataset):
         gives exactly the numbers written (see ``funhooks.store.stats``).
 
         Raises:
-            StoreError: for a shard line whose ``stats`` field is damaged.
+            StoreError: for a shard line whose ``stats`` field is damaged or not its shard's
+                (a ``count`` other than its rows, a negative ``m2`` or ``norm_sum``).
 
         Example:
             >>> import tempfile, torch, funhooks as fh
@@ -327,8 +338,8 @@ class ActivationDataset(torch.utils.data.Dataset):
                 tensors = self._open(s)
                 found = column_stats.shard_moments(lambda name, a, b: tensors[name][a:b], columns, listed.rows)
             else:
-                where = f"shard {listed.shard} of rank {listed.rank} in {str(self.directory)!r}"
-                found = {c.name: column_stats.from_json(listed.stats.get(c.name), c, where, CALLER) for c in columns}
+                found = {c.name: column_stats.from_json(listed.stats.get(c.name), c, listed.rows, self._where(listed),
+                                                        CALLER) for c in columns}
             totals = {c.name: column_stats.merge(totals[c.name], found[c.name]) if c.name in totals else found[c.name]
                       for c in columns}
         empty = column_stats.Moments(0, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0.0)

@@ -17,7 +17,9 @@ uses ``mean`` and ``std``.
 Costs: nothing is read back. Per written row, about three passes of float32 arithmetic
 over its floating-point columns; rows of a chunk that come in several batches are first
 copied into one chunk buffer per column (at most ``STATS_CHUNK_ROWS`` rows each, kept by
-the writer), chunks that lie inside one batch are used in place. Per shard line, two
+the writer), chunks that lie inside one batch are used in place. The arithmetic works in
+one reused buffer of ``STATS_CHUNK_ROWS`` rows of the widest column (float32, or float64
+for float64 columns): it allocates nothing the size of a chunk. Per shard line, two
 numbers per element of a row (JSON, exact ``float64`` round trips).
 """
 
@@ -64,13 +66,33 @@ def merge(a: Moments, b: Moments) -> Moments:
     return Moments(n, mean, m2, a.norm_sum + b.norm_sum)
 
 
-def _chunk(x: torch.Tensor) -> Moments:
+class Buffers:
+    """The memory the statistics pass reuses from chunk to chunk and shard to shard (kept by
+    the writer for its whole run): per column, a chunk's rows that came in several batches;
+    per computation dtype, one chunk's working copy (``STATS_CHUNK_ROWS`` rows of the widest
+    column), so that no chunk-sized temporary is allocated per chunk."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, torch.Tensor] = {}
+        self._work: dict[torch.dtype, torch.Tensor] = {}
+
+    def work(self, dtype: torch.dtype, rows: int, width: int) -> torch.Tensor:
+        """A ``(rows, width)`` buffer of `dtype` to overwrite (``rows <= STATS_CHUNK_ROWS``)."""
+        buf = self._work.get(dtype)
+        if buf is None or buf.numel() < STATS_CHUNK_ROWS * width:
+            buf = self._work[dtype] = torch.empty(STATS_CHUNK_ROWS * width, dtype=dtype)
+        return buf[:rows * width].view(rows, width)
+
+
+def _chunk(x: torch.Tensor, buffers: Buffers) -> Moments:
     n = x.shape[0]
     x = x.reshape(n, -1)
-    x = x if x.dtype == torch.float64 else x.float()
+    work = buffers.work(torch.float64 if x.dtype == torch.float64 else torch.float32, n, x.shape[1])
+    if x.dtype != work.dtype:
+        x = work.copy_(x)
     mean = x.sum(0) / n
-    m2 = (x - mean).square_().sum(0)
     norm = torch.linalg.vector_norm(x, dim=1).sum()
+    m2 = torch.sub(x, mean, out=work).square_().sum(0)
     return Moments(n, mean.double(), m2.double(), float(norm))
 
 
@@ -78,14 +100,14 @@ def shard_moments(read: Callable[[str, int, int], torch.Tensor], columns: Sequen
                   rows: int) -> dict[str, Moments]:
     """The moments of every floating-point column of one shard of `rows` rows;
     ``read(name, start, stop)`` gives rows ``start:stop`` of a column."""
-    out = {}
+    out, buffers = {}, Buffers()
     for c in columns:
         if not c.dtype.is_floating_point:
             continue
         width = math.prod(c.shape)
         total = Moments(0, torch.zeros(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64), 0.0)
         for start in range(0, rows, STATS_CHUNK_ROWS):
-            total = merge(total, _chunk(read(c.name, start, min(rows, start + STATS_CHUNK_ROWS))))
+            total = merge(total, _chunk(read(c.name, start, min(rows, start + STATS_CHUNK_ROWS)), buffers))
         out[c.name] = total
     return out
 
@@ -96,19 +118,19 @@ class Accumulator:
     Rows are cut into the chunks :func:`shard_moments` reads (``STATS_CHUNK_ROWS`` rows from
     the shard's first row), so the result is bit-equal to that pass over the finished file.
     A chunk inside one batch is used in place; a chunk's rows that come in several batches
-    are gathered in `chunks` (one ``STATS_CHUNK_ROWS``-row tensor per column, made on first
-    use and kept in the dict given, so that the next shard reuses them).
+    are gathered in ``buffers.rows`` (one ``STATS_CHUNK_ROWS``-row tensor per column, made on
+    first use and kept in the `buffers` given, so that the next shard reuses them).
     """
 
-    def __init__(self, columns: Sequence[Column], chunks: dict[str, torch.Tensor]) -> None:
+    def __init__(self, columns: Sequence[Column], buffers: Buffers) -> None:
         self.columns = [c for c in columns if c.dtype.is_floating_point]
-        self._chunks, self._held = chunks, 0
+        self._reuse, self._chunks, self._held = buffers, buffers.rows, 0
         self.totals = {c.name: Moments(0, torch.zeros(math.prod(c.shape), dtype=torch.float64),
                                        torch.zeros(math.prod(c.shape), dtype=torch.float64), 0.0)
                        for c in self.columns}
 
     def _add(self, name: str, x: torch.Tensor) -> None:
-        self.totals[name] = merge(self.totals[name], _chunk(x))
+        self.totals[name] = merge(self.totals[name], _chunk(x, self._reuse))
 
     def add(self, rows: Mapping[str, torch.Tensor]) -> None:
         """The next rows of the shard (same length in every column)."""
@@ -146,25 +168,35 @@ def to_json(moments: Mapping[str, Moments]) -> dict[str, object]:
             for name, m in moments.items()}
 
 
-def from_json(obj: object, column: Column, where: str, caller: str) -> Moments:
-    """One column's moments from a manifest line; a StoreError for a field that does not fit."""
+def from_json(obj: object, column: Column, rows: int, where: str, caller: str) -> Moments:
+    """One column's moments from the manifest line of a shard of `rows` rows; a StoreError for a
+    field that does not fit: the shape of each, a ``count`` other than `rows`, a negative ``m2``
+    or ``norm_sum`` (sums of squares and of norms; NaN, from NaN rows, passes)."""
     width = math.prod(column.shape)
     fields = obj if isinstance(obj, Mapping) else {}
-    ok = (isinstance(fields.get("count"), int) and fields["count"] >= 0
+    ok = (isinstance(fields.get("count"), int) and not isinstance(fields["count"], bool)
           and all(isinstance(fields.get(k), list) and len(fields[k]) == width for k in ("mean", "m2"))
-          and isinstance(fields.get("norm_sum"), (int, float)))
+          and isinstance(fields.get("norm_sum"), (int, float)) and not isinstance(fields["norm_sum"], bool))
     try:
         mean = torch.tensor(fields["mean"], dtype=torch.float64) if ok else None
         m2 = torch.tensor(fields["m2"], dtype=torch.float64) if ok else None
     except (TypeError, ValueError, RuntimeError):
         mean = m2 = None
+    fix = "Restore the manifest, or read the statistics again with `ds.stats(recompute=True)`."
     if mean is None or m2 is None:
         raise StoreError(
             f"{caller}: a shard line's `stats` give {column.name!r} a `count` and `mean`, `m2` lists of {width} "
-            f"numbers and a `norm_sum`, got {obj!r:.80} in {where}. Restore the manifest, or read the statistics "
-            "again with `ds.stats(recompute=True)`."
+            f"numbers and a `norm_sum`, got {obj!r:.80} in {where}. {fix}"
         )
-    return Moments(int(fields["count"]), mean.reshape(-1), m2.reshape(-1), float(fields["norm_sum"]))
+    problem = (f"`count` {fields['count']!r} where the shard holds {rows} rows" if fields["count"] != rows else
+               f"a negative `m2` ({float(m2.min())!r})" if bool((m2 < 0).any()) else
+               f"a negative `norm_sum` ({fields['norm_sum']!r})" if fields["norm_sum"] < 0 else None)
+    if problem is not None:
+        raise StoreError(
+            f"{caller}: a shard line's `stats` for {column.name!r} are those of the shard's rows (a `count` equal to "
+            f"its rows, sums of squares and norms >= 0), got {problem} in {where}. {fix}"
+        )
+    return Moments(rows, mean.reshape(-1), m2.reshape(-1), float(fields["norm_sum"]))
 
 
 def _shape(dims: Iterable[int]) -> tuple[int, ...]:

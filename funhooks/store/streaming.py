@@ -2,11 +2,17 @@
 bounded buffer, split across ranks and DataLoader workers, resumable mid-epoch.
 
 The rows of a store are cut into *blocks* of at most :data:`BLOCK_ROWS` rows inside a shard.
-Each epoch the blocks are put in a seeded order (the store's order with ``shuffle=False``)
-and dealt round-robin to the *consumers*, every DataLoader worker of every rank, so no row
-goes to two consumers and every row goes to one. A consumer reads its blocks one after the
-other, each as one contiguous copy out of the memory-mapped shard (the speed of the disk,
-or of the page cache); with ``shuffle=True`` the rows pass through a buffer of `buffer`
+Each epoch the blocks are put in a seeded order (the store's order with ``shuffle=False``),
+and that sequence of rows is cut into equal parts, one per rank, as ``DistributedSampler``
+does: ``ceil(rows / world_size)`` each, the last rank's part completed with the epoch's first
+rows again (``drop_last=False``, the default: at most ``world_size - 1`` rows read twice),
+or ``rows // world_size`` each, the last ``rows % world_size`` rows of the epoch's order left
+out (``drop_last=True``). So every rank yields the same number of batches (DDP needs it: a
+rank with fewer would wait for the others forever), and otherwise every row goes to exactly
+one rank. A rank's part is cut into whole batches, one run of them per DataLoader worker
+(the numbers of each worker's batches are the same on every rank). A consumer (a worker of
+a rank) reads its pieces of blocks one after the other, each as one contiguous copy out of
+the memory-mapped shard (the speed of the disk, or of the page cache); with ``shuffle=True`` the rows pass through a buffer of `buffer`
 rows: when it is full it is permuted, half of it goes out, and the other half waits with the
 next rows read. So the rows of many blocks, of many shards, are mixed, and memory holds the
 buffer and one batch.
@@ -25,7 +31,9 @@ permutations of the skipped part and one gather of the buffer.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -78,6 +86,21 @@ def _join(chunks: Sequence[_Chunk]) -> _Chunk:
             for k in chunks[0]}
 
 
+def _part(blocks: Sequence[_Block], lo: int, hi: int) -> list[_Block]:
+    """Rows `lo`..`hi` of the epoch's sequence (the rows of `blocks` in order, from its start again
+    past its end), as pieces of blocks."""
+    starts = list(itertools.accumulate((b.stop - b.start for b in blocks), initial=0))
+    out, at = [], lo
+    while at < hi:
+        q = at % starts[-1]
+        i = bisect.bisect_right(starts, q) - 1
+        begin = blocks[i].start + q - starts[i]
+        take = min(blocks[i].stop - begin, hi - at)
+        out.append(_Block(begin, begin + take))
+        at += take
+    return out
+
+
 class _Turns(NamedTuple):
     taken: list[int]
     """How many of each worker's items are among the first `start`."""
@@ -109,7 +132,8 @@ def _turns(counts: Sequence[int], start: int) -> _Turns:
 
 class ActivationStream(torch.utils.data.IterableDataset):
     """A store's rows as an ``IterableDataset``: shuffled through a bounded buffer, split
-    without duplicates across ranks and DataLoader workers, resumable mid-epoch.
+    without duplicates across ranks and DataLoader workers, the same number of rows and
+    batches to every rank (see `drop_last`), resumable mid-epoch.
 
     Args:
         dataset: an :class:`~funhooks.ActivationDataset` (its `columns` choice is kept).
@@ -122,6 +146,9 @@ class ActivationStream(torch.utils.data.IterableDataset):
         seed, epoch: the order is a function of both; pass the epoch number for a new one.
         start: skip the first `start` items this rank's loader handed out (to resume).
         rank, world_size: this process's place; None: ``torch.distributed``'s, or 0 of 1.
+        drop_last: every rank reads the same number of rows: False (as ``DistributedSampler``)
+            pads the last rank's part with the epoch's first rows (at most ``world_size - 1``
+            rows read twice); True leaves the epoch's last ``rows % world_size`` rows out.
 
     Raises:
         StoreError: for a bad argument (at construction).
@@ -144,7 +171,7 @@ class ActivationStream(torch.utils.data.IterableDataset):
 
     def __init__(self, dataset: ActivationDataset, *, batch_size: int | None = None, shuffle: bool = True,
                  buffer: int = SHUFFLE_BUFFER_ROWS, seed: int = 0, epoch: int = 0, start: int = 0,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False) -> None:
         if not isinstance(dataset, ActivationDataset):
             raise StoreError(
                 f"{CALLER}: `dataset` is an fh.ActivationDataset, got {type(dataset).__name__}. "
@@ -155,8 +182,9 @@ class ActivationStream(torch.utils.data.IterableDataset):
                                        ("start", start, 0, False), ("rank", rank, 0, True),
                                        ("world_size", world_size, 1, True)):
             _check(name, value, low, none)
-        if not isinstance(shuffle, bool):
-            raise StoreError(f"{CALLER}: `shuffle` is a bool, got {shuffle!r}. Pass True or False.")
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):
+                raise StoreError(f"{CALLER}: `{name}` is a bool, got {flag!r}. Pass True or False.")
         dist = torch.distributed
         live = dist.is_available() and dist.is_initialized()
         world = world_size if world_size is not None else dist.get_world_size() if live else 1
@@ -167,11 +195,12 @@ class ActivationStream(torch.utils.data.IterableDataset):
             )
         self.dataset, self.batch_size, self.shuffle, self.buffer = dataset, batch_size, shuffle, buffer
         self.seed, self.epoch, self.start, self.rank, self.world_size = seed, epoch, start, place, world
+        self.drop_last = drop_last
 
     def __repr__(self) -> str:
         return (f"ActivationStream({self.dataset!r}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
                 f"buffer={self.buffer}, seed={self.seed}, epoch={self.epoch}, start={self.start}, "
-                f"rank={self.rank}, world_size={self.world_size})")
+                f"rank={self.rank}, world_size={self.world_size}, drop_last={self.drop_last})")
 
     # -- the plan: which blocks each consumer reads ------------------------------------------
     def _blocks(self) -> list[_Block]:
@@ -184,6 +213,13 @@ class ActivationStream(torch.utils.data.IterableDataset):
             blocks = [blocks[i] for i in order.tolist()]
         return blocks
 
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows each rank reads per epoch: ``ceil(len / world_size)``, or ``len // world_size``
+        with `drop_last` (0 for an empty store)."""
+        total = len(self.dataset)
+        return total // self.world_size if self.drop_last or not total else -(-total // self.world_size)
+
     def _items(self, rows: int) -> int:
         return rows if self.batch_size is None else -(-rows // self.batch_size)
 
@@ -192,8 +228,11 @@ class ActivationStream(torch.utils.data.IterableDataset):
         workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
         consumers = self.world_size * workers
         blocks = self._blocks()
-        mine = [blocks[c::consumers] for c in range(self.rank * workers, (self.rank + 1) * workers)]
-        counts = [self._items(sum(b.stop - b.start for b in m)) for m in mine]
+        rows = self.rows_per_rank
+        items, size, lo = self._items(rows), self.batch_size or 1, self.rank * rows
+        bounds = [min(rows, w * items // workers * size) for w in range(workers)] + [rows]
+        mine = [_part(blocks, lo + bounds[w], lo + bounds[w + 1]) for w in range(workers)]
+        counts = [self._items(bounds[w + 1] - bounds[w]) for w in range(workers)]
         turns = _turns(counts, self.start)
         role = (turns.next + worker) % workers  # a resumed loader's first worker takes the next turn
         gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank * workers + role, consumers))

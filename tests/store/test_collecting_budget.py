@@ -113,3 +113,21 @@ def test_collect_leaves_no_thread_behind_and_fingerprints_as_one_thread_would(tm
             want = _fingerprint.chain(want, batch)
         assert line["inputs"]["fingerprint"] == want
     assert len(ds) == sum(int((b["input"] != 0).sum()) for b in batches)
+
+
+def test_max_rows_zero_on_a_new_directory_is_a_loop_error(tmp_path):
+    """Zero rows asked of a new directory: a LoopError saying so, no model run, no store, no lock left."""
+    calls = []
+    model = _model()
+    model.register_forward_hook(lambda *a: calls.append(1))
+    writer = fh.ActivationWriter(model, fh.outputs("0"), tmp_path, flatten=True, rows_per_shard=4, fsync=False)
+    with pytest.raises(fh.LoopError, match=r"`max_rows=0` asks for 0 rows for .*holds no store yet. Pass max_rows >= 1"):
+        fh.collect(writer, _batches(), max_rows=0)
+    assert calls == [] and not list(tmp_path.glob("manifest*"))
+    assert len(_collect(tmp_path, _batches(), max_rows=5)) == 5  # the rank is not left locked
+    assert len(_collect(tmp_path, _batches(), max_rows=0)) == 5  # an existing store comes back as it is
+
+
+def test_inputs_without_a_batch_on_a_new_directory_is_a_loop_error(tmp_path):
+    with pytest.raises(fh.LoopError, match=r"`inputs` gave no batch"):
+        _collect(tmp_path, [])

@@ -85,7 +85,8 @@ def test_a_damaged_stats_field_names_the_shard(tmp_path):
         fh.ActivationDataset(tmp_path).stats()
     assert str(e.value) == (
         "ActivationDataset: a shard line's `stats` give '0/output' a `count` and `mean`, `m2` lists of 6 numbers and "
-        f"a `norm_sum`, got {{'count': 5}} in shard 0 of rank 0 in {str(tmp_path)!r}. Restore the manifest, or read "
+        f"a `norm_sum`, got {{'count': 5}} in shard 0 of rank 0 (shard.rank0.000000.safetensors) in {str(tmp_path)!r}. "
+        "Restore the manifest, or read "
         "the statistics again with `ds.stats(recompute=True)`."
     )
     assert fh.ActivationDataset(tmp_path).stats(recompute=True)["0/output"].count == 24
@@ -124,3 +125,38 @@ def test_stats_of_batches_that_cross_chunks_and_shards_equal_a_second_pass(tmp_p
     got, again = ds.stats()["0/output"], ds.stats(recompute=True)["0/output"]
     assert (got.count, ds.shards) == (sum(sizes), 2)
     assert torch.equal(got.mean, again.mean) and torch.equal(got.var, again.var) and got.mean_norm == again.mean_norm
+
+
+def _set(field, value):
+    """An edit of shard 0's line: its `stats` field `field` of column 0/output set to `value(old)`."""
+    def edit(line):
+        if line["shard"] == 0:
+            line["stats"]["0/output"][field] = value(line["stats"]["0/output"][field])
+        return line
+    return edit
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("count", lambda old: 0, "`count` 0 where the shard holds 5 rows"),
+    ("count", lambda old: 10**6, "`count` 1000000 where the shard holds 5 rows"),
+    ("count", lambda old: True, None),
+    ("m2", lambda old: [-abs(v) - 1.0 for v in old], "a negative `m2`"),
+    ("norm_sum", lambda old: -1.0, "a negative `norm_sum` (-1.0)"),
+])
+def test_stats_that_cannot_be_the_shards_are_refused_by_stats_and_verify(tmp_path, field, value, problem):
+    """A shard line's statistics are checked against the shard: a count other than its rows (0, 10**6, `true`)
+    or a negative sum of squares gives a StoreError naming column, shard and the fix, from `stats()` and from
+    `verify()`, never a wrong mean or variance; `recompute=True` still reads the rows."""
+    want = _store(tmp_path).stats()["0/output"]
+    _edit_lines(tmp_path, _set(field, value))
+    ds = fh.ActivationDataset(tmp_path)
+    for check in (ds.stats, ds.verify):
+        with pytest.raises(fh.StoreError) as e:
+            check()
+        message = str(e.value)
+        assert "'0/output'" in message and "shard 0 of rank 0 (shard.rank0.000000.safetensors)" in message
+        assert message.endswith("Restore the manifest, or read the statistics again with `ds.stats(recompute=True)`.")
+        if problem is not None:
+            assert problem in message
+    again = ds.stats(recompute=True)["0/output"]
+    assert again.count == want.count == 24 and torch.equal(again.var, want.var)

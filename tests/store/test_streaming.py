@@ -42,19 +42,65 @@ def test_unshuffled_stream_is_the_store_in_order(tmp_path):
     assert [len(b) for b in batches] == [6, 6, 3] and torch.equal(torch.cat(batches), ds[:])
 
 
+def _check_split(per_rank: list[list[int]], items: list[int], rows: int, drop_last: bool) -> None:
+    """Ranks read the same rows and items; with `drop_last` each row at most once, rows % world of them
+    left out; without, every row at least once, rows padded to a multiple of world with the epoch's first."""
+    world = len(per_rank)
+    assert len(set(items)) == 1, items
+    assert len({len(r) for r in per_rank}) == 1, [len(r) for r in per_rank]
+    every = sorted(sum(per_rank, []))
+    if drop_last:
+        assert len(every) == len(set(every)) == rows - rows % world
+    else:
+        assert set(every) == set(range(rows)) and len(every) == (-(-rows // world) * world if rows else 0)
+
+
 @hypothesis.settings(deadline=None)
 @hypothesis.given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=5), rows_per_shard=st.integers(1, 6),
                   batch_size=st.one_of(st.none(), st.integers(1, 5)), buffer=st.integers(2, 12),
-                  world=st.integers(1, 3), seed=st.integers(0, 3), shuffle=st.booleans())
-def test_ranks_read_every_row_once_in_a_seeded_order(sizes, rows_per_shard, batch_size, buffer, world, seed, shuffle):
-    """Any store, batch size, buffer and world size: the ranks' streams hold every row exactly
-    once, and iterating again gives the same order."""
+                  world=st.integers(1, 3), seed=st.integers(0, 3), shuffle=st.booleans(), drop_last=st.booleans())
+def test_ranks_read_equal_rows_every_row_once_in_a_seeded_order(sizes, rows_per_shard, batch_size, buffer, world, seed,
+                                                                 shuffle, drop_last):
+    """Any store, batch size, buffer and world size: every rank yields as many items of as many rows, every row
+    exactly once over the ranks but for the padding (`drop_last=False`) or the rows left out (`drop_last=True`),
+    fewer than `world_size` of them; and iterating again gives the same order."""
     with tempfile.TemporaryDirectory() as d:
         ds = _numbered(d, sizes, rows_per_shard)
-        kw = {"batch_size": batch_size, "buffer": buffer, "seed": seed, "shuffle": shuffle, "world_size": world}
-        per_rank = [_ids(fh.ActivationStream(ds, rank=r, **kw)) for r in range(world)]
-        assert sorted(sum(per_rank, [])) == list(range(len(ds)))
+        kw = {"batch_size": batch_size, "buffer": buffer, "seed": seed, "shuffle": shuffle, "world_size": world,
+              "drop_last": drop_last}
+        items = [list(fh.ActivationStream(ds, rank=r, **kw)) for r in range(world)]
+        per_rank = [_ids(i) for i in items]
+        _check_split(per_rank, [len(i) for i in items], len(ds), drop_last)
         assert _ids(fh.ActivationStream(ds, rank=0, **kw)) == per_rank[0]
+
+
+@hypothesis.settings(deadline=None, max_examples=12)
+@hypothesis.given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=4), rows_per_shard=st.integers(3, 20),
+                  batch_size=st.integers(1, 6), world=st.integers(1, 3), workers=st.integers(0, 2),
+                  drop_last=st.booleans())
+def test_every_rank_gets_as_many_batches_over_shards_ranks_and_workers(sizes, rows_per_shard, batch_size, world,
+                                                                        workers, drop_last):
+    """Shard sizes x ranks x DataLoader workers: every rank's loader yields as many batches (DDP would hang
+    otherwise), and the rows are split as `drop_last` says."""
+    with tempfile.TemporaryDirectory() as d:
+        ds = _numbered(d, sizes, rows_per_shard)
+        kw = {"batch_size": batch_size, "buffer": 8, "world_size": world, "drop_last": drop_last}
+        loaders = [list(torch.utils.data.DataLoader(fh.ActivationStream(ds, rank=r, **kw), batch_size=None,
+                                                    num_workers=workers)) for r in range(world)]
+        _check_split([_ids(b) for b in loaders], [len(b) for b in loaders], len(ds), drop_last)
+
+
+def test_two_unequal_shards_over_two_ranks_give_equal_batches(tmp_path):
+    """Issue 36: two 10,000-row shards over 2 and 3 ranks gave 16,384 / 3,616 rows (and 16,384 / 1,808 / 1,808)."""
+    ds = _numbered(tmp_path, [10_000, 10_000], rows_per_shard=10_000)
+    for world, rows in ((2, [10_000, 10_000]), (3, [6_667, 6_667, 6_667])):
+        got = [sum(len(b) for b in fh.ActivationStream(ds, batch_size=1000, rank=r, world_size=world))
+               for r in range(world)]
+        assert got == rows
+        batches = [len(list(fh.ActivationStream(ds, batch_size=1000, rank=r, world_size=world))) for r in range(world)]
+        assert len(set(batches)) == 1
+    dropped = [fh.ActivationStream(ds, batch_size=1000, rank=r, world_size=3, drop_last=True) for r in range(3)]
+    assert [s.rows_per_rank for s in dropped] == [6_666] * 3
 
 
 @hypothesis.settings(deadline=None)
