@@ -11,9 +11,13 @@ sum of 0/1 and the histogram repeats histc's own float32 arithmetic.
 Two steps of one iteration (two ranks' halves of a batch) combine exactly by module path
 (:func:`combine`: Chan's formula for means and variances, sums of counts and histograms).
 
-Cost: per kept activation, a few attribute reads in the hook (a copy on the module's first
-recorded step, and on every step where a later op changes it in place) and a version read at
-the end of the step; per step, one stack per (shape, dtype) and about a dozen kernels over it
+The hook keeps an activation without a copy where the recording it runs in learned that no
+later op changes its module's output in place (:class:`~funhooks.training.recorder.Learned`,
+read through ``learned()``, noted there and checked when the step's Record is taken).
+
+Cost: per kept activation, a ``ContextVar`` read and a few attribute reads in the hook (a
+copy on the module's first step of a recording, and on every step where a later op changes
+it in place) and a version read at the end of the step; per step, one stack per (shape, dtype) and about a dozen kernels over it
 (sums in double: 12 bytes moved per element, three passes); a large, non-contiguous or
 non-CPU activation costs three reductions in its hook.
 """

@@ -18,11 +18,15 @@ did not run on a step is absent from it. How the numbers are made exact, batched
 
 Cost: a contiguous CPU activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is kept by
 the hook until the end of its step, and the step's kept activations are reduced together, a
-dozen kernels per step instead of three per module. An activation is copied in the hook on the
-first recorded step that reaches its module, which shows whether a later op (an
-``inplace=True`` activation, a ``+=`` residual) changes it in place before the step ends; from
-then on it is kept without a copy if nothing did (its version counter is checked at the end of
-each step) and copied otherwise. Larger, non-contiguous and non-CPU activations are reduced in
+dozen kernels per step instead of three per module. Under a recording of ``fh.fit``,
+``fh.train``, ``fh.folding`` or a trainer callback, an activation is copied in the hook on the
+first step of that recording that reaches its module (again after a module is added, removed
+or replaced), which shows whether a later op (an ``inplace=True`` activation, a ``+=``
+residual) changes it in place before the step ends; from then on it is kept without a copy if
+nothing did (its version counter is checked when the step's Record is taken) and copied
+otherwise. What the recording learned goes with it (see
+:class:`~funhooks.training.recorder.Learned`); outside one (a plain ``with_hooks`` block)
+every small activation is copied. Larger, non-contiguous and non-CPU activations are reduced in
 the hook by ``mean()`` and ``std()`` themselves (on a GPU, a few asynchronous kernels per
 module). The state holds per step one ``(modules, 3)`` tensor of ``(mean, std, near-zero
 count)`` (and ``(modules, hist_bins)`` with histograms) and the paths of the modules that ran.
@@ -146,9 +150,10 @@ class ActivationStats:
             output is not a tensor (an ``nn.LSTM``'s tuple): select others with `modules=`;
             from ``result``, when recorded steps exist and no selected module stored
             statistics on any of them (steps run without ``specs=reducer.specs``).
-        StaleTensorError: from ``step``, when an output kept without a copy (nothing changed it
-            on earlier steps) was changed in place after the hook; its module is copied from
-            then on.
+        StaleTensorError: from the training (``fh.fit``, ``fh.train``, ...) when it takes a
+            step's Record, if an output kept without a copy (nothing changed it on the earlier
+            steps of that recording) was changed in place after the hook: a module whose
+            output some steps change in place and others not.
 
     Example:
         >>> import torch, funhooks as fh
