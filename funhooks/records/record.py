@@ -338,7 +338,8 @@ def merge(records: Iterable[Record], *, order: Callable[[str], Any] | None = Non
     parts = list(records)
     bad = next((r for r in parts if not isinstance(r, Record)), None)
     if bad is not None:
-        raise TypeError(f"merge: `records` are Records, got {type(bad).__name__}. Pass e.g. [run.record, other_record].")
+        raise TypeError(f"merge: `records` are Records, got {type(bad).__name__}. "
+                        "Pass e.g. [run.record, other_record].")
     parts = [r for r in parts if r._data or r._notes]
     data: RecordData = {}
     if parts:

@@ -17,9 +17,9 @@ read through ``learned()``, noted there and checked when the step's Record is ta
 
 Cost: per kept activation, a ``ContextVar`` read and a few attribute reads in the hook (a
 copy on the module's first step of a recording, and on every step where a later op changes
-it in place) and a version read at the end of the step; per step, one stack per (shape, dtype) and about a dozen kernels over it
-(sums in double: 12 bytes moved per element, three passes); a large, non-contiguous or
-non-CPU activation costs three reductions in its hook.
+it in place) and a version read at the end of the step; per step, one stack per (shape,
+dtype) and about a dozen kernels over it (sums in double: 12 bytes moved per element, three
+passes); a large, non-contiguous or non-CPU activation costs three reductions in its hook.
 """
 
 from __future__ import annotations

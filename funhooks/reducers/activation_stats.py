@@ -110,7 +110,8 @@ def _as_pair(value: object) -> object:
 
 
 def _check_hist_range(instance: object, attribute: attrs.Attribute[T], bounds: T) -> None:
-    if not (isinstance(bounds, tuple) and len(bounds) == 2 and all(_shared.is_number(b) and math.isfinite(b) for b in bounds)
+    if not (isinstance(bounds, tuple) and len(bounds) == 2
+            and all(_shared.is_number(b) and math.isfinite(b) for b in bounds)
             and bounds[0] < bounds[1]):
         low, high = (int(b) if float(b).is_integer() else b for b in HIST_RANGE)
         raise ReducerError(
@@ -184,7 +185,8 @@ class ActivationStats:
     _specs: tuple[Spec, ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        snap = _exact.Snapshot(float(self.near_zero), self.with_hist, self.hist_bins, (float(self.hist_range[0]), float(self.hist_range[1])))
+        low, high = self.hist_range
+        snap = _exact.Snapshot(float(self.near_zero), self.with_hist, self.hist_bins, (float(low), float(high)))
         name = "activation_stats"
         if (snap.near_zero, snap.hist_bins, snap.hist_range) != (NEAR_ZERO, HIST_BINS, HIST_RANGE):
             name += f"(near_zero={snap.near_zero}, bins={snap.hist_bins}, range={snap.hist_range})"
