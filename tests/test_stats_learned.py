@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import funhooks as fh
+from funhooks.training.stepwise import Stepwise
 
 
 def hand_stats(model: nn.Module, batches: list, opt: torch.optim.Optimizer,
@@ -86,7 +87,7 @@ def swapping(batches: list, model: nn.Module, at: int, name: str, new: nn.Module
         yield batch
 
 
-@pytest.mark.parametrize("route", ["fit", "train", "folding"])
+@pytest.mark.parametrize("route", ["fit", "train", "folding", "trainer callbacks"])
 def test_an_activation_swapped_for_an_in_place_one_mid_run_goes_on(route: str) -> None:
     """`Tanh` swapped for `ReLU(inplace=True)` mid-training (docs/field.md, "Models that
     change"): the run goes on, and every step's statistics are those of hand hooks that clone
@@ -102,6 +103,18 @@ def test_an_activation_swapped_for_an_in_place_one_mid_run_goes_on(route: str) -
         res = fh.fit(model, fed, kit.MSE, opt, stats)
     elif route == "train":
         res = fh.fold(stats, fh.train(model, fed, kit.MSE, opt, specs=stats.specs))
+    elif route == "trainer callbacks":  # what the Lightning and Hugging Face callbacks drive
+        fold = Stepwise(stats, "FoldCallback")
+        fold.start(model, opt)
+        for i, (x, y) in enumerate(fed):
+            fold.begin(0, i)
+            opt.zero_grad()
+            loss = kit.MSE(model(x), y)
+            loss.backward()
+            opt.step()
+            fold.add(loss)
+            fold.end()
+        res = fold.result()
     else:
         with fh.folding(model, stats, opt=opt) as fold:
             for x, y in fed:

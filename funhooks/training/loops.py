@@ -70,7 +70,8 @@ def train_steps(
     Arguments are checked (specs resolved against the model, watches' layers found) now;
     each step attaches the specs and watches for its own duration, or with `held` (``fit``,
     whose steps are read by nothing but its reducers) one recording stays attached from step
-    to step, paused between them, until the generator ends (:meth:`Recorder.held`).
+    to step, paused between them, until the generator ends (:meth:`Recorder.held`; then
+    :meth:`Recorder.abort`).
     """
     work.check_loop(model, batches, epochs, caller)
     work.check_step(loss_fn, opt, step, accumulate, to_device, caller)
@@ -92,7 +93,7 @@ def _ending(steps: Generator[Step, None, None], recorder: Recorder) -> Generator
     try:
         yield from steps
     finally:
-        recorder.end()
+        recorder.abort()
 
 
 def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, Optimizer], step: StepFn | None,

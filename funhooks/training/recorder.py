@@ -220,7 +220,7 @@ class Recorder:
 
     def held(self, work: Callable[[], T], modules: list[nn.Module]) -> tuple[T, Record]:
         """``work()`` as one recorded step of a recording kept attached from step to step and
-        paused between them (see :meth:`end`), and the step's Record: what ``fh.fit`` does,
+        paused between them (:meth:`abort` ends it), and the step's Record: what ``fh.fit`` does,
         where nothing but the reducers runs between steps. The run is made afresh, and the
         watches find their layers again, when a module was added, removed or replaced since
         the last step (as :meth:`step` would).
@@ -248,10 +248,6 @@ class Recorder:
             raise
         self.pause(hold=True)
         return result, record
-
-    def end(self) -> None:
-        """Stop what :meth:`held` kept attached: everything detached, nothing read."""
-        self.abort()
 
     # -- the phases -----------------------------------------------------------------------
 
@@ -342,7 +338,8 @@ class Recorder:
         return self._merged(record)
 
     def abort(self) -> None:
-        """Any phase -> IDLE after a failure: everything detached, nothing read."""
+        """Any phase -> IDLE, after a failure or at the end of :meth:`held`'s steps: everything
+        detached, nothing read."""
         try:
             self._leave()
         finally:
