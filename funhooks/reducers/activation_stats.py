@@ -1,6 +1,6 @@
 """ActivationStats: fastai's activation statistics as a pure fold reducer.
 
-A frozen value (see :mod:`funhooks.fold` for the protocol): its one observer spec runs on
+A frozen value (see :mod:`funhooks.training.folds` for the protocol): its one observer spec runs on
 the selected modules' outputs, ``step`` adds one recorded train step to an immutable state,
 ``result`` gives fastai's results. ``every=k`` records the train iterations with
 ``iteration % k == 0`` (``ceil(n / k)`` of ``n``); evaluation steps are never recorded, and

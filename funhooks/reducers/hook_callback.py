@@ -1,6 +1,6 @@
 """HookCallback: fastai's ``HookCallback`` as a pure fold reducer.
 
-A frozen value (see :mod:`funhooks.fold` for the protocol): its one observer spec runs
+A frozen value (see :mod:`funhooks.training.folds` for the protocol): its one observer spec runs
 ``hook(module, input, output)`` (or the backward hook's arguments) on the selected modules,
 ``step`` adds one recorded train step's values to an immutable state, ``result`` gives
 fastai's ``hooks.stored`` per step. ``every=k`` records the train iterations with

@@ -55,7 +55,7 @@ class Reducer(Protocol[S, R_co]):
     is an ``ActivationStatsResult`` to a type checker; a bare ``Reducer`` takes any.
     ``specs`` is read-only: a field, a class attribute or a property all satisfy it. The
     optional members (``merge``, ``records``, ``watches``) are not part of the protocol;
-    :mod:`funhooks.fold` says what each adds.
+    :mod:`funhooks.training.folds` says what each adds.
 
     Example:
         >>> import funhooks as fh

@@ -8,7 +8,7 @@ scaler, accumulation and clipping as your research code does, and returns the lo
 are any pytree (``(x, y)`` pairs, dicts for ``model(**batch)``), moved to the model's device
 with ``to_device=True``, grouped ``accumulate`` at a time into one step. Anything that watches
 training, such as activation statistics, is a fold over those values (see
-:mod:`funhooks.fold`) instead of a callback mutating a trainer.
+:mod:`funhooks.training.folds`) instead of a callback mutating a trainer.
 
 Each step runs inside its own ``with_hooks`` block, in the model mode the loop asks for
 (train or eval), and both are undone before the step is yielded: while the consumer's code
