@@ -5,6 +5,8 @@ mid-run, gets exact statistics (issue 36, items 1 and 2)."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 import funhooks as fh
+from funhooks.training.recorder import learned
 from funhooks.training.stepwise import Stepwise
 
 
@@ -127,3 +130,15 @@ def test_an_activation_swapped_for_an_in_place_one_mid_run_goes_on(route: str) -
                           swap={3: ("1", nn.ReLU(inplace=True))})
     assert numbers(res) == expected
     fh.testing.assert_no_hooks(model)
+
+
+def test_nothing_a_run_learned_outlives_it() -> None:
+    """After a fit, no recording's knowledge is visible, and nothing keeps the model alive."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    fh.fit(model, kit.batches(3), kit.MSE, kit.frozen_opt(model), fh.ActivationStats(modules=nn.Linear))
+    assert learned() is None
+    ref = weakref.ref(model[0])
+    del model
+    gc.collect()
+    assert ref() is None

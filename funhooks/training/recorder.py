@@ -119,8 +119,8 @@ class Learned:
                 changed[module] = True
                 stale.append(module)
         if stale:
-            paths = {id(m): p for p, m in _torch.named_modules(self.walked.model)}
-            where = ", ".join(path_label(paths.get(id(m), type(m).__name__)) for m in dict.fromkeys(stale))
+            paths = {m: p for p, m in _torch.named_modules(self.walked.model)}
+            where = ", ".join(path_label(paths.get(m, type(m).__name__)) for m in dict.fromkeys(stale))
             raise StaleTensorError(
                 f"{self.caller}: an output kept without a copy (ActivationStats keeps so the outputs no later op changed "
                 f"on earlier steps) must not change after its hook, got the output of module {where} changed in place "
