@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
-from typing import TypeAlias, TypeVar, overload
+from typing import Any, TypeAlias, TypeVar, overload
 
 import attrs
 import torch
@@ -27,7 +27,7 @@ from . import _file
 from . import node as _node
 from .node import Calls, Notes, RecordData, RecordNode, StoredValue
 
-__all__ = ["CallKey", "Record", "RecordNode", "trusted", "with_notes_of"]
+__all__ = ["CallKey", "Record", "RecordNode", "merge", "trusted", "with_notes_of"]
 
 _D = TypeVar("_D")
 
@@ -304,6 +304,72 @@ def trusted(data: RecordData,
     """A Record over `data`, neither copied nor checked (the run core's and the file reader's
     way in: they hand over a dict they built); `notes` as :meth:`Record._trusted` says."""
     return Record._trusted(data, notes)
+
+
+def merge(records: Iterable[Record], *, order: Callable[[str], Any] | None = None) -> Record:
+    """One Record holding every value of `records`, none copied.
+
+    A path or name found in several keeps all of their calls, in the order of `records`
+    (two records of one module's calls: the first's calls, then the second's). Paths come in
+    the order they are first met, or sorted by ``order(path)`` (a stable sort); names within
+    a path in the order they are first met. Notes on absences are kept, each path's in the
+    order of `records`.
+
+    Args:
+        records: Records, e.g. what two runs or two stretches of one run stored.
+        order: a key for the paths' order (e.g. their place in the model's module order).
+
+    Returns:
+        A new Record (`records` are left as they are).
+
+    Raises:
+        TypeError: when an item of `records` is not a Record.
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> a = fh.Record({"fc": {"output": (torch.zeros(1),)}})
+        >>> b = fh.Record({"act": {"output": (torch.ones(1),)}, "fc": {"output": (torch.ones(1),), "norm": (2.0,)}})
+        >>> both = fh.records.merge([a, b])
+        >>> list(both), len(both.calls("fc", "output")), list(both["fc"])
+        (['fc', 'act'], 2, ['output', 'norm'])
+        >>> list(fh.records.merge([a, b], order=["act", "fc"].index))
+        ['act', 'fc']
+    """
+    parts = list(records)
+    bad = next((r for r in parts if not isinstance(r, Record)), None)
+    if bad is not None:
+        raise TypeError(f"merge: `records` are Records, got {type(bad).__name__}. "
+                        "Pass e.g. [run.record, other_record].")
+    parts = [r for r in parts if r._data or r._notes]
+    data: RecordData = {}
+    if parts:
+        data = {p: dict(names) for p, names in parts[0]._data.items()}
+    for part in parts[1:]:
+        for path, names in part._data.items():
+            node = data.get(path)
+            if node is None:
+                data[path] = dict(names)
+                continue
+            for name, calls in names.items():
+                have = node.get(name)
+                node[name] = calls if have is None else have + calls
+    if order is not None:
+        keys = [order(p) for p in data]
+        if keys != sorted(keys):
+            data = {p: data[p] for _, p in sorted(zip(keys, data), key=lambda kp: kp[0])}
+    return Record._with_notes(data, _merged_notes([r._notes for r in parts]))
+
+
+def _merged_notes(each: list[Mapping[str, Notes]]) -> Mapping[str, Notes]:
+    """The notes of several records, by path, each path's in the records' order, none twice."""
+    present = [n for n in each if n]
+    if len(present) <= 1:
+        return present[0] if present else _NO_NOTES
+    out: dict[str, Notes] = {}
+    for notes in present:
+        for path, ns in notes.items():
+            out[path] = tuple(dict.fromkeys((*out.get(path, ()), *ns)))
+    return out
 
 
 def with_notes_of(data: RecordData, like: Record) -> Record:

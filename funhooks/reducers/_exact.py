@@ -11,17 +11,20 @@ sum of 0/1 and the histogram repeats histc's own float32 arithmetic.
 Two steps of one iteration (two ranks' halves of a batch) combine exactly by module path
 (:func:`combine`: Chan's formula for means and variances, sums of counts and histograms).
 
-Cost: per kept activation, a few attribute reads in the hook (a copy on the module's first
-recorded step, and on every step where a later op changes it in place) and a version read at
-the end of the step; per step, one stack per (shape, dtype) and about a dozen kernels over it
-(sums in double: 12 bytes moved per element, three passes); a large, non-contiguous or
-non-CPU activation costs three reductions in its hook.
+The hook keeps an activation without a copy where the recording it runs in learned that no
+later op changes its module's output in place (:class:`~funhooks.training.recorder.Learned`,
+read through ``learned()``, noted there and checked when the step's Record is taken).
+
+Cost: per kept activation, a ``ContextVar`` read and a few attribute reads in the hook (a
+copy on the module's first step of a recording, and on every step where a later op changes
+it in place) and a version read at the end of the step; per step, one stack per (shape,
+dtype) and about a dozen kernels over it (sums in double: 12 bytes moved per element, three
+passes); a large, non-contiguous or non-CPU activation costs three reductions in its hook.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, NamedTuple, TypeAlias
 
 import attrs
@@ -29,10 +32,10 @@ import torch
 from torch import nn
 
 from funhooks import _frozen
-from funhooks.errors import ReducerError, StaleTensorError
-from funhooks.specs.selector import path_label as where
+from funhooks.errors import ReducerError
+from funhooks.training.recorder import Learned, learned
 
-from . import _shared as red
+from . import _shared
 
 __all__ = ["REDUCE_IN_HOOK_NUMEL", "Entry", "Snapshot", "combine", "empty_entry", "reduce_calls", "reduce_step",
            "round_std", "row_stats"]
@@ -49,31 +52,8 @@ Tensor = torch.Tensor
 Reduced: TypeAlias = tuple[int, Tensor, Tensor | None]
 """An activation reduced in its hook: ``(n, (mean, std, near-zero count), histogram)``."""
 
-Source: TypeAlias = tuple[Tensor, int, nn.Module, bool]
-"""What a kept activation notes under :data:`SOURCE`: the output, its version counter at the
-hook, its module, and whether this is the module's first copy."""
-
-SOURCE = "_funhooks_source"
-"""The attribute by which a kept activation names the output it stands for: the output, its
-version counter at the hook, its module, and whether this is the module's first copy."""
-
-_CHANGED_LATER: dict[int, bool] = {}
-"""Per module, by ``id`` (the entry goes when the module is freed, see :func:`_learn`): whether
-some op changed its output in place after the hook saw it (an ``inplace=True`` activation, a
-``+=`` residual), learned from the copy kept on the first recorded step that reached it.
-Modules whose output nothing changes are then kept without a copy; the others are copied in
-the hook. Keyed by ``id`` rather than weakly by module: the hook reads it on every call, and a
-dict's ``get`` is one C call where a ``WeakKeyDictionary``'s is a Python one."""
-
 _is_compiling = torch.compiler.is_compiling
 """True while dynamo traces the calling code (read on every call of the hook)."""
-
-
-def _learn(module: nn.Module, changed: bool) -> None:
-    """Note in :data:`_CHANGED_LATER` whether `module`'s output was changed after its hook."""
-    if id(module) not in _CHANGED_LATER:  # the id is not reused before the module is freed
-        weakref.finalize(module, _CHANGED_LATER.pop, id(module), None).atexit = False
-    _CHANGED_LATER[id(module)] = changed
 
 
 @_frozen.frozen
@@ -89,22 +69,26 @@ class Snapshot:
     hist_range: tuple[float, float]
 
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> Tensor | Reduced:
-        if type(output) is Tensor and not _is_compiling() and _CHANGED_LATER.get(id(module)) is False:
-            # the common case: the output of a module whose output nothing changed on earlier
-            # steps, small, on the CPU, contiguous and owning its storage, is kept as
-            # ``output.data``, an alias with a version counter of its own (the run's in-place
-            # check must not fire on it), noting the output's own counter, which :func:`_check`
-            # compares at the end of the step
-            n = output.numel()
-            if (0 < n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous()
-                    and output.untyped_storage().nbytes() == n * output.element_size()):
-                try:
-                    version = output._version
-                except RuntimeError:  # an inference tensor has no counter
-                    return output.clone()
-                alias = output.data
-                alias.__dict__[SOURCE] = (output, version, module, False)
-                return alias
+        known = None
+        if type(output) is Tensor and not _is_compiling():
+            known = learned()  # what the recording learned of the model; None outside one
+            if known is not None:
+                if not known.checked:  # the first output of a step: the structure compared once
+                    known.check()
+                if known.changed.get(module) is False:
+                    # the common case: the output of a module whose output nothing changed on
+                    # earlier steps of this recording, small, on the CPU, contiguous and owning
+                    # its storage, is kept as ``output.data``, an alias with a version counter of
+                    # its own (the run's in-place check must not fire on it); the recording notes
+                    # the output's own counter and compares it when it takes the step's Record
+                    n = output.numel()
+                    if (0 < n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous()
+                            and output.untyped_storage().nbytes() == n * output.element_size()):
+                        try:
+                            known.kept.append((output, output._version, module, False))
+                        except RuntimeError:  # an inference tensor has no counter
+                            return output.clone()
+                        return output.data
         if not isinstance(output, Tensor):
             kind = type(module).__name__
             raise ReducerError(
@@ -119,7 +103,7 @@ class Snapshot:
         if n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous():
             if _is_compiling():  # a compiled model: the graph hands back a copy, no alias to check
                 return output.detach()
-            return copied(module, output)
+            return copied(module, output, known)
         return self.reduce(output.detach())
 
     def reduce(self, o: Tensor) -> Reduced:
@@ -132,39 +116,16 @@ class Snapshot:
         return (n, row, x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None)
 
 
-def copied(module: nn.Module, output: Tensor) -> Tensor:
+def copied(module: nn.Module, output: Tensor, known: Learned | None) -> Tensor:
     """A small activation the hook does not keep as an alias, as the step's reduction will read
     it: a copy (its module's output is changed by a later op, or it is not known yet whether it
-    is; it is a tensor subclass, or it shares a larger storage). The first copy of a module's
-    output also notes the module, so that the end of the step learns whether the output
-    changed."""
+    is; it is a tensor subclass, or it shares a larger storage; no recording keeps what it
+    learns). The first copy of a module's output in a recording is noted, so that the
+    recording learns at the end of the step whether the output changed."""
     copy = output.detach().clone()
-    if _CHANGED_LATER.get(id(module)) is None and not output.is_inference():
-        copy.__dict__[SOURCE] = (output, output._version, module, True)
+    if known is not None and known.changed.get(module) is None and not output.is_inference():
+        known.note(output, module, True)
     return copy
-
-
-def _check(source: Source, path: str, iteration: int) -> None:
-    """Check a value as stored by the hook: a kept alias whose output changed since the hook
-    raises; a first copy teaches :data:`_CHANGED_LATER` about its module.
-
-    Raises:
-        StaleTensorError: when an output kept without a copy was changed in place after the
-            hook (a module that changes its outputs on some steps only); from then on its
-            output is copied, so a new run gets its statistics on every step.
-    """
-    output, version, module, learning = source
-    changed = output._version != version
-    if learning:
-        _learn(module, changed)
-    elif changed:
-        _learn(module, True)
-        raise StaleTensorError(
-            f"ActivationStats: an output kept without a copy must not change after the hook, got the output of module "
-            f"{where(path)} changed in place on train iteration {iteration}, which earlier steps never did, so its "
-            "statistics on this step are lost. Its output is copied from now on: run the training again to get "
-            "them on every step."
-        )
 
 
 SUM_ORDER_SLACK = 2.0**-35
@@ -289,19 +250,15 @@ class Entry(NamedTuple):
     hist: Tensor | None
 
 
-def reduce_step(values: list[Any], paths: tuple[str, ...] | list[str], snap: Snapshot,
-                iteration: int) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
-    """``(order, ns, rows, histograms)`` of one step's hook values (module order), each
-    checked by :func:`_check` first: kept activations of one shape and dtype are stacked
-    and reduced together; ``order[i]`` is value i's row."""
+def reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
+    """``(order, ns, rows, histograms)`` of one step's hook values (module order): kept
+    activations of one shape and dtype are stacked and reduced together; ``order[i]`` is
+    value i's row."""
     kept = True  # every value kept by the hook (none reduced there)
-    for v, p in zip(values, paths):  # pop every note (it holds the output), check those that can have changed
+    for v in values:
         if type(v) is tuple:
             kept = False
-            continue
-        source = v.__dict__.pop(SOURCE, None)
-        if source is not None and (source[3] or source[0]._version != source[1]):
-            _check(source, p, iteration)
+            break
     first = values[0]
     if kept and ([v.shape for v in values].count(first.shape) == len(values)
                  and [v.dtype for v in values].count(first.dtype) == len(values)):
@@ -354,14 +311,14 @@ def reduce_calls(calls: dict[str, tuple[Tensor | Reduced, ...]], snap: Snapshot,
     """
     paths = tuple(calls)
     if max(map(len, calls.values())) == 1:  # the common case: one call per module
-        order, ns, rows, hist = reduce_step([v for v, in calls.values()], paths, snap, iteration)
+        order, ns, rows, hist = reduce_step([v for v, in calls.values()], snap)
         return Entry(iteration, paths, ns, order, rows, hist)
     values = list(calls.values())
     entries = []
     for k in range(max(map(len, values))):
         here = [(p, v[k]) for p, v in zip(paths, values) if len(v) > k]
         ps = [p for p, _ in here]
-        order, ns, rows, hist = reduce_step([v for _, v in here], ps, snap, iteration)
+        order, ns, rows, hist = reduce_step([v for _, v in here], snap)
         entries.append(Entry(iteration, tuple(ps), ns, order, rows, hist))
     entry = entries[0]
     for part in entries[1:]:
@@ -403,7 +360,7 @@ def combine(a: Entry, b: Entry) -> Entry:
     exact merge of means and squared deviations, written symmetrically: combining a with b
     gives the very floats of combining b with a)."""
     a, b = in_module_order(a), in_module_order(b)
-    paths = red.module_order([a.paths, b.paths])
+    paths = _shared.module_order([a.paths, b.paths])
     device = a.rows.device
     na, ra, ha = spread(a, paths, device)
     nb, rb, hb = spread(b, paths, device)

@@ -24,7 +24,7 @@ from funhooks.errors import ReducerError
 from funhooks.specs.spec import Spec
 from funhooks.training.step import Step
 
-from . import _shared as red
+from . import _shared
 
 __all__ = ["Entry", "Reducer", "Table", "TableResult", "add_step", "index", "merge", "scalars", "table"]
 
@@ -38,25 +38,25 @@ class Entry(NamedTuple):
     rows: torch.Tensor | list[list[float]]
 
 
-State: TypeAlias = "red.Cons[Entry]"
+State: TypeAlias = "_shared.Cons[Entry]"
 """One :class:`Entry` per recorded step, newest on top."""
 
 
 def add_step(state: State, step: Step, every: int | None, name: str) -> State:
     """`state` with the step's entry (the last value each layer stored under `name`, as rows)
     when the ``every`` rule records the step."""
-    if not red.records(every, step.iteration, step.training):
+    if not _shared.records(every, step.iteration, step.training):
         return state
-    paths, values = red.last_values(step.record, name)
+    paths, values = _shared.last_values(step.record, name)
     if not values:
         return (state, Entry(step.iteration, (), []))
-    return (state, Entry(step.iteration, tuple(paths), red.settled(torch.stack(values))))
+    return (state, Entry(step.iteration, tuple(paths), _shared.settled(torch.stack(values))))
 
 
 def table(state: State, reducer: str, name: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> Table:
     """The Table of a state's entries, their rows turned into values by `finish`; recorded steps
     none of which holds `name` are refused (they ran without the reducer's watches)."""
-    entries = red.unroll(state)
+    entries = _shared.unroll(state)
     if entries and not any(e.paths for e in entries):
         raise ReducerError(
             f"{reducer}: a recorded train step holds the records of the reducer's watches, got {len(entries)} "
@@ -71,20 +71,20 @@ def scalars(state: State, since: int, finish: Callable[[torch.Tensor], torch.Ten
     """A reducer's ``scalars``: ``{"<layer>/<column>": value}`` of the newest recorded step when
     its iteration is `since` or later (else ``{}``), the values its result gives for that step
     (rows made values by `finish`), read to the host in one copy."""
-    last = red.newest(state, since)
+    last = _shared.newest(state, since)
     if not last or not last[1].paths:
         return {}
     (rows,) = Table([last[1]], finish).rows()
-    return red.layer_scalars(rows, columns)
+    return _shared.layer_scalars(rows, columns)
 
 
 def merge(a: State, b: State, same: Callable[[Entry, Entry], Entry]) -> State:
     """Entries of both states in iteration order; `same` combines two of one iteration."""
     by_iteration: dict[int, Entry] = {}
-    for entry in red.unroll(a) + red.unroll(b):
+    for entry in _shared.unroll(a) + _shared.unroll(b):
         seen = by_iteration.get(entry.iteration)
         by_iteration[entry.iteration] = entry if seen is None else same(seen, entry)
-    return red.roll([by_iteration[k] for k in sorted(by_iteration)])
+    return _shared.roll([by_iteration[k] for k in sorted(by_iteration)])
 
 
 def keep_first(a: Entry, b: Entry) -> Entry:
@@ -93,11 +93,12 @@ def keep_first(a: Entry, b: Entry) -> Entry:
     extra = [i for i, p in enumerate(b.paths) if p not in a.paths]
     if not extra:
         return a
-    paths = red.module_order([a.paths, b.paths])
+    paths = _shared.module_order([a.paths, b.paths])
     rows: dict[str, torch.Tensor | list[float]] = dict(zip(a.paths, a.rows))
     rows.update((b.paths[i], b.rows[i]) for i in extra)
     if isinstance(a.rows, torch.Tensor):
-        return Entry(a.iteration, paths, torch.stack([red.as_tensor(rows[p], a.rows.device, a.rows.dtype) for p in paths]))
+        return Entry(a.iteration, paths,
+                     torch.stack([_shared.as_tensor(rows[p], a.rows.device, a.rows.dtype) for p in paths]))
     return Entry(a.iteration, paths, [r.tolist() if isinstance(r, torch.Tensor) else r for r in (rows[p] for p in paths)])
 
 
@@ -129,7 +130,7 @@ class Reducer:
 
     def records(self, iteration: int, training: bool) -> bool:
         """True for the train iterations recorded."""
-        return red.records(self.every, iteration, training)
+        return _shared.records(self.every, iteration, training)
 
     def init(self) -> State:
         """The empty state."""
@@ -152,7 +153,7 @@ class Table:
     def __init__(self, entries: Sequence[Entry], finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.entries = tuple(entries)
         self.finish = finish
-        self.paths = red.module_order(e.paths for e in self.entries)
+        self.paths = _shared.module_order(e.paths for e in self.entries)
         self.iterations = tuple(e.iteration for e in self.entries)
         self._rows: list[dict[str, list[float]]] | None = None
 
@@ -166,7 +167,8 @@ class Table:
             if device is None and any(rows):  # a CPU run: lists of floats
                 host = self.finish(torch.tensor([row for r in rows for row in r], dtype=torch.float64)).tolist()
             elif device is not None:
-                host = self.finish(torch.cat([red.as_tensor(r, device, torch.float64) for r in rows if len(r)])).tolist()
+                host = self.finish(torch.cat([_shared.as_tensor(r, device, torch.float64)
+                                              for r in rows if len(r)])).tolist()
             self._rows, start = [], 0
             for e, r in zip(self.entries, rows):
                 self._rows.append(dict(zip(e.paths, host[start:start + len(r)])))

@@ -18,11 +18,15 @@ did not run on a step is absent from it. How the numbers are made exact, batched
 
 Cost: a contiguous CPU activation of at most ``REDUCE_IN_HOOK_NUMEL`` elements is kept by
 the hook until the end of its step, and the step's kept activations are reduced together, a
-dozen kernels per step instead of three per module. An activation is copied in the hook on the
-first recorded step that reaches its module, which shows whether a later op (an
-``inplace=True`` activation, a ``+=`` residual) changes it in place before the step ends; from
-then on it is kept without a copy if nothing did (its version counter is checked at the end of
-each step) and copied otherwise. Larger, non-contiguous and non-CPU activations are reduced in
+dozen kernels per step instead of three per module. Under a recording of ``fh.fit``,
+``fh.train``, ``fh.folding`` or a trainer callback, an activation is copied in the hook on the
+first step of that recording that reaches its module (again after a module is added, removed
+or replaced), which shows whether a later op (an ``inplace=True`` activation, a ``+=``
+residual) changes it in place before the step ends; from then on it is kept without a copy if
+nothing did (its version counter is checked when the step's Record is taken) and copied
+otherwise. What the recording learned goes with it (see
+:class:`~funhooks.training.recorder.Learned`); outside one (a plain ``with_hooks`` block)
+every small activation is copied. Larger, non-contiguous and non-CPU activations are reduced in
 the hook by ``mean()`` and ``std()`` themselves (on a GPU, a few asynchronous kernels per
 module). The state holds per step one ``(modules, 3)`` tensor of ``(mean, std, near-zero
 count)`` (and ``(modules, hist_bins)`` with histograms) and the paths of the modules that ran.
@@ -42,8 +46,7 @@ from funhooks.specs.selector import Selector
 from funhooks.specs.spec import Spec, observe
 from funhooks.training.step import Step
 
-from . import _exact as ex
-from . import _shared as red
+from . import _exact, _shared
 from ._exact import REDUCE_IN_HOOK_NUMEL
 from ._shared import roll, unroll
 from .hook_callback import HookCallback
@@ -81,12 +84,12 @@ Tensor = torch.Tensor
 
 T = TypeVar("T")
 
-State: TypeAlias = "red.Cons[ex.Entry | ex.Kept]"
+State: TypeAlias = "_shared.Cons[_exact.Entry | _exact.Kept]"
 """One :class:`~funhooks.reducers._exact.Entry` per recorded step, newest on top."""
 
 
 def _check_near_zero(instance: object, attribute: attrs.Attribute[T], near_zero: T) -> None:
-    if not red.is_number(near_zero):
+    if not _shared.is_number(near_zero):
         raise ReducerError(
             f"ActivationStats: `near_zero` is a number (values `<= near_zero` count as near zero), got "
             f"{near_zero!r}. Pass e.g. near_zero={NEAR_ZERO} (fastai's)."
@@ -107,7 +110,8 @@ def _as_pair(value: object) -> object:
 
 
 def _check_hist_range(instance: object, attribute: attrs.Attribute[T], bounds: T) -> None:
-    if not (isinstance(bounds, tuple) and len(bounds) == 2 and all(red.is_number(b) and math.isfinite(b) for b in bounds)
+    if not (isinstance(bounds, tuple) and len(bounds) == 2
+            and all(_shared.is_number(b) and math.isfinite(b) for b in bounds)
             and bounds[0] < bounds[1]):
         low, high = (int(b) if float(b).is_integer() else b for b in HIST_RANGE)
         raise ReducerError(
@@ -147,9 +151,10 @@ class ActivationStats:
             output is not a tensor (an ``nn.LSTM``'s tuple): select others with `modules=`;
             from ``result``, when recorded steps exist and no selected module stored
             statistics on any of them (steps run without ``specs=reducer.specs``).
-        StaleTensorError: from ``step``, when an output kept without a copy (nothing changed it
-            on earlier steps) was changed in place after the hook; its module is copied from
-            then on.
+        StaleTensorError: from the training (``fh.fit``, ``fh.train``, ...) when it takes a
+            step's Record, if an output kept without a copy (nothing changed it on the earlier
+            steps of that recording) was changed in place after the hook: a module whose
+            output some steps change in place and others not.
 
     Example:
         >>> import torch, funhooks as fh
@@ -166,27 +171,28 @@ class ActivationStats:
         (3, torch.Size([40, 3]))
     """
 
-    with_hist: bool = attrs.field(default=False, validator=red.check_bool("ActivationStats"))
-    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
-    every: int | None = attrs.field(default=None, validator=red.check_every("ActivationStats"))
-    include_paramless: bool = attrs.field(default=False, validator=red.check_bool("ActivationStats"))
+    with_hist: bool = attrs.field(default=False, validator=_shared.check_bool("ActivationStats"))
+    modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
+    every: int | None = attrs.field(default=None, validator=_shared.check_every("ActivationStats"))
+    include_paramless: bool = attrs.field(default=False, validator=_shared.check_bool("ActivationStats"))
     near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True, validator=_check_near_zero)
     hist_bins: int = attrs.field(default=HIST_BINS, kw_only=True, validator=_check_hist_bins)
     hist_range: tuple[float, float] = attrs.field(default=HIST_RANGE, kw_only=True, converter=_as_pair,
                                                   validator=_check_hist_range)
-    _snapshot: ex.Snapshot = attrs.field(init=False, repr=False, eq=False)
+    _snapshot: _exact.Snapshot = attrs.field(init=False, repr=False, eq=False)
     record_name: str = attrs.field(init=False, repr=False, eq=False)
     """The name its values are stored under in each Step's record."""
     _specs: tuple[Spec, ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        snap = ex.Snapshot(float(self.near_zero), self.with_hist, self.hist_bins, (float(self.hist_range[0]), float(self.hist_range[1])))
+        low, high = self.hist_range
+        snap = _exact.Snapshot(float(self.near_zero), self.with_hist, self.hist_bins, (float(low), float(high)))
         name = "activation_stats"
         if (snap.near_zero, snap.hist_bins, snap.hist_range) != (NEAR_ZERO, HIST_BINS, HIST_RANGE):
             name += f"(near_zero={snap.near_zero}, bins={snap.hist_bins}, range={snap.hist_range})"
         object.__setattr__(self, "_snapshot", snap)
         object.__setattr__(self, "record_name", name + ("+hist" if self.with_hist else ""))
-        where = red.where(self.modules, self.include_paramless)  # made once: fit and the loops read it often
+        where = _shared.where(self.modules, self.include_paramless)  # made once: fit and the loops read it often
         object.__setattr__(self, "_specs", (observe(where, snap, name=self.record_name, detach=False),))
 
     @property
@@ -196,7 +202,7 @@ class ActivationStats:
 
     def records(self, iteration: int, training: bool) -> bool:
         """True for the train iterations these statistics record."""
-        return red.records(self.every, iteration, training)
+        return _shared.records(self.every, iteration, training)
 
     def init(self) -> State:
         """The empty state."""
@@ -206,33 +212,33 @@ class ActivationStats:
         """Add the step's statistics (computed on the device, not read) when it is recorded;
         the modules that did not run on it are absent from it, and a module called several
         times on it (micro-batches) has the statistics of all its calls together."""
-        if not red.records(self.every, step.iteration, step.training):
+        if not _shared.records(self.every, step.iteration, step.training):
             return state
         calls = step.record.calls_by_path(self.record_name)
         if not calls:
-            return (state, ex.settled(ex.empty_entry(step.iteration, self._snapshot)))
-        return (state, ex.settled(ex.reduce_calls(calls, self._snapshot, step.iteration)))
+            return (state, _exact.settled(_exact.empty_entry(step.iteration, self._snapshot)))
+        return (state, _exact.settled(_exact.reduce_calls(calls, self._snapshot, step.iteration)))
 
     def merge(self, a: State, b: State) -> State:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
         the same iteration in both (two ranks) is combined by module path as one larger batch."""
-        by_iteration: dict[int, ex.Entry] = {}
-        for kept in red.unroll(a) + red.unroll(b):
-            entry = ex.live(kept)
+        by_iteration: dict[int, _exact.Entry] = {}
+        for kept in _shared.unroll(a) + _shared.unroll(b):
+            entry = _exact.live(kept)
             seen = by_iteration.get(entry.iteration)
-            by_iteration[entry.iteration] = entry if seen is None else ex.combine(seen, entry)
-        return red.roll([ex.settled(by_iteration[k]) for k in sorted(by_iteration)])
+            by_iteration[entry.iteration] = entry if seen is None else _exact.combine(seen, entry)
+        return _shared.roll([_exact.settled(by_iteration[k]) for k in sorted(by_iteration)])
 
     def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/mean", "<layer>/std", "<layer>/near_zero": value}`` of each module at the
         newest recorded step, when its iteration is `since` or later (else ``{}``): the numbers
         ``result().stats`` gives for that step (no histogram), read to the host in one copy."""
-        last = red.newest(state, since)
+        last = _shared.newest(state, since)
         if not last:
             return {}
         res = ActivationStatsResult((last[1],), False)
         rows = {p: [s["mean"], s["std"], s["near_zero"]] for p, s in zip(res.paths, res.stats[0]) if s is not None}
-        return red.layer_scalars(rows, ("mean", "std", "near_zero"))
+        return _shared.layer_scalars(rows, ("mean", "std", "near_zero"))
 
     def result(self, state: State) -> ActivationStatsResult:
         """The statistics of every recorded step.
@@ -241,7 +247,7 @@ class ActivationStats:
             ReducerError: when steps were recorded and none of them holds this reducer's
                 values (steps run without its specs, or no selected module ever ran).
         """
-        entries = tuple(red.unroll(state))
+        entries = tuple(_shared.unroll(state))
         if entries and not any(e.paths for e in entries):
             raise ReducerError(
                 f"ActivationStats: a recorded train step holds the records of the reducer's specs, got "
@@ -296,22 +302,22 @@ class ActivationStatsResult:
         True
     """
 
-    kept: tuple[ex.Entry | ex.Kept, ...]
+    kept: tuple[_exact.Entry | _exact.Kept, ...]
     """Per recorded step, its entry as the state keeps it (on the CPU, numbers: see
     :func:`~funhooks.reducers._exact.settled`)."""
     with_hist: bool
     paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(
-        lambda self: red.module_order(e.paths for e in self.kept), takes_self=True))
+        lambda self: _shared.module_order(e.paths for e in self.kept), takes_self=True))
     """The module paths, in module order: every module that ran on some recorded step."""
-    _live: list[tuple[ex.Entry, ...]] = attrs.field(init=False, factory=list, repr=False)
+    _live: list[tuple[_exact.Entry, ...]] = attrs.field(init=False, factory=list, repr=False)
     """:attr:`entries`, once read."""
 
     @property
-    def entries(self) -> tuple[ex.Entry, ...]:
+    def entries(self) -> tuple[_exact.Entry, ...]:
         """Per recorded step, its entry with tensors (made from the kept numbers when first
         read: a result that is only passed on, or read through ``stats``, never makes them)."""
         if not self._live:
-            self._live.append(tuple(ex.live(e) for e in self.kept))
+            self._live.append(tuple(_exact.live(e) for e in self.kept))
         return self._live[0]
 
     @property
@@ -323,14 +329,14 @@ class ActivationStatsResult:
         return len(self.kept)
 
     def _host_rows(self) -> list[list[list[float]]]:
-        if all(type(e) is ex.Kept for e in self.kept):  # a CPU run: the numbers are on the host already
-            return [cast(ex.Kept, e).rows.values for e in self.kept]
+        if all(type(e) is _exact.Kept for e in self.kept):  # a CPU run: the numbers are on the host already
+            return [cast(_exact.Kept, e).rows.values for e in self.kept]
         rows = [e.rows for e in self.entries]
         if rows and all(r.shape == rows[0].shape and r.dtype == rows[0].dtype for r in rows):
             return torch.stack(rows).tolist()  # one copy to the host for all steps
         return [r.tolist() for r in rows]
 
-    def _positions(self, entry: ex.Entry | ex.Kept) -> list[int | None]:
+    def _positions(self, entry: _exact.Entry | _exact.Kept) -> list[int | None]:
         """For each of ``paths``, its index in ``entry.paths``, or None where it did not run."""
         if entry.paths == self.paths:
             return list(range(len(entry.paths)))

@@ -30,7 +30,7 @@ from funhooks.specs.selector import Selector, select
 from funhooks.specs.spec import Spec, observe
 from funhooks.training.step import Step
 
-from . import _shared as red
+from . import _shared
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -74,7 +74,7 @@ NAME = "dead_units"
 
 
 def _check_near_zero(instance: object, attribute: attrs.Attribute[T], value: T) -> None:
-    if not red.is_number(value) or value < 0:
+    if not _shared.is_number(value) or value < 0:
         raise ReducerError(f"DeadUnits: `near_zero` is a number >= 0, got {value!r}. Pass e.g. near_zero={NEAR_ZERO}.")
 
 
@@ -140,7 +140,7 @@ class _Entry(NamedTuple):
     fractions: torch.Tensor | list[float]
 
 
-State: TypeAlias = "red.Cons[_Entry]"
+State: TypeAlias = "_shared.Cons[_Entry]"
 """One entry per recorded step, newest on top."""
 
 
@@ -189,8 +189,8 @@ class DeadUnits:
         (('1',), [0.5, 0.5, 0.5], {'1': 0.5})
     """
 
-    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
-    every: int | None = attrs.field(default=None, validator=red.check_every("DeadUnits"))
+    modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
+    every: int | None = attrs.field(default=None, validator=_shared.check_every("DeadUnits"))
     near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True, validator=_check_near_zero)
 
     @property
@@ -201,7 +201,7 @@ class DeadUnits:
 
     def records(self, iteration: int, training: bool) -> bool:
         """True for the train iterations recorded."""
-        return red.records(self.every, iteration, training)
+        return _shared.records(self.every, iteration, training)
 
     def init(self) -> State:
         """The empty state."""
@@ -210,7 +210,7 @@ class DeadUnits:
     def step(self, state: State, step: Step) -> State:
         """Add the step's dead-unit masks (on the device, not read) when it is recorded; a
         module called several times (micro-batches) counts every call."""
-        if not red.records(self.every, step.iteration, step.training):
+        if not _shared.records(self.every, step.iteration, step.training):
             return state
         paths, peaks = [], []
         for path, every in step.record.calls_by_path(NAME).items():
@@ -224,16 +224,16 @@ class DeadUnits:
         """Chunks of steps in iteration order; one iteration's two parts (two ranks) by path:
         dead on the joint batch where dead on both."""
         by_iteration: dict[int, _Entry] = {}
-        for entry in red.unroll(a) + red.unroll(b):
+        for entry in _shared.unroll(a) + _shared.unroll(b):
             seen = by_iteration.get(entry.iteration)
             by_iteration[entry.iteration] = entry if seen is None else self._combine(seen, entry)
-        return red.roll([by_iteration[k] for k in sorted(by_iteration)])
+        return _shared.roll([by_iteration[k] for k in sorted(by_iteration)])
 
     def _combine(self, a: _Entry, b: _Entry) -> _Entry:
         masks = dict(zip(a.paths, a.masks))
         for path, mask in zip(b.paths, b.masks):
             masks[path] = mask if path not in masks else _and(masks[path], mask)
-        paths = red.module_order([a.paths, b.paths])
+        paths = _shared.module_order([a.paths, b.paths])
         ordered = tuple(masks[p] for p in paths)
         return _Entry(a.iteration, paths, ordered, _fractions(ordered))
 
@@ -241,11 +241,11 @@ class DeadUnits:
         """``{"<layer>/dead": fraction}`` of each module at the newest recorded step, when its
         iteration is `since` or later (else ``{}``): the numbers ``result().dead`` gives for
         that step."""
-        last = red.newest(state, since)
+        last = _shared.newest(state, since)
         if not last:
             return {}
         res = DeadUnitsResult((last[1],))
-        return red.layer_scalars({p: [d] for p, d in zip(res.paths, res.dead[0])}, ("dead",))
+        return _shared.layer_scalars({p: [d] for p, d in zip(res.paths, res.dead[0])}, ("dead",))
 
     def result(self, state: State) -> DeadUnitsResult:
         """The dead fractions of every recorded step.
@@ -253,7 +253,7 @@ class DeadUnits:
         Raises:
             ReducerError: when steps were recorded and none holds this reducer's values.
         """
-        entries = tuple(red.unroll(state))
+        entries = tuple(_shared.unroll(state))
         if entries and not any(e.paths for e in entries):
             raise ReducerError(
                 f"DeadUnits: a recorded train step holds the records of the reducer's specs, got {len(entries)} "
@@ -265,7 +265,7 @@ class DeadUnits:
 
 @_frozen.frozen
 @attrs.frozen(eq=False)
-class DeadUnitsResult(red.Steps):
+class DeadUnitsResult(_shared.Steps):
     """The result of :class:`DeadUnits`: per recorded step, per layer path, the dead fraction.
 
     Example:
@@ -279,7 +279,7 @@ class DeadUnitsResult(red.Steps):
     """
 
     entries: tuple[_Entry, ...]
-    paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(red.entry_paths, takes_self=True))
+    paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(_shared.entry_paths, takes_self=True))
     """The layer paths, in module order: every layer that ran on some recorded step."""
 
     @property

@@ -26,7 +26,7 @@ from funhooks.specs.selector import Selector
 from funhooks.specs.spec import Spec, observe
 from funhooks.training.step import Step
 
-from . import _shared as red
+from . import _shared
 
 __all__ = ["HookCallback"]
 
@@ -40,7 +40,7 @@ class Entry(NamedTuple):
     values: list[Any]
 
 
-State: TypeAlias = "red.Cons[Entry]"
+State: TypeAlias = "_shared.Cons[Entry]"
 """One :class:`Entry` per recorded step, newest on top."""
 
 
@@ -97,12 +97,12 @@ class HookCallback:
     """
 
     hook: Callable[..., Any] = attrs.field(validator=_check_hook)
-    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
-    every: int | None = attrs.field(default=None, validator=red.check_every("HookCallback"))
-    is_forward: bool = attrs.field(default=True, validator=red.check_bool("HookCallback"))
-    detach: bool = attrs.field(default=True, validator=red.check_bool("HookCallback"))
-    cpu: bool = attrs.field(default=True, validator=red.check_bool("HookCallback"))
-    include_paramless: bool = attrs.field(default=False, validator=red.check_bool("HookCallback"))
+    modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
+    every: int | None = attrs.field(default=None, validator=_shared.check_every("HookCallback"))
+    is_forward: bool = attrs.field(default=True, validator=_shared.check_bool("HookCallback"))
+    detach: bool = attrs.field(default=True, validator=_shared.check_bool("HookCallback"))
+    cpu: bool = attrs.field(default=True, validator=_shared.check_bool("HookCallback"))
+    include_paramless: bool = attrs.field(default=False, validator=_shared.check_bool("HookCallback"))
     name: str | None = attrs.field(default=None, kw_only=True, validator=_check_name)
 
     @property
@@ -114,12 +114,12 @@ class HookCallback:
     def specs(self) -> tuple[Spec, ...]:
         """One observer spec on the selected modules."""
         event = "forward" if self.is_forward else "backward"
-        where = red.where(self.modules, self.include_paramless)
+        where = _shared.where(self.modules, self.include_paramless)
         return (observe(where, self.hook, event=event, name=self.record_name, detach=self.detach, cpu=self.cpu),)
 
     def records(self, iteration: int, training: bool) -> bool:
         """True for the train iterations this callback records."""
-        return red.records(self.every, iteration, training)
+        return _shared.records(self.every, iteration, training)
 
     def init(self) -> State:
         """The empty state."""
@@ -127,27 +127,27 @@ class HookCallback:
 
     def step(self, state: State, step: Step) -> State:
         """Add the step's hook values when the step is recorded."""
-        if not red.records(self.every, step.iteration, step.training):
+        if not _shared.records(self.every, step.iteration, step.training):
             return state
-        values = red.last_calls(step.record, self.record_name, "HookCallback")
+        values = _shared.last_calls(step.record, self.record_name, "HookCallback")
         return (state, Entry(step.iteration, values))
 
     def merge(self, a: State, b: State) -> State:
         """The state of two disjoint chunks of steps, in iteration order."""
-        return red.roll(sorted(red.unroll(a) + red.unroll(b), key=lambda entry: entry.iteration))
+        return _shared.roll(sorted(_shared.unroll(a) + _shared.unroll(b), key=lambda entry: entry.iteration))
 
     def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
         """``{"<i>/<record name>": value}`` of the newest recorded step, when its iteration is
         `since` or later (else ``{}``): each hook value that is a real number or a one-element
         tensor, `i` its module's index (as in ``result``); other values are left out."""
-        last = red.newest(state, since)
+        last = _shared.newest(state, since)
         if not last:
             return {}
         return {f"{i}/{self.record_name}": float(v) for i, v in enumerate(last[1].values) if _is_scalar(v)}
 
     def result(self, state: State) -> tuple[list[Any], ...]:
         """One list of hook values per recorded step."""
-        return tuple(entry.values for entry in red.unroll(state))
+        return tuple(entry.values for entry in _shared.unroll(state))
 
 
 def _is_scalar(value: object) -> bool:

@@ -23,7 +23,7 @@ from funhooks.errors import ReducerError
 from funhooks.specs.spec import Spec
 from funhooks.training.step import Step
 
-from . import _shared as red
+from . import _shared
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -37,7 +37,7 @@ BETA = 0.98
 
 
 def _check_beta(instance: object, attribute: attrs.Attribute[T], beta: T) -> None:
-    if not red.is_number(beta) or not 0 <= beta < 1:
+    if not _shared.is_number(beta) or not 0 <= beta < 1:
         raise ReducerError(f"LossCurve: `beta` is a number in [0, 1), got {beta!r}. Pass e.g. beta={BETA} (fastai's).")
 
 
@@ -48,7 +48,7 @@ class _Entry(NamedTuple):
     """How many ranks' losses `loss` sums (1 until states of one iteration merge)."""
 
 
-State: TypeAlias = "red.Cons[_Entry]"
+State: TypeAlias = "_shared.Cons[_Entry]"
 """One entry per recorded train step, newest on top."""
 
 
@@ -92,38 +92,38 @@ class LossCurve:
         """Add the loss of a train step (one that has a loss)."""
         if not step.training or step.loss is None:
             return state
-        return (state, _Entry(step.iteration, red.settled(step.loss.detach()), 1))
+        return (state, _Entry(step.iteration, _shared.settled(step.loss.detach()), 1))
 
     def merge(self, a: State, b: State) -> State:
         """Chunks of steps in iteration order; one iteration's losses from two ranks average."""
         by_iteration: dict[int, _Entry] = {}
-        for entry in red.unroll(a) + red.unroll(b):
+        for entry in _shared.unroll(a) + _shared.unroll(b):
             seen = by_iteration.get(entry.iteration)
             if seen is not None:
                 entry = _Entry(entry.iteration, _added(seen.loss, entry.loss), seen.parts + entry.parts)
             by_iteration[entry.iteration] = entry
-        return red.roll([by_iteration[k] for k in sorted(by_iteration)])
+        return _shared.roll([by_iteration[k] for k in sorted(by_iteration)])
 
     def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
         """``{"loss": ..., "ema": ...}`` at the newest train step, when its iteration is `since` or
         later (else ``{}``): the last of ``result().losses`` and of ``result().ema``. The moving
         average depends on every loss so far, so a read copies them all to the host (a float per
         step so far)."""
-        if not red.newest(state, since):
+        if not _shared.newest(state, since):
             return {}
         res = self.result(state)
         return {"loss": res.losses[-1], "ema": res.ema[-1]}
 
     def result(self, state: State) -> LossCurveResult:
         """The losses in step order and their moving average (one copy to the host)."""
-        entries = red.unroll(state)
+        entries = _shared.unroll(state)
         if not entries:
             return LossCurveResult((), [], [], self.beta)
         device = next((e.loss.device for e in entries if isinstance(e.loss, torch.Tensor)), None)
         if device is None:  # a CPU run: floats
             values = torch.tensor([e.loss for e in entries], dtype=torch.float32)
         else:
-            values = torch.stack([red.as_tensor(e.loss, device, torch.float32) for e in entries])
+            values = torch.stack([_shared.as_tensor(e.loss, device, torch.float32) for e in entries])
         parts = torch.tensor([e.parts for e in entries], dtype=torch.float32, device=values.device)
         losses = values.div_(parts).tolist()
         return LossCurveResult(tuple(e.iteration for e in entries), losses, _ema(losses, self.beta), self.beta)
@@ -132,9 +132,9 @@ class LossCurve:
 def _added(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor | float:
     """Two ranks' losses of one iteration, added (on the device of a tensor one)."""
     if isinstance(a, torch.Tensor):
-        return a + red.as_tensor(b, a.device, a.dtype)
+        return a + _shared.as_tensor(b, a.device, a.dtype)
     if isinstance(b, torch.Tensor):
-        return red.as_tensor(a, b.device, b.dtype) + b
+        return _shared.as_tensor(a, b.device, b.dtype) + b
     return a + b
 
 

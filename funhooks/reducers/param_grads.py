@@ -31,9 +31,9 @@ from funhooks import _frozen
 from funhooks.specs.selector import Selector
 from funhooks.training.watch import Layers, OptimizerWatch
 
-from . import _layered as lay
+from . import _layered
 from . import _params
-from . import _shared as red
+from . import _shared
 from .layers import OwnParams
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def finish(sums: torch.Tensor) -> torch.Tensor:
 
 @_frozen.frozen
 @attrs.frozen
-class GradientStats(lay.Reducer):
+class GradientStats(_layered.Reducer):
     """Per-layer gradient statistics at every recorded optimizer step: norm, mean, std, zeros.
 
     Args:
@@ -129,8 +129,8 @@ class GradientStats(lay.Reducer):
         True
     """
 
-    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
-    every: int | None = attrs.field(default=None, validator=red.check_every("GradientStats"))
+    modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
+    every: int | None = attrs.field(default=None, validator=_shared.check_every("GradientStats"))
     NAME = NAME
     _watches: tuple[OptimizerWatch, ...] = attrs.field(init=False, repr=False, eq=False)
 
@@ -143,25 +143,25 @@ class GradientStats(lay.Reducer):
         """One watch reading the selected layers' gradients just before each update."""
         return self._watches
 
-    def scalars(self, state: lay.State, *, since: int = 0) -> dict[str, float]:
+    def scalars(self, state: _layered.State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/<name>": value}``: each layer's gradient statistics (``norm``, ``mean``, ``std``, ``zeros``) at the newest
         recorded step, when its iteration is `since` or later (else ``{}``); the numbers ``result``
         gives for that step, read to the host in one copy."""
-        return lay.scalars(state, since, finish, COLUMNS)
+        return _layered.scalars(state, since, finish, COLUMNS)
 
-    def result(self, state: lay.State) -> GradientStatsResult:
+    def result(self, state: _layered.State) -> GradientStatsResult:
         """The statistics of every recorded step.
 
         Raises:
             ReducerError: when steps were recorded and none holds gradient statistics (steps
                 run without the reducer's watches, e.g. by ``fh.train`` without ``watches=``).
         """
-        return GradientStatsResult(lay.table(state, "GradientStats", NAME, finish))
+        return GradientStatsResult(_layered.table(state, "GradientStats", NAME, finish))
 
 
 @_frozen.frozen
 @attrs.frozen(eq=False)
-class GradientStatsResult(lay.TableResult):
+class GradientStatsResult(_layered.TableResult):
     """The result of :class:`GradientStats`: per recorded step, per layer path statistics.
 
     ``paths`` lists every layer that had gradients on some recorded step, in module order;
@@ -178,7 +178,7 @@ class GradientStatsResult(lay.TableResult):
         ((0, 1), ('',))
     """
 
-    table: lay.Table
+    table: _layered.Table
 
     @property
     def stats(self) -> list[list[dict[str, float] | None]]:

@@ -31,9 +31,9 @@ from funhooks import _frozen
 from funhooks.specs.selector import Selector
 from funhooks.training.watch import Layers, OptimizerWatch
 
-from . import _layered as lay
+from . import _layered
 from . import _params
-from . import _shared as red
+from . import _shared
 from ._shared import HEALTHY_RATIO
 from .layers import OwnParams
 
@@ -75,7 +75,7 @@ def finish(sums: torch.Tensor) -> torch.Tensor:
 
 @_frozen.frozen
 @attrs.frozen
-class UpdateRatio(lay.Reducer):
+class UpdateRatio(_layered.Reducer):
     """Per-layer ``‖update‖ / ‖parameters‖`` at every recorded optimizer step.
 
     Args:
@@ -104,8 +104,8 @@ class UpdateRatio(lay.Reducer):
         True
     """
 
-    modules: Selector | None = attrs.field(default=None, converter=red.to_selector)
-    every: int | None = attrs.field(default=None, validator=red.check_every("UpdateRatio"))
+    modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
+    every: int | None = attrs.field(default=None, validator=_shared.check_every("UpdateRatio"))
     NAME = NAME
     _watches: tuple[OptimizerWatch, ...] = attrs.field(init=False, repr=False, eq=False)
 
@@ -118,25 +118,25 @@ class UpdateRatio(lay.Reducer):
         """One watch copying the selected parameters before each update, comparing after it."""
         return self._watches
 
-    def scalars(self, state: lay.State, *, since: int = 0) -> dict[str, float]:
+    def scalars(self, state: _layered.State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/<name>": value}``: each layer's ratio (``ratio``) at the newest
         recorded step, when its iteration is `since` or later (else ``{}``); the numbers ``result``
         gives for that step, read to the host in one copy."""
-        return lay.scalars(state, since, finish, ("ratio",))
+        return _layered.scalars(state, since, finish, ("ratio",))
 
-    def result(self, state: lay.State) -> UpdateRatioResult:
+    def result(self, state: _layered.State) -> UpdateRatioResult:
         """The ratios of every recorded step.
 
         Raises:
             ReducerError: when steps were recorded and none holds ratios (steps run without
                 the reducer's watches).
         """
-        return UpdateRatioResult(lay.table(state, "UpdateRatio", NAME, finish))
+        return UpdateRatioResult(_layered.table(state, "UpdateRatio", NAME, finish))
 
 
 @_frozen.frozen
 @attrs.frozen(eq=False)
-class UpdateRatioResult(lay.TableResult):
+class UpdateRatioResult(_layered.TableResult):
     """The result of :class:`UpdateRatio`: per recorded step, per layer path, the ratio.
 
     Example:
@@ -149,7 +149,7 @@ class UpdateRatioResult(lay.TableResult):
         [[0.0]]
     """
 
-    table: lay.Table
+    table: _layered.Table
 
     @property
     def ratios(self) -> list[list[float]]:

@@ -30,7 +30,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from funhooks._modes import Walked, in_mode
+from funhooks._modes import in_mode
 from funhooks.errors import LoopError
 from funhooks.specs.spec import Spec
 
@@ -70,7 +70,8 @@ def train_steps(
     Arguments are checked (specs resolved against the model, watches' layers found) now;
     each step attaches the specs and watches for its own duration, or with `held` (``fit``,
     whose steps are read by nothing but its reducers) one recording stays attached from step
-    to step, paused between them, until the generator ends (:meth:`Recorder.held`).
+    to step, paused between them, until the generator ends (:meth:`Recorder.held`; then
+    :meth:`Recorder.abort`).
     """
     work.check_loop(model, batches, epochs, caller)
     work.check_step(loss_fn, opt, step, accumulate, to_device, caller)
@@ -92,7 +93,7 @@ def _ending(steps: Generator[Step, None, None], recorder: Recorder) -> Generator
     try:
         yield from steps
     finally:
-        recorder.end()
+        recorder.abort()
 
 
 def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, Optimizer], step: StepFn | None,
@@ -100,7 +101,7 @@ def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, O
            iteration: int, caller: str) -> Generator[Step, None, None]:
     loss_fn, opt = builtin
     device = _batch.model_device(model) if to_device else None
-    walked = Walked(model)
+    walked = recorder.walked  # one walk a step serves the loop and the recording
     for epoch in range(epochs):
         start = 0
         for group in (_batch.group(batches, accumulate) if accumulate > 1 else ([b] for b in batches)):
@@ -114,7 +115,7 @@ def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, O
             modules = walked()
             with in_mode(model, True, modules):
                 if records is None or records(iteration, True):
-                    (loss, metrics), record = recorder.held(run, modules) if held else recorder(run)
+                    (loss, metrics), record = recorder.held(run, modules) if held else recorder.step(run, modules)
                 else:
                     (loss, metrics), record = run(), EMPTY_RECORD
             yield Step(epoch, iteration, loss, record, True, metrics)
@@ -271,7 +272,7 @@ def _evaluate(model: nn.Module, batches: Iterable[object], loss_fn: LossFn | Non
             batch = _batch.to_device(batch, device)
         run = work.evaluation(model, batch, index, loss_fn, step, "evaluate")
         with in_mode(model, False), torch.no_grad():
-            (loss, metrics), record = recorder(run)
+            (loss, metrics), record = recorder.step(run)
         yield Step(0, index, loss, record, False, metrics)
     if index < 0:
         raise work.empty(f"none from a {type(batches).__name__}", "evaluate")

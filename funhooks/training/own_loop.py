@@ -31,7 +31,7 @@ from funhooks.errors import LoopError
 from . import _one_step
 from ._one_step import Optimizers
 from .folds import Reducers, as_items, records_of, watches_of
-from .recorder import Recorder
+from .recorder import Phase, Recorder
 from .step import EMPTY_RECORD, Step
 
 __all__ = ["Folding", "folding"]
@@ -114,7 +114,7 @@ class Folding:
         if epoch is not None:
             self._epoch = epoch
         loss, metrics = _one_step.outcome(loss, self._caller)
-        record = EMPTY_RECORD if self._recorder.paused is not None else self._recorder.take()
+        record = EMPTY_RECORD if self._recorder.phase is Phase.PAUSED else self._recorder.take()
         iteration = self._iteration if training else self._evaluated
         step = Step(self._epoch, iteration, loss, record, training, metrics)
         self._states = [r.step(s, step) for r, s in zip(self._items, self._states)]
@@ -128,7 +128,7 @@ class Folding:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Inside this block nothing is recorded (an evaluation between training iterations)."""
-        was = self._recorder.paused is not None
+        was = self._recorder.phase is Phase.PAUSED
         self._recorder.pause()
         try:
             yield
