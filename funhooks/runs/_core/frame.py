@@ -31,7 +31,7 @@ from funhooks import _torch
 from funhooks.errors import SelectorError, StaleTensorError
 from funhooks.records.record import Record, trusted
 from funhooks.specs.ops import PROPERTY_READS
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
 from .types import Handle, Key, Layout, Miss, Stored, WatchState
@@ -110,7 +110,7 @@ def _unmatched(caller: str, miss: Miss) -> SelectorError:
                f"or pass `fh.op({miss.op!r}, deep=True)` to count those")
     return SelectorError(
         f"{caller}: an op spec matches an op called by the module it selects, got {got} in module "
-        f"{where(miss.path)} ({type(miss.module).__name__}) for {miss.spec!r}. {fix}."
+        f"{path_label(miss.path)} ({type(miss.module).__name__}) for {miss.spec!r}. {fix}."
     )
 
 
@@ -118,7 +118,7 @@ def _stale(caller: str, key: Key, spec: Spec | None) -> StaleTensorError:
     path, name = key
     return StaleTensorError(
         f"{caller}: a stored tensor must not change after it is stored, got the {name!r} of module "
-        f"{where(path)} (spec {spec!r}) changed in place by a later op such as `inplace=True`. "
+        f"{path_label(path)} (spec {spec!r}) changed in place by a later op such as `inplace=True`. "
         "Pass `clone=True` to the spec to store a copy."
     )
 
@@ -168,12 +168,13 @@ def _one_each(frame: Frame) -> dict[str, dict[str, Any]] | None:
     with its version (the common case: one call of every hooked module, each storing one
     value), else None."""
     buffer = frame.buffer
+    data = {}
     for key, value, check in buffer:
         if type(check) is not int:  # a copy, a gradient slot, a pytree: the general way
             return None
         if value._version != check:
             raise _stale(frame.caller, key, frame.plan.spec_of.get(key))
-    data = {path: {name: (value,)} for (path, name), value, _ in buffer}
+        data[key[0]] = {key[1]: (value,)}
     if len(data) != len(buffer) or list(data) != frame.plan.paths:
         return None
     return data

@@ -36,10 +36,10 @@ from torch.overrides import TorchFunctionMode
 from funhooks import _torch
 from funhooks.errors import TransformError
 from funhooks.specs.ops import OP_NAMES, At, Derived, Op, op_name
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
-from .entries import call_spec, checked_edit
+from .entries import call_spec, checked_edit, intervention
 from .frame import Frame
 from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
@@ -103,13 +103,11 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
             return checked_edit(frame, spec, path, f"output of `{op.name}`", output, new)
 
         entry.edit = edit_op
-    else:  # an intervention: counted per frame, so a Record with several calls gives call k to the k-th
-        apply = action.fn.apply
+    else:  # an intervention
+        apply = intervention(action.fn, spec, key, rank)
 
         def intervene_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-            count = frame.counts.get(entry, 0)
-            frame.counts[entry] = count + 1
-            return apply(output, spec, path, rank, count, frame.values, frame.caller)
+            return apply(frame, output)
 
         entry.edit = intervene_op
     return entry
@@ -234,7 +232,7 @@ def call(module: nn.Module, inner: UserCall, users: OpUsers, path: str, args: tu
                         raise TransformError(
                             f"{frame.caller}: inside `torch.compile`d code an op spec also takes its module's "
                             f"submodules' ops, as frames cannot be walked there, got {entry.spec!r} on module "
-                            f"{where(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
+                            f"{path_label(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
                         )
     mode = _Mode(module, users, None if compiling else sys._getframe(), replay)
     with mode:

@@ -42,7 +42,7 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import HookError, TransformError
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
 from .entries import call_spec, checked_edit
@@ -126,7 +126,7 @@ class Watch:
         if frame.level:
             raise TransformError(
                 f"{frame.caller}: `param_grad` specs on FSDP-sharded parameters need autograd's backward, got module "
-                f"{where(self.path)} called inside a torch.func transform. Run the sharded model outside transforms."
+                f"{path_label(self.path)} called inside a torch.func transform. Run the sharded model outside transforms."
             )
         if frame.watches is None:
             frame.watches = {}
@@ -213,6 +213,6 @@ def _check_sharded(frame: Frame, spec: Spec, path: str, old: Any, new: Any) -> N
     got = f"DTensor with placements {tuple(new.placements)}" if _torch.is_dtensor(new) else type(new).__name__
     raise HookError(
         f"{frame.caller}: an editor of an FSDP-sharded parameter's gradient returns a DTensor placed like the "
-        f"gradient ({tuple(old.placements)}), got a {got} from {spec!r} for parameter {where(path)}. Compute "
+        f"gradient ({tuple(old.placements)}), got a {got} from {spec!r} for parameter {path_label(path)}. Compute "
         "the new gradient from `grad` with DTensor ops (e.g. `grad * scale`, `grad.clamp(-c, c)`)."
     )
