@@ -148,12 +148,41 @@ class _Mode(TorchFunctionMode):
 
     def _run(self, func: Callable[..., object], found: list[tuple[Frame, OpEntry]], args: tuple,
              kwargs: dict) -> object:
+        """A matched op with its entries around it: input stores, the op, editors, output stores."""
+        taken = self._taken(found)
+        derived = [(frame, entry) for frame, entry in taken if entry.derived is not None]
+        if derived:
+            taken = [(frame, entry) for frame, entry in taken if entry.derived is None]
+        if not self.replay:
+            _store_inputs(taken, args)
+        if derived:
+            reader: Derived = derived[0][1].derived  # type: ignore[assignment]
+            output = reader.run(op_name(func), func, args, kwargs, self._at(derived, args, kwargs))
+        else:
+            output = func(*args, **kwargs)
+        output = self._edited(taken, args, kwargs, output)
+        if not self.replay:
+            _store_output(taken, output)
+        return output
+
+    def _edited(self, taken: list[tuple[Frame, OpEntry]], args: tuple, kwargs: dict, output: object) -> object:
+        """The op's output after every editor among `taken`, in run order."""
+        for frame, entry in taken:
+            if entry.edit is not None:
+                new = entry.edit(frame, self.module, args, kwargs, output)
+                if new is not None:
+                    output = new
+        return output
+
+    def _taken(self, found: list[tuple[Frame, OpEntry]]) -> list[tuple[Frame, OpEntry]]:
+        """The entries that take this call of the op: the module's own call (or ``deep``), and
+        the entry's ``call`` index; counted either way."""
         own = None
         taken = []
         for frame, entry in found:
             if not entry.deep:
-                if own is None:
-                    own = _own(sys._getframe(2), self.mark)  # 0: here, 1: __torch_function__, 2: what called the op
+                if own is None:  # 0: here, 1: `_run`, 2: `__torch_function__`, 3: what called the op
+                    own = _own(sys._getframe(3), self.mark)
                 if not own:
                     self.outside[entry] = self.outside.get(entry, 0) + 1
                     continue
@@ -161,29 +190,7 @@ class _Mode(TorchFunctionMode):
             self.counts[entry] = count + 1
             if entry.call is None or entry.call == count:
                 taken.append((frame, entry))
-        derived = [(frame, entry) for frame, entry in taken if entry.derived is not None]
-        reader = derived[0][1].derived if derived else None
-        if derived:
-            taken = [(frame, entry) for frame, entry in taken if entry.derived is None]
-        if not self.replay:
-            for frame, entry in taken:
-                if entry.store_in is not None:
-                    entry.store_in(frame, args)
-        module = self.module
-        if reader is not None:
-            output = reader.run(op_name(func), func, args, kwargs, self._at(derived, args, kwargs))
-        else:
-            output = func(*args, **kwargs)
-        for frame, entry in taken:
-            if entry.edit is not None:
-                new = entry.edit(frame, module, args, kwargs, output)
-                if new is not None:
-                    output = new
-        if not self.replay:
-            for frame, entry in taken:
-                if entry.store_out is not None:
-                    entry.store_out(frame, output)
-        return output
+        return taken
 
     def _at(self, derived: list[tuple[Frame, OpEntry]], args: tuple, kwargs: dict) -> At:
         """How a derived op hands its points to the `derived` entries: editors, then stores."""
@@ -217,6 +224,18 @@ class _Mode(TorchFunctionMode):
                     elif entry not in missed:
                         missed[entry] = Miss(entry.spec, entry.name, entry.call, module, path, n,
                                              self.outside.get(entry, 0), sorted(self.seen))
+
+
+def _store_inputs(taken: list[tuple[Frame, OpEntry]], args: tuple) -> None:
+    for frame, entry in taken:
+        if entry.store_in is not None:
+            entry.store_in(frame, args)
+
+
+def _store_output(taken: list[tuple[Frame, OpEntry]], output: object) -> None:
+    for frame, entry in taken:
+        if entry.store_out is not None:
+            entry.store_out(frame, output)
 
 
 def call(module: nn.Module, inner: UserCall, users: OpUsers, path: str, args: tuple, kwargs: dict,
