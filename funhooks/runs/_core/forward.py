@@ -17,8 +17,10 @@ leaves the module, never per call:
   forward's *runner* (:func:`call`, the full hot loop, or ``trace.compiled_call``);
 - :class:`Shared`: several runs on one module: the runner, for the runs in scope;
 - :class:`Passing`: left behind under someone else's forward after its last run left: the
-  module's forward, nothing else;
-- ``Forward`` itself: not installed (a plan's forward between runs).
+  module's forward, nothing else.
+
+A plan's forward keeps the class its plan's run uses alone between runs; not installed, it
+calls whatever the module holds now (a call that looked it up just before it was removed).
 
 A call is seen only by the runs (*users*) entered in the calling context (see ``scope``);
 calls from other threads or tasks run the module as if no run existed. Entries see what
@@ -30,9 +32,9 @@ also sets an instance ``__reduce_ex__`` that leaves itself out of the copy.
 
 Cost: per hooked module call, one Python call around the forward, a context-variable read,
 a ``torch.func`` level read and an autograd-state read, and one call per entry; per run, per
-hooked module, two dict writes and three attribute writes at entry and as many at exit, and
+hooked module, two dict writes and two attribute writes at entry and as many at exit, and
 no allocation in the common case (the plan's one run reaches its frame through the plan's
-:class:`Slot`).
+:class:`Slot`); a change of state (runs sharing a module) one ``__class__`` write.
 """
 
 from __future__ import annotations
