@@ -139,10 +139,10 @@ def intervention(value: Any, spec: Spec, key: Key, rank: int) -> Intervene:
     call k to the k-th). The one helper of every intervention entry, on a module or an op."""
     apply, path = value.apply, key[0]
 
-    def intervene(frame: Frame, value: object) -> object:
+    def intervene(frame: Frame, edited: object) -> object:
         count = frame.counts.get(intervene, 0)
         frame.counts[intervene] = count + 1
-        return apply(value, spec, path, rank, count, frame.values, frame.caller)
+        return apply(edited, spec, path, rank, count, frame.values, frame.caller)
 
     return intervene
 
