@@ -320,14 +320,22 @@ class Forward(Generic[T]):
     # -- the rare changes of state (under the lock) -------------------------------------------
 
     def _serve(self, users: Users[T]) -> None:
-        """Serve `users` (at least one) from now on, in the state that fits them."""
+        """Serve `users` (at least one) from now on, in the state that fits them.
+
+        A call in another thread may see the new users with the old class, or the other way
+        round: ``OneRun`` then takes the path of ``Shared`` (each call's users filtered by
+        scope), and ``Observing`` serves its slot's frame alone, a user before and after."""
         if len(users) > 1:
             kind: type[Forward[Any]] = Shared
         elif self.slot is not None and users[0][0] is self.slot.frame and users[0][1] is self.own:
             kind = self.alone
         else:
             kind = OneRun
-        self.users = () if kind is Observing else users  # an `Observing` one's user is its slot's frame
+        if kind is Observing:  # its user is its slot's frame: the class first, so no call sees `()` users
+            self.__class__ = self.alone
+            self.users = ()
+            return
+        self.users = users
         if type(self) is not kind:
             self.__class__ = kind
 
@@ -380,7 +388,7 @@ class OneRun(Forward[T]):
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
         users, inner = self.users, self.inner
-        if inner is not None:
+        if inner is not None and len(users) == 1:  # else: changing state in another thread (see `_serve`)
             frame = users[0][0]
             if frame in _active() and not frame.calling:
                 return self.runner(self.module, inner, users, args, kwargs)
@@ -485,7 +493,7 @@ def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | N
 def _leave(fwd: Forward[Table], frame: Frame) -> None:
     """`frame` leaves `fwd`, not an ``Observing`` one (those have their slot's frame alone)."""
     kind = type(fwd)
-    if kind is OneRun and fwd.users[0][0] is frame:
+    if kind is OneRun and fwd.users and fwd.users[0][0] is frame:
         _unwrap(fwd)
         fwd.users = ()
         if fwd.inner is None and fwd.alone is not OneRun:  # unwrapped, its plan's: back to its state
