@@ -1,11 +1,11 @@
 """The run core: how specs reach the module calls they hook.
 
 A **plan** (``plan``) resolves specs against a model once, after one walk of it (``walk``):
-per hooked module, a ``Hooked``
-table (``hooked``) of **entries** (``entries``), the small functions that store, observe or
-edit one spec's values, and of **op entries** (``ops``), which run during the module's own
-forward on the torch ops it calls. Plans are cached per model and spec tuple while the model's structure holds,
-except plans holding a value of the user's (a tensor, an intervention), which live with their run.
+per hooked module, a ``Hooked`` table (``hooked``) of **entries** (``entries``), the small
+functions that store, observe or edit one spec's values, and of **op entries** (``op_mode``),
+which run during the module's own forward on the torch ops it calls. Plans are cached per
+model and spec tuple while the model's structure holds, except plans holding a value of the
+user's (a tensor, an intervention), which live with their run.
 
 A **frame** (``frame``) is one run's mutable state: the buffer its entries append to, the
 tensor hooks they registered, the ``torch.func`` level it was opened at. The Record is built
@@ -20,15 +20,19 @@ each ``torch.compile`` wrapper, hooks on watched parameters. Nothing global is i
 ever, and detaching restores every ``__dict__`` exactly.
 
 The **scope** (``scope``) says which frames see a call: those entered in the calling
-thread's ``contextvars`` context. Every hooked call goes through one hot loop::
+thread's ``contextvars`` context. A ``Forward``'s class is its state, chosen when a run joins
+or leaves the module (``forward``), and every hooked call runs the ``__call__`` of its state::
 
     module(x) -> PyTorch's _call_impl (fast path) -> Forward.__call__
-        the plan's one run, observing only, outside transforms?  -> the forward, then its
-               observers (``fh.outputs`` stored inline)
-        users in scope?  no -> the module's own forward
-        yes -> forward-pre editors, forward-pre observers, the module's forward (inside
-               an op mode when op specs select it), editors, gradient watchers,
-               observers (recordings see edited values)
+        Observing (its plan's one run, observers only): the run in scope, outside
+               transforms? -> the module's own forward, then the observers' entries
+        OneRun / Shared (one run with editors or ops; several runs): the users in scope?
+               no -> the module's own forward
+               yes -> the runner: forward-pre editors, forward-pre observers, the module's
+               forward (inside an op mode when op specs select it), editors, gradient
+               watchers, observers (recordings see edited values); or, for a compiled
+               module, its compiled recorder
+        Passing (left under someone else's forward) -> the module's own forward
 
 Public code uses three names: ``Plan.get``, ``Frame`` and ``Attached``, plus ``scope``.
 """

@@ -1,11 +1,16 @@
 """Entries: the small function a run calls for one (spec, module), built once per plan.
 
-An entry does one spec's work on the hot path. The plain ``outputs`` entry is a
-``detach()`` (skipped without autograd history), a version-counter read and a list append
-into the frame's buffer. Observers get their hook arguments detached / gathered / moved /
-cloned as flagged; editors return the replacement, checked against what it replaces;
-``grads`` registers tensor hooks on the outputs (removed when the run exits); backward
-events go through PyTorch's per-call ``BackwardHook``, set up only for the calls the run sees.
+An entry does one spec's work on the hot path. Each function here makes the entry of one
+``(hook, role)`` of a spec, from ``(spec, key, rank, copies)``; ``hooked`` chooses it from its
+table when the plan is made (`copies`: the entry stores private copies, inside compiled
+graphs and transforms, where no version counter can be kept). The plain ``outputs`` entry
+is a ``detach()`` (skipped without autograd history), a version-counter read and a list
+append into the frame's buffer. Observers get their hook arguments detached / gathered /
+moved / cloned as flagged; editors return the replacement, checked against what it
+replaces; interventions apply through one counted helper (:func:`intervention`), on a
+module or on an op; ``grads`` registers tensor hooks on the outputs (removed when the run
+exits); backward events go through PyTorch's per-call ``BackwardHook``, set up only for the
+calls the run sees.
 
 While a spec's own function runs, its run sees no module call, so a function that calls the
 model again cannot recurse into its own hooks. Its exceptions come
@@ -34,15 +39,16 @@ from funhooks.errors import (
     StaleTensorError,
     TransformError,
 )
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
 from .frame import Frame, GradSlot
-from .types import Key
+from .types import Check, Key
 from .values import copies_of, preparer, snapshot, unchecked
 
-__all__ = ["BackwardEntry", "PostEntry", "PreEntry", "backward_hook", "call_spec", "checked_edit", "param_hook",
-           "post_entry", "pre_entry", "stores_as_is"]
+__all__ = ["BackwardEntry", "Intervene", "PostEntry", "PreEntry", "args_call_entry", "args_intervene_entry",
+           "backward_entry", "call_spec", "checked_edit", "grads_entry", "inputs_entry", "intervention",
+           "output_call_entry", "output_entry", "output_intervene_entry", "param_hook"]
 
 Tensor = torch.Tensor
 V = TypeVar("V")
@@ -57,9 +63,9 @@ _OWN_ERRORS = (ExtraError, LoopError, RecordError, ReducerError, SelectorError, 
 
 def _hook_error(caller: str, spec: Spec, path: str, err: Exception) -> HookError:
     if isinstance(err, _OWN_ERRORS):  # funhooks' own function: its message says what to do
-        return HookError(f"{caller}: {spec!r} stopped at module {where(path)}: {err}")
+        return HookError(f"{caller}: {spec!r} stopped at module {path_label(path)}: {err}")
     return HookError(
-        f"{caller}: the function of {spec!r} raised {type(err).__name__} on module {where(path)}: {err}. "
+        f"{caller}: the function of {spec!r} raised {type(err).__name__} on module {path_label(path)}: {err}. "
         "Fix the function; the model's hooks were removed."
     )
 
@@ -103,7 +109,7 @@ def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: object, ne
         return new
     raise HookError(
         f"{frame.caller}: an editor returns a value with the structure and shapes of the {what} it replaces "
-        f"(or None), got {_describe(new)} from {spec!r} on module {where(path)}, where the {what} is "
+        f"(or None), got {_describe(new)} from {spec!r} on module {path_label(path)}, where the {what} is "
         f"{_describe(old)}. Return a value shaped like the {what}."
     )
 
@@ -117,23 +123,50 @@ PostEntry = Callable[[Frame, nn.Module, tuple, dict, object], object]
 or None (the output: whatever the module returned)."""
 BackwardEntry = Callable[[Frame], Callable[..., object]]
 """A backward entry: given a frame, the hook PyTorch's ``BackwardHook`` calls."""
+Intervene = Callable[[Frame, Any], Any]
+"""An intervention applied to one value: ``(frame, value) -> the new value``."""
 
 
-def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
-    """The entry of a ``forward_pre`` spec: store the inputs, observe, or edit the args.
-    `copies`: the spec stores copies, with no version to check."""
-    prep, path, store = preparer(spec), key[0], unchecked if copies else snapshot
-    if copies and spec.role == "input" and not spec.gather:
+def _storer(copies: bool) -> Callable[[object], tuple[object, Check]]:
+    """How an entry stores a value: with its in-place check, or (`copies`) as a private copy."""
+    return unchecked if copies else snapshot
+
+
+def intervention(value: Any, spec: Spec, key: Key, rank: int) -> Intervene:
+    """`spec`'s intervention `value` (``specs.interventions``) on the module at ``key[0]``, the
+    `rank`-th its selector matched, applied to one value with the frame's per-call values; it
+    counts the calls it applied to in the frame (a Record source holding several calls gives
+    call k to the k-th). The one helper of every intervention entry, on a module or an op."""
+    apply, path = value.apply, key[0]
+
+    def intervene(frame: Frame, edited: object) -> object:
+        count = frame.counts.get(intervene, 0)
+        frame.counts[intervene] = count + 1
+        return apply(edited, spec, path, rank, count, frame.values, frame.caller)
+
+    return intervene
+
+
+# forward-pre: ``(hook, role)`` = ("forward_pre", "input" | "call" | "intervene")
+
+
+def inputs_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PreEntry:
+    """Store the inputs, args and kwargs (`copies`: a private copy, no version to check)."""
+    if copies and not spec.gather:
         return copies_of(spec, key, pre=True)
-    if spec.role == "input":
+    prep, store = preparer(spec), _storer(copies)
 
-        def store_input(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
-            value = args if prep is None else prep(args)
-            named = (kwargs if prep is None else prep(kwargs)) if kwargs else {}
-            frame.buffer.append((key, *store((value, named))))
+    def store_input(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        value = args if prep is None else prep(args)
+        named = (kwargs if prep is None else prep(kwargs)) if kwargs else {}
+        frame.buffer.append((key, *store((value, named))))
 
-        return store_input
+    return store_input
 
+
+def args_call_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PreEntry:
+    """``fn(module, args)``: an editor's result replaces the args, an observer's is stored."""
+    prep, path, store = preparer(spec), key[0], _storer(copies)
     if spec.is_edit:
 
         def edit_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -151,69 +184,58 @@ def pre_entry(spec: Spec, key: Key, copies: bool = False) -> PreEntry:
     return observe_args
 
 
-def stores_as_is(spec: Spec, copies: bool = False) -> bool:
-    """Whether `spec`'s forward entry only stores the module's output (detached, no other
-    flag): the common case, which the wrapped forward does inline for a tensor output."""
-    return (spec.hook == "forward" and spec.role == "output" and spec.detach
-            and not (spec.cpu or spec.gather or spec.clone or copies))
+def args_intervene_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PreEntry:
+    """An intervention on the positional arguments (a standard point that is a module's input)."""
+    apply = intervention(spec.action, spec, key, rank)
+
+    def intervene_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        return apply(frame, args)
+
+    return intervene_args
 
 
-def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
-    """The entry of a ``forward`` spec (store the output, observe, edit it) or of a ``grads``
-    spec (watch the output's gradient). `copies`: as for :func:`pre_entry`."""
-    prep, path, store = preparer(spec), key[0], unchecked if copies else snapshot
-    if copies and spec.role == "output" and not spec.gather:
+# forward: ``(hook, role)`` = ("forward", "output" | "call" | "intervene"), ("output_grad", "grad" | "grad_output")
+
+
+def _is_plain(spec: Spec) -> bool:
+    """Whether an output store keeps the output as is, detached: `detach` and no other flag."""
+    return spec.detach and not (spec.cpu or spec.gather or spec.clone)
+
+
+def output_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PostEntry:
+    """Store the output (`copies`: a private copy, no version to check)."""
+    if copies and not spec.gather:
         return copies_of(spec, key, pre=False)
-    if spec.role == "output":
-        if stores_as_is(spec, copies):
-
-            def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-                if isinstance(output, Tensor):
-                    # without autograd history, detach() would only make an alias. Under `torch.jit.trace`
-                    # no op is called here: the tracer names a value after the variable of the frame that
-                    # passes it to an op, and its check traces again without gradients, so a detach in
-                    # one trace only would make the two graphs differ
-                    if output.requires_grad and not _tracing():
-                        output = output.detach()
-                    try:
-                        frame.buffer.append((key, output, output._version))
-                    except RuntimeError:  # an inference tensor: no version counter, so a copy
-                        frame.buffer.append((key, output.clone(), None))
-                else:
-                    frame.buffer.append((key, *snapshot(prep(output))))  # type: ignore[misc]
-
-            return store_output
+    prep, store = preparer(spec), _storer(copies)
+    if copies or not _is_plain(spec):
 
         def store_any(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             frame.buffer.append((key, *store(output if prep is None else prep(output))))
 
         return store_any
 
-    if spec.role in ("grad", "grad_output"):
-        as_tuple = spec.role == "grad_output"
+    def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        # `fh.outputs`, the common case
+        if isinstance(output, Tensor):
+            # without autograd history, detach() would only make an alias. Under `torch.jit.trace`
+            # no op is called here: the tracer names a value after the variable of the frame that
+            # passes it to an op, and its check traces again without gradients, so a detach in
+            # one trace only would make the two graphs differ
+            if output.requires_grad and not _tracing():
+                output = output.detach()
+            try:
+                frame.buffer.append((key, output, output._version))
+            except RuntimeError:  # an inference tensor: no version counter, so a copy
+                frame.buffer.append((key, output.clone(), None))
+        else:
+            frame.buffer.append((key, *snapshot(prep(output))))  # type: ignore[misc]
 
-        def watch_grad(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-            if not torch.is_grad_enabled():
-                return
-            leaves, structure = _torch.flatten(output)
-            if as_tuple:  # fastai's grad_output: the tensors, as a tuple
-                leaves = [t for t in leaves if isinstance(t, Tensor)]
-            wanted = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
-            if not wanted:
-                return
-            if frame.level:
-                raise TransformError(
-                    f"{frame.caller}: {spec!r} needs autograd's backward, got it inside a torch.func transform "
-                    f"at module {where(path)}. Use `fh.activation_grads(model, where, loss_fn)` for gradients "
-                    "of activations under `grad`/`vmap`."
-                )
-            slot = GradSlot(len(leaves), structure, as_tuple)
-            for i in wanted:
-                frame.grad_hooks.append(leaves[i].register_hook(slot.hook(frame, i, prep)))
-            frame.buffer.append((key, slot, None))
+    return store_output
 
-        return watch_grad
 
+def output_call_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PostEntry:
+    """``fn(module, args, output)``: an editor's result replaces the output, an observer's is stored."""
+    path = key[0]
     if spec.is_edit:
 
         def edit_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
@@ -221,8 +243,11 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
             return checked_edit(frame, spec, path, "output", output, new)
 
         return edit_output
+    return _observer(spec, key, _storer(copies))
 
-    fn = cast(Callable[..., Any], spec.fn)  # an observer: a spec with a function
+
+def _observer(spec: Spec, key: Key, store: Callable[[object], tuple[object, Check]]) -> PostEntry:
+    fn, prep, path = cast(Callable[..., Any], spec.fn), preparer(spec), key[0]  # an observer: a spec with a function
 
     def observe_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if prep is not None:
@@ -247,7 +272,52 @@ def post_entry(spec: Spec, key: Key, copies: bool = False) -> PostEntry:
     return observe_output
 
 
-def backward_hook(spec: Spec, key: Key) -> BackwardEntry:
+def output_intervene_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PostEntry:
+    """An intervention on the module's output."""
+    apply = intervention(spec.action, spec, key, rank)
+
+    def intervene_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+        return apply(frame, output)
+
+    return intervene_output
+
+
+def grads_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PostEntry:
+    """Watch the gradient of the output (``grads``; fastai's ``grad_output`` keeps the tensors
+    as a tuple): tensor hooks fill a ``GradSlot`` stored now."""
+    prep, path, as_tuple = preparer(spec), key[0], spec.role == "grad_output"
+
+    def watch_grad(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if not torch.is_grad_enabled():
+            return
+        leaves, structure = _torch.flatten(output)
+        if as_tuple:  # fastai's grad_output: the tensors, as a tuple
+            leaves = [t for t in leaves if isinstance(t, Tensor)]
+        wanted = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+        if not wanted:
+            return
+        if frame.level:
+            raise _no_backward(frame, spec, path)
+        slot = GradSlot(len(leaves), structure, as_tuple)
+        for i in wanted:
+            frame.grad_hooks.append(leaves[i].register_hook(slot.hook(frame, i, prep)))
+        frame.buffer.append((key, slot, None))
+
+    return watch_grad
+
+
+def _no_backward(frame: Frame, spec: Spec, path: str) -> TransformError:
+    return TransformError(
+        f"{frame.caller}: {spec!r} needs autograd's backward, got it inside a torch.func transform "
+        f"at module {path_label(path)}. Use `fh.activation_grads(model, where, loss_fn)` for gradients "
+        "of activations under `grad`/`vmap`."
+    )
+
+
+# backward: ``(hook, role)`` = ("backward" | "backward_pre", "call")
+
+
+def backward_entry(spec: Spec, key: Key, rank: int, copies: bool) -> BackwardEntry:
     """For a ``backward`` / ``backward_pre`` spec: given a frame, the hook PyTorch's
     ``BackwardHook`` calls with ``(module, grad_input, grad_output)`` or ``(module, grad_output)``."""
     prep, path = preparer(spec), key[0]

@@ -1,4 +1,4 @@
-"""Wrapped forwards: how runs reach the modules they hook, and the one hot loop.
+"""Wrapped forwards: how runs reach the modules they hook, one small class per state.
 
 While a run hooks a module, the module's ``forward`` is a :class:`Forward` set in the
 module's own ``__dict__`` (``_call_impl`` for the rare class whose ``forward`` an instance
@@ -7,20 +7,34 @@ registered with PyTorch: ``Module.__call__`` keeps its hook-free fast path for e
 module, hooked or not, where any forward hook (even a global no-op one) sends every module
 call down PyTorch's slower hooked path.
 
-A call goes through :func:`call` only for the runs (*users*) entered in the calling
-context (see ``scope``); calls from other threads or tasks run the module as if no run
-existed. Entries see what forward hooks would see: the arguments after the module's own
-forward-pre hooks, the output before its forward hooks. Nested runs share one ``Forward``
-per module and may exit in any order; when the last one leaves, the ``__dict__`` is
-restored exactly. A module copied (``copy.copy``, ``deepcopy``, pickle) inside a block gets
-a plain forward: the ``Forward`` also sets an instance ``__reduce_ex__`` that leaves itself
-out of the copy.
+A ``Forward``'s class is its state (NOTE [a state per class]), chosen when a run joins or
+leaves the module, never per call:
+
+- :class:`Observing`: its plan's one run alone, with observers only (the common case): the
+  module's forward, then the observers;
+- :class:`OneRun`: one run with editors, op specs or backward events, or a run entered
+  inside a ``torch.func`` transform, or a compiled module's one run: every call through the
+  forward's *runner* (:func:`call`, the full hot loop, or ``trace.compiled_call``);
+- :class:`Shared`: several runs on one module: the runner, for the runs in scope;
+- :class:`Passing`: left behind under someone else's forward after its last run left: the
+  module's forward, nothing else.
+
+A plan's forward keeps the class its plan's run uses alone between runs; not installed, it
+calls whatever the module holds now (a call that looked it up just before it was removed).
+
+A call is seen only by the runs (*users*) entered in the calling context (see ``scope``);
+calls from other threads or tasks run the module as if no run existed. Entries see what
+forward hooks would see: the arguments after the module's own forward-pre hooks, the output
+before its forward hooks. Nested runs share one ``Forward`` per module and may exit in any
+order; when the last one leaves, the ``__dict__`` is restored exactly. A module copied
+(``copy.copy``, ``deepcopy``, pickle) inside a block gets a plain forward: the ``Forward``
+also sets an instance ``__reduce_ex__`` that leaves itself out of the copy.
 
 Cost: per hooked module call, one Python call around the forward, a context-variable read,
-a ``torch.func`` level read and an autograd-state read (``fh.outputs`` then stores inline,
-without calling its entry); per run, per hooked module, two dict writes and two attribute
-writes at entry and as many at exit, and no allocation but the bound ``forward`` (a plan's
-one run reaches its frame through the plan's :class:`Slot`).
+a ``torch.func`` level read and an autograd-state read, and one call per entry; per run, per
+hooked module, two dict writes and two attribute writes at entry and as many at exit, and
+no allocation in the common case (the plan's one run reaches its frame through the plan's
+:class:`Slot`); a change of state (runs sharing a module) one ``__class__`` write.
 """
 
 from __future__ import annotations
@@ -36,26 +50,23 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import TransformError
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 
-from . import op_mode as ops
-from . import scope
+from . import op_mode, scope
 from .entries import PostEntry
 from .frame import Frame
 from .hooked import Hooked
-from .types import Key, UserCall
+from .types import UserCall
 
-__all__ = ["Forward", "Item", "Slot", "Table", "Users", "attribute", "call", "install", "uninstall"]
+__all__ = ["Forward", "Item", "Observing", "OneRun", "Passing", "Runner", "Shared", "Slot", "Table", "Users",
+           "attribute", "call", "install", "uninstall"]
 
 _ATTRIBUTE: dict[type, str] = {}
 _active = scope.active
 _peek = _torch.peek_transform
 _graph_task = _torch.graph_task_id
-_tracing = _torch.jit_tracing
-Tensor = torch.Tensor
 _LOCK = threading.RLock()
 """Guards wrapping and unwrapping: runs entered in two threads at once share the wrappers."""
-
 
 
 class Table(Protocol):
@@ -64,7 +75,7 @@ class Table(Protocol):
 
     @property
     def plain(self) -> bool:
-        """True for a table of plain observers only: the calls run inlined, without :func:`call`."""
+        """True for a table of observers only: its plan's one run is then :class:`Observing`."""
 
     @property
     def obs(self) -> tuple[PostEntry, ...]:
@@ -75,7 +86,7 @@ T = TypeVar("T", bound=Table, covariant=True)
 J = TypeVar("J", bound=Table)
 Users = tuple[tuple[Frame, T], ...]
 """The runs that use a wrapped forward: ``(frame, table)``, outermost run first."""
-Route = Callable[[nn.Module, UserCall, Users[T], tuple, dict], object]
+Runner = Callable[[nn.Module, UserCall, Users[T], tuple, dict], object]
 """How a wrapped forward runs a call for the users in scope: ``(module, its forward, users,
 args, kwargs) -> output``: :func:`call`, or ``trace.compiled_call``."""
 Item = tuple["weakref.ref[nn.Module]", "Forward[T]", T]
@@ -94,39 +105,28 @@ def attribute(cls: type) -> str:
     return name
 
 
+# -- the hot loop ---------------------------------------------------------------------------------
+
+
 def _escape(frame: Frame, hooked: Hooked) -> TransformError:
     return TransformError(
         f"{frame.caller}: values stored by side effect cannot leave a torch.func transform, got module "
-        f"{where(hooked.path)} called inside `vmap`/`grad` while the `{frame.caller}` block was entered outside it. "
-        "Call `fh.capture(model, specs)` inside the transform instead: its Record comes back batched."
+        f"{path_label(hooked.path)} called inside `vmap`/`grad` while the `{frame.caller}` block was entered "
+        "outside it. Call `fh.capture(model, specs)` inside the transform instead: its Record comes back batched."
     )
 
 
-def call(module: nn.Module, inner: UserCall, users: Users[Hooked], args: tuple, kwargs: dict,
-         checked: bool = True) -> object:
-    """One call of a hooked module for the runs in `users` (``(frame, hooked)`` pairs).
+def _check_level(users: Users[Hooked]) -> None:
+    """Refuse a call made inside a ``torch.func`` transform that a user's block was entered outside
+    of (or the other way round): what it stored would escape the transform."""
+    level = _torch.transform_level()
+    for frame, hooked in users:
+        if frame.level != level:
+            raise _escape(frame, hooked)
 
-    Forward-pre editors, then forward-pre observers; the module (inside the op mode of
-    ``ops`` when a user's table has op entries); editors, then gradient watchers, then
-    observers: a recording sees the values after every editor of the call.
-    A call made while autograd runs a backward pass is a recomputation (activation
-    checkpointing): editors and gradient watchers run, nothing is stored again.
-    `checked` is False inside a dynamo trace, which runs neither check.
-    """
-    replay = False
-    if checked:
-        level = _torch.transform_level()
-        for frame, hooked in users:
-            if frame.level != level:
-                raise _escape(frame, hooked)
-        replay = _graph_task() != -1
-    if len(users) == 1 and users[0][1].plain:  # the common case: observers only
-        frame, hooked = users[0]
-        output = inner(*args, **kwargs)
-        if not replay:
-            for entry in hooked.obs:
-                entry(frame, module, args, kwargs, output)
-        return output
+
+def _before(module: nn.Module, users: Users[Hooked], args: tuple, kwargs: dict, replay: bool) -> tuple:
+    """Forward-pre editors, then forward-pre observers (not on a recomputation): the args."""
     for frame, hooked in users:
         for pre in hooked.pre_edits:
             new = pre(frame, module, args, kwargs)
@@ -136,18 +136,20 @@ def call(module: nn.Module, inner: UserCall, users: Users[Hooked], args: tuple, 
         for frame, hooked in users:
             for pre in hooked.pre_obs:
                 pre(frame, module, args, kwargs)
-    backward = None
-    if checked and torch.is_grad_enabled():
-        full = [make(frame) for frame, hooked in users for make in hooked.backward]
-        pre_hooks = [make(frame) for frame, hooked in users for make in hooked.backward_pre]
-        if full or pre_hooks:
-            backward = _torch.backward_hook(module, full, pre_hooks)
-            args = backward.setup_input_hook(args)
-    around = (users if users[0][1].around else ()) if len(users) == 1 else tuple([u for u in users if u[1].around])
-    if around:
-        output = ops.call(module, inner, around, around[0][1].path, args, kwargs, replay)
-    else:
-        output = inner(*args, **kwargs)
+    return args
+
+
+def _backward_hook(module: nn.Module, users: Users[Hooked]) -> Any:
+    """PyTorch's per-call ``BackwardHook`` (``_torch.backward_hook``) for the users' ``backward`` /
+    ``backward_pre`` specs; None without any."""
+    full = [make(frame) for frame, hooked in users for make in hooked.backward]
+    pre = [make(frame) for frame, hooked in users for make in hooked.backward_pre]
+    return _torch.backward_hook(module, full, pre) if full or pre else None
+
+
+def _after(module: nn.Module, users: Users[Hooked], args: tuple, kwargs: dict, output: object,
+           replay: bool) -> object:
+    """Editors, then gradient watchers, then observers (not on a recomputation): the output."""
     for frame, hooked in users:
         for post in hooked.edits:
             edited = post(frame, module, args, kwargs, output)
@@ -160,19 +162,51 @@ def call(module: nn.Module, inner: UserCall, users: Users[Hooked], args: tuple, 
         for frame, hooked in users:
             for post in hooked.obs:
                 post(frame, module, args, kwargs, output)
+    return output
+
+
+def call(module: nn.Module, inner: UserCall, users: Users[Hooked], args: tuple, kwargs: dict,
+         checked: bool = True) -> object:
+    """One call of a hooked module for the runs in `users` (``(frame, hooked)`` pairs): the
+    full hot loop.
+
+    Forward-pre editors, then forward-pre observers; the module (inside the op mode of
+    ``op_mode`` when a user's table has op entries, inside PyTorch's ``BackwardHook`` when one
+    has backward specs); editors, then gradient watchers, then observers: a recording sees
+    the values after every editor of the call. A call made while autograd runs a backward
+    pass is a recomputation (activation checkpointing): editors and gradient watchers run,
+    nothing is stored again. `checked` is False inside a dynamo trace, which runs neither
+    check (nor backward specs, refused there when the plan is made).
+    """
+    replay = False
+    if checked:
+        _check_level(users)
+        replay = _graph_task() != -1
+    args = _before(module, users, args, kwargs, replay)
+    backward = _backward_hook(module, users) if checked and torch.is_grad_enabled() else None
+    if backward is not None:
+        args = backward.setup_input_hook(args)
+    around = tuple([user for user in users if user[1].around])
+    if around:
+        output = op_mode.call(module, inner, around, around[0][1].path, args, kwargs, replay)
+    else:
+        output = inner(*args, **kwargs)
+    output = _after(module, users, args, kwargs, output, replay)
     if backward is not None:
         output = backward.setup_output_hook(output)
     return output
 
 
-class Slot:
-    """A plan's run in the common case: the one frame that wrapped the plan's modules itself.
+# -- the states ------------------------------------------------------------------------------------
 
-    Each ``Forward`` it installed then knows its user through this one object (its ``users``
-    None), so entering and leaving a run make no tuple per module: at a few hundred modules,
-    those allocations and their release after the forward cost more than the wrapping itself.
-    Taken and released under the wrapping lock; a frame inside a ``torch.func`` transform,
-    or a second run of the same plan at once, lists its users per module instead.
+
+class Slot:
+    """The frame of a plan's run in the common case: the one run that wrapped the plan's
+    modules with the plan's own ``Forward`` objects (taken outside transforms, when free).
+
+    Its ``Observing`` forwards read their frame here, so entering and leaving that run write
+    one attribute for all of them, not one per module; a second run of the same plan at
+    once, or a run inside a ``torch.func`` transform, gets forwards of its own instead.
     """
 
     __slots__ = ("frame",)
@@ -182,83 +216,67 @@ class Slot:
 
 
 class Forward(Generic[T]):
-    """A module's ``forward`` (or ``_call_impl``) while at least one run hooks it.
+    """A module's ``forward`` (or ``_call_impl``) while runs hook it; a plan keeps one per
+    hooked module and reuses it run after run, holding the module only weakly between runs.
 
-    Its users: ``users``, a tuple of ``(frame, table)``, outermost run first, replaced (never
-    mutated) so a call in progress keeps the users it started with; or, when ``users`` is
-    None, the one frame holding the plan's ``slot``, with the ``Forward``'s own table
-    (:meth:`current_users` says which). ``route`` runs a call for the users in scope:
-    :func:`call`, or for a ``torch.compile`` wrapper the compiled recorder of ``trace``. A plan
-    keeps one ``Forward`` per hooked module and reuses it run after run; between runs it holds
-    the module only weakly.
+    Its class is its state (NOTE [a state per class]). ``Forward(...)`` makes the one its
+    plan's run uses alone: :class:`Observing` for a plan's table of observers, else
+    :class:`OneRun`. While installed: ``module``, ``inner`` (what ``module.<attr>`` was) and
+    ``saved`` (the instance attribute it replaced, if any); between runs ``inner`` is None,
+    and a call that looked it up just before it was removed calls whatever the module holds now.
+
+    NOTE [a state per class]: each state of a wrapped forward is a small class whose
+    ``__call__`` serves that state and nothing else. A run that is alone on a module (the
+    common case) finds its plan's forward already in the right class, so entering and
+    leaving it only set and clear the forward's fields, as cheap as a plain wrapper; the
+    rare changes (a second run joining, runs leaving in another order, a library wrapping
+    ours inside the block) swap ``__class__`` on the same object rather than putting a new
+    object in the ``__dict__``, since references to it held elsewhere (that library's
+    wrapper, a call in progress, the module's ``__reduce_ex__``, the runs' own lists) must
+    see the new state. Every state has the same fields; each reads only its own.
     """
 
-    __slots__ = ("__weakref__", "attr", "eligible", "fast", "inner", "key", "module", "obs", "own", "reducer", "ref",
-                 "route", "saved", "slot", "users")
+    __slots__ = ("__weakref__", "alone", "attr", "bound_reduce_ex", "inner", "module", "observe", "own", "ref",
+                 "runner", "saved", "slot", "users")
 
-    def __init__(self, module: nn.Module, attr: str, route: Route[T], own: T | None = None,
+    def __new__(cls, module: nn.Module, attr: str, runner: Runner[T], own: T | None = None,
+                slot: Slot | None = None) -> Forward[T]:
+        return object.__new__(_alone(own, slot))
+
+    def __init__(self, module: nn.Module, attr: str, runner: Runner[T], own: T | None = None,
                  slot: Slot | None = None) -> None:
-        """Args: `own`, `slot`: the plan's table for the module and the plan's slot, for a
-        ``Forward`` whose users may be the slot's frame alone (see :class:`Slot`)."""
+        """Args: `runner`: see :data:`Runner`; `own`, `slot`: the plan's table for the module
+        and the plan's slot, for a ``Forward`` its plan's one run uses alone (see :class:`Slot`)."""
         self.ref = weakref.ref(module)
         self.attr = attr
-        self.route = route
-        self.module: Any = None  # the module while installed, else None
-        self.inner: UserCall | None = None  # what `module.<attr>` was, while installed
-        self.saved: object = None  # the instance attribute it replaced, if any
-        self.reducer = self.reduce_ex  # made once: the module's `__reduce_ex__` while installed, if it had none
+        self.runner = runner
         self.own, self.slot = own, slot
-        self.users: Users[T] | None = ()
-        # the common case, read by one load while the slot's frame is the only user and its table
-        # only observes: the slot; else None. The table's observers are `obs`, and `key` is set
-        # when they only store the output as is
-        self.fast: Slot | None = None
-        if slot is not None and own is not None and own.plain:
-            self.eligible: Slot | None = slot
-            self.obs: tuple[PostEntry, ...] = own.obs
-            self.key: Key | None = own.stores  # type: ignore[attr-defined]
-        else:
-            self.eligible, self.obs, self.key = None, (), None
+        self.alone: type[Forward[Any]] = type(self)  # its state while its plan's one run uses it alone
+        self.observe: PostEntry = _in_turn(own.obs if own is not None else ())  # an `Observing` one's observers
+        self.module: Any = None
+        self.inner: UserCall | None = None
+        self.saved: object = None
+        self.users: Users[T] = ()  # the runs it serves, outermost first (an `Observing` one: its slot's frame)
+        self.bound_reduce_ex = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        return self._outside(self.users, args, kwargs)
 
     def current_users(self) -> Users[T]:
         """The runs using this forward, ``(frame, table)`` each, outermost first."""
-        if self.users is not None:
-            return self.users
-        frame = self.slot.frame  # type: ignore[union-attr]  # users None: a slot's
-        return () if frame is None else ((frame, self.own),)  # type: ignore[return-value]
+        return self.users
 
-    def __call__(self, *args: object, **kwargs: object) -> Any:
-        slot = self.fast
-        if slot is not None and (frame := slot.frame) in _active() and not frame.calling and _peek() is None:
-            # the common case, inlined from `call`: one run, observers only, no transform
-            # (`fast` is set after `inner` and cleared before it)
-            output = self.inner(*args, **kwargs)  # type: ignore[misc]
-            if _graph_task() == -1:  # not a recomputation during backward
-                key = self.key
-                if key is not None and type(output) is Tensor:  # `fh.outputs`: the entry's work, inlined
-                    stored = output.detach() if output.requires_grad and not _tracing() else output
-                    try:
-                        frame.buffer.append((key, stored, stored._version))
-                        return output
-                    except RuntimeError:  # an inference tensor, no version counter: the entry copies it
-                        pass
-                for entry in self.obs:
-                    entry(frame, self.module, args, kwargs, output)
-            return output
-        module, inner = self.module, self.inner
-        if inner is None:  # unwrapped since the caller looked it up: call what is there now
+    def _outside(self, users: Users[T], args: tuple, kwargs: dict) -> Any:
+        """A call for the `users` in scope, through the runner; the module's own forward when
+        none is; what the module holds now when this forward is no longer installed."""
+        inner = self.inner
+        if inner is None:
             return getattr(self.ref(), self.attr)(*args, **kwargs)
         active = _active()
-        if not active:
-            return inner(*args, **kwargs)
-        users = self.users
-        if users is None:  # the slot's frame alone, with this forward's own table
-            frame = self.slot.frame  # type: ignore[union-attr]
-            if frame is None or frame not in active or frame.calling:
-                return inner(*args, **kwargs)
-            return self.route(module, inner, ((frame, self.own),), args, kwargs)  # type: ignore[arg-type]
-        mine = tuple([u for u in users if u[0] in active and not u[0].calling])
-        return self.route(module, inner, mine, args, kwargs) if mine else inner(*args, **kwargs)
+        mine = tuple([u for u in users if u[0] in active and not u[0].calling]) if active else ()
+        if mine:
+            return self.runner(self.module, inner, mine, args, kwargs)
+        return inner(*args, **kwargs)
 
     # -- looking like the forward it wraps ------------------------------------------------
 
@@ -295,9 +313,105 @@ class Forward(Generic[T]):
             if v is self:  # what it replaced, if anything (a state that leaves the attribute out stays so)
                 if self.saved is not None:
                     state[k] = self.saved
-            elif v is not self.reducer:
+            elif v is not self.bound_reduce_ex:
                 state[k] = v
         return (reduced[0], reduced[1], state, *reduced[3:])
+
+    # -- the rare changes of state (under the lock) -------------------------------------------
+
+    def _serve(self, users: Users[T]) -> None:
+        """Serve `users` (at least one) from now on, in the state that fits them.
+
+        A call in another thread may see the new users with the old class, or the other way
+        round: ``OneRun`` then takes the path of ``Shared`` (each call's users filtered by
+        scope), and ``Observing`` serves its slot's frame alone, a user before and after."""
+        if len(users) > 1:
+            kind: type[Forward[Any]] = Shared
+        elif self.slot is not None and users[0][0] is self.slot.frame and users[0][1] is self.own:
+            kind = self.alone
+        else:
+            kind = OneRun
+        if kind is Observing:  # its user is its slot's frame: the class first, so no call sees `()` users
+            self.__class__ = self.alone
+            self.users = ()
+            return
+        self.users = users
+        if type(self) is not kind:
+            self.__class__ = kind
+
+
+def _alone(own: Table | None, slot: Slot | None) -> type[Forward[Any]]:
+    """The state of a forward its plan's one run uses alone: observing when the plan's table
+    has observers only (and the run is the slot's)."""
+    return Observing if slot is not None and own is not None and own.plain else OneRun
+
+
+def _in_turn(observers: Sequence[PostEntry]) -> PostEntry:
+    """The observers as one entry: the one itself, or one calling each in turn."""
+    if len(observers) == 1:
+        return observers[0]
+
+    def observe(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        for entry in observers:
+            entry(frame, module, args, kwargs, output)
+
+    return observe
+
+
+class Observing(Forward[T]):
+    """Its plan's one run alone, the slot's frame, with observers only: the module's forward,
+    then the observers (``fh.outputs``: ``entries.output_entry``'s store). A call inside a
+    transform, or while the run's own spec function runs, takes the checked path of
+    :func:`call`."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        frame = self.slot.frame  # type: ignore[union-attr]
+        inner = self.inner
+        if frame in _active() and not frame.calling and inner is not None and _peek() is None:
+            output = inner(*args, **kwargs)
+            if _graph_task() == -1:  # not a recomputation during backward
+                self.observe(frame, self.module, args, kwargs, output)
+            return output
+        return self._outside(self.current_users(), args, kwargs)
+
+    def current_users(self) -> Users[T]:
+        return ((self.slot.frame, self.own),)  # type: ignore[union-attr, return-value]
+
+
+class OneRun(Forward[T]):
+    """One run: every call it sees through the runner (the full hot loop, or a compiled
+    module's recorder); a run entered inside a ``torch.func`` transform is always one."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        users, inner = self.users, self.inner
+        if inner is not None and len(users) == 1:  # else: changing state in another thread (see `_serve`)
+            frame = users[0][0]
+            if frame in _active() and not frame.calling:
+                return self.runner(self.module, inner, users, args, kwargs)
+        return self._outside(users, args, kwargs)
+
+
+class Shared(Forward[T]):
+    """Several runs on one module: each call through the runner, for the runs in scope."""
+
+    __slots__ = ()
+
+
+class Passing(Forward[T]):
+    """No run left, but someone else's forward wraps this one (so it stays in use): the
+    module's own forward, nothing else. Its plan never reuses it."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        return self.inner(*args, **kwargs)  # type: ignore[misc]
+
+
+# -- runs joining and leaving ------------------------------------------------------------------------
 
 
 def install(frame: Frame, items: Sequence[Item[T]], slot: Slot | None = None) -> list[Forward[T]]:
@@ -321,15 +435,15 @@ def install(frame: Frame, items: Sequence[Item[T]], slot: Slot | None = None) ->
                 if not mine or attr in d or fwd.inner is not None:  # wrapped already, or in someone's way
                     add(_join(frame, module, d, fwd, hooked))
                     continue
-                # the common case, each step once: a free Forward of the plan (`saved` None) on an
-                # unwrapped module, its one user the slot's frame
+                # the common case, each step once: the plan's free Forward, in its state for the
+                # slot's frame alone, on an unwrapped module
                 fwd.module = module
+                if fwd.alone is OneRun:
+                    fwd.users = ((frame, hooked),)
                 fwd.inner = getattr(module, attr)
-                fwd.users = None
-                fwd.fast = fwd.eligible  # after `inner`
                 d[attr] = fwd
                 if "__reduce_ex__" not in d:  # a module's own `__reduce_ex__` stays
-                    d["__reduce_ex__"] = fwd.reducer
+                    d["__reduce_ex__"] = fwd.bound_reduce_ex
                 add(fwd)
         except BaseException:  # interrupted half-way: leave no module wrapped
             _uninstall(frame, installed, slot)
@@ -338,23 +452,21 @@ def install(frame: Frame, items: Sequence[Item[T]], slot: Slot | None = None) ->
 
 
 def _join(frame: Frame, module: nn.Module, d: dict[str, Any], fwd: Forward[J], hooked: J) -> Forward[J]:
-    """:func:`install` with `frame` listed among the users: for a module already wrapped by
-    a run (`frame` joins its users), or with a forward of its own in its ``__dict__`` (wrapped
-    around it), or whose ``Forward`` is still in use under someone else's forward (a new one
-    wraps it), or for a frame without the plan's slot."""
+    """:func:`install` for a module already wrapped by a run (`frame` joins its users), or with
+    a forward of its own in its ``__dict__`` (wrapped around it), or whose plan's ``Forward``
+    is in use (a new one wraps it), or for a frame without the plan's slot."""
     attr = fwd.attr
     current = d.get(attr)
-    if current is not None and type(current) is Forward and current.module is module:  # wrapped already
-        current.fast = None
-        current.users = (*current.current_users(), (frame, hooked))
+    if isinstance(current, Forward) and current.module is module:  # wrapped already
+        current._serve((*current.current_users(), (frame, hooked)))
         return current
-    if fwd.inner is not None:  # still in use under someone else's forward: never reuse
-        fwd = Forward(module, attr, fwd.route)
+    if fwd.inner is not None:  # in use (maybe under someone else's forward): never reuse
+        fwd = Forward(module, attr, fwd.runner)
     fwd.saved, fwd.module = current, module
     fwd.inner = getattr(module, attr)
-    fwd.users = ((frame, hooked),)
+    fwd._serve(((frame, hooked),))
     d[attr] = fwd
-    d.setdefault("__reduce_ex__", fwd.reducer)
+    d.setdefault("__reduce_ex__", fwd.bound_reduce_ex)
     return fwd
 
 
@@ -362,7 +474,7 @@ def uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | No
     """Remove `frame` from each wrapped forward; restore the modules it was the last user of;
     release `slot` if `frame` holds it.
 
-    A forward someone else replaced since (wrapping ours) stays in place, with no users.
+    A forward someone else replaced since (wrapping ours) stays in place, passing calls through.
     """
     with _LOCK:
         _uninstall(frame, installed, slot)
@@ -370,32 +482,43 @@ def uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | No
 
 def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | None) -> None:
     for fwd in reversed(installed):
-        users = fwd.users
-        if users is not None:  # listed: `frame` leaves the list
-            users = tuple([u for u in users if u[0] is not frame])
-            if users:
-                if len(users) == 1 and fwd.slot is not None and users[0] == (fwd.slot.frame, fwd.own):
-                    fwd.users, fwd.fast = None, fwd.eligible  # the slot's frame alone again: the common case
-                else:
-                    fwd.users = users
-                continue
-        fwd.fast = None
-        d = fwd.module.__dict__
-        reducer = d.pop("__reduce_ex__", None)
-        if reducer is not fwd.reducer and reducer is not None:  # the module's own: it stays
-            d["__reduce_ex__"] = reducer
-        attr = fwd.attr
-        current = d.pop(attr, None)
-        if current is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
-            if current is not None:
-                d[attr] = current
-            fwd.users = ()
-            continue
-        saved = fwd.saved
-        if saved is not None:
-            d[attr] = saved
-            fwd.saved = None
-        fwd.inner = None  # before `module`: a racing call reads `module` first, then `inner`
-        fwd.module = None
+        if type(fwd) is Observing:  # the common case: its one run is the slot's frame, `frame`
+            _unwrap(fwd)
+        else:
+            _leave(fwd, frame)
     if slot is not None and slot.frame is frame:
         slot.frame = None
+
+
+def _leave(fwd: Forward[Table], frame: Frame) -> None:
+    """`frame` leaves `fwd`, not an ``Observing`` one (those have their slot's frame alone)."""
+    kind = type(fwd)
+    if kind is OneRun and fwd.users and fwd.users[0][0] is frame:
+        _unwrap(fwd)
+        fwd.users = ()
+        if fwd.inner is None and fwd.alone is not OneRun:  # unwrapped, its plan's: back to its state
+            fwd.__class__ = fwd.alone
+    elif kind is Shared:
+        fwd._serve(tuple([u for u in fwd.users if u[0] is not frame]))
+
+
+def _unwrap(fwd: Forward[Table]) -> None:
+    """Give the module back what it had; or, when someone wrapped `fwd` since (theirs stays in the ``__dict__``), let it pass calls
+    through to the module's forward (:class:`Passing`)."""
+    d = fwd.module.__dict__
+    reduce_ex = d.pop("__reduce_ex__", None)
+    if reduce_ex is not fwd.bound_reduce_ex and reduce_ex is not None:  # the module's own: it stays
+        d["__reduce_ex__"] = reduce_ex
+    attr = fwd.attr
+    current = d.pop(attr, None)
+    if current is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
+        if current is not None:
+            d[attr] = current
+        fwd.__class__ = Passing
+        return
+    saved = fwd.saved
+    if saved is not None:
+        d[attr] = saved
+        fwd.saved = None
+    fwd.inner = None  # before `module`: a racing call reads `module` first, then `inner`
+    fwd.module = None

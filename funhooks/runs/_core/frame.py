@@ -31,7 +31,7 @@ from funhooks import _torch
 from funhooks.errors import SelectorError, StaleTensorError
 from funhooks.records.record import Record, trusted
 from funhooks.specs.ops import PROPERTY_READS
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
 from .types import Handle, Key, Layout, Miss, Stored, WatchState
@@ -110,7 +110,7 @@ def _unmatched(caller: str, miss: Miss) -> SelectorError:
                f"or pass `fh.op({miss.op!r}, deep=True)` to count those")
     return SelectorError(
         f"{caller}: an op spec matches an op called by the module it selects, got {got} in module "
-        f"{where(miss.path)} ({type(miss.module).__name__}) for {miss.spec!r}. {fix}."
+        f"{path_label(miss.path)} ({type(miss.module).__name__}) for {miss.spec!r}. {fix}."
     )
 
 
@@ -118,7 +118,7 @@ def _stale(caller: str, key: Key, spec: Spec | None) -> StaleTensorError:
     path, name = key
     return StaleTensorError(
         f"{caller}: a stored tensor must not change after it is stored, got the {name!r} of module "
-        f"{where(path)} (spec {spec!r}) changed in place by a later op such as `inplace=True`. "
+        f"{path_label(path)} (spec {spec!r}) changed in place by a later op such as `inplace=True`. "
         "Pass `clone=True` to the spec to store a copy."
     )
 
@@ -168,12 +168,13 @@ def _one_each(frame: Frame) -> dict[str, dict[str, Any]] | None:
     with its version (the common case: one call of every hooked module, each storing one
     value), else None."""
     buffer = frame.buffer
+    data: dict[str, dict[str, Any]] = {}
     for key, value, check in buffer:
         if type(check) is not int:  # a copy, a gradient slot, a pytree: the general way
             return None
         if value._version != check:
             raise _stale(frame.caller, key, frame.plan.spec_of.get(key))
-    data = {path: {name: (value,)} for (path, name), value, _ in buffer}
+        data[key[0]] = {key[1]: (value,)}
     if len(data) != len(buffer) or list(data) != frame.plan.paths:
         return None
     return data
@@ -181,17 +182,39 @@ def _one_each(frame: Frame) -> dict[str, dict[str, Any]] | None:
 
 def _grouped(frame: Frame) -> Record:
     """The Record's data grouped by module path and call, from any buffer."""
-    plan, caller = frame.plan, frame.caller
-    data: dict[str, dict[str, Any]] = {}
-    several = False  # a (path, name) with more than one call: its calls are a list until the end
-    waiting: set[Key] = set()
+    _check_versions(frame)
+    data, several, waiting = _collect(frame.buffer)
+    if several:
+        for node in data.values():
+            for name, calls in node.items():
+                if type(calls) is list:
+                    node[name] = tuple(calls)
+    data = _in_order(data, frame.plan)
+    if waiting or frame.late or frame.plan.notes:
+        return trusted(data, _notes(frame, data, waiting))
+    return trusted(data)
+
+
+def _check_versions(frame: Frame) -> None:
+    """Raise when a stored tensor was changed in place since it was stored."""
     for key, value, check in frame.buffer:
-        if check is not None:
-            if type(check) is int:
-                if value._version != check:
-                    raise _stale(caller, key, plan.spec_of.get(key))
-            elif any(t._version != v for t, v in check):  # type: ignore[union-attr]  # not an int: pairs
-                raise _stale(caller, key, plan.spec_of.get(key))
+        if check is None:
+            continue
+        if type(check) is int:
+            if value._version != check:
+                raise _stale(frame.caller, key, frame.plan.spec_of.get(key))
+        elif any(t._version != v for t, v in check):  # type: ignore[union-attr]  # not an int: pairs
+            raise _stale(frame.caller, key, frame.plan.spec_of.get(key))
+
+
+def _collect(buffer: list[Stored]) -> tuple[dict[str, dict[str, Any]], bool, set[Key]]:
+    """The buffer's values by path and name, in call order: ``(data, several, waiting)``, where a
+    (path, name) with more than one call holds a list (`several` then True), and `waiting` has
+    the gradient slots no backward pass filled."""
+    data: dict[str, dict[str, Any]] = {}
+    several = False
+    waiting: set[Key] = set()
+    for key, value, _ in buffer:
         if type(value) is GradSlot:  # one value per backward pass, maybe none
             values = value.values()
             if not values:
@@ -199,7 +222,7 @@ def _grouped(frame: Frame) -> Record:
             for value in values:
                 several |= _add(data, key, value)
             continue
-        path, name = key
+        path, name = key  # `_add`, inlined: this loop runs once per stored value
         node = data.get(path)
         if node is None:
             data[path] = {name: (value,)}
@@ -211,13 +234,13 @@ def _grouped(frame: Frame) -> Record:
             node[name], several = [*calls, value], True
         else:
             calls.append(value)
-    if several:
-        for node in data.values():
-            for name, calls in node.items():
-                if type(calls) is list:
-                    node[name] = tuple(calls)
+    return data, several, waiting
+
+
+def _in_order(data: dict[str, dict[str, Any]], plan: Layout) -> dict[str, dict[str, Any]]:
+    """`data` with names in spec order and paths in module order, whatever order the entries ran in."""
     rank = plan.name_rank
-    if len(rank) > 1:  # names in spec order, whatever order the entries ran in
+    if len(rank) > 1:
         for path, node in data.items():
             if len(node) > 1 and any(rank[a] > rank[b] for a, b in zip(node, list(node)[1:])):
                 data[path] = {name: node[name] for name in sorted(node, key=rank.__getitem__)}
@@ -226,9 +249,7 @@ def _grouped(frame: Frame) -> Record:
         order = plan.order
         if any(order[a] > order[b] for a, b in zip(paths, paths[1:])):
             data = {p: data[p] for p in sorted(data, key=order.__getitem__)}
-    if waiting or frame.late or plan.notes:
-        return trusted(data, _notes(frame, data, waiting))
-    return trusted(data)
+    return data
 
 
 class GradSlot:

@@ -1,68 +1,108 @@
 """Hooked tables: one plan's entries for one module, grouped by when the hot loop runs them.
 
-The table is what :func:`funhooks.runs._core.forward.call` reads per call: forward-pre editors,
-forward-pre observers; the op entries run *during* the module's own forward (``around``);
-editors (interventions among them), gradient watchers, observers; backward hooks around it.
-``plain`` is True only for a table of plain observers: the one case the wrapped forward
-runs inlined, without :func:`call`; ``stores`` is the key of a table whose one entry stores
-the output as is (``fh.outputs``), which the wrapped forward then stores itself.
+Which entry a spec gets is chosen when the plan is made, from :data:`ENTRIES`, keyed by the
+spec's ``(hook, role)``; where the hot loop runs it, from :data:`PLACES`, keyed by its
+``(hook, is_edit)``. The table is what the wrapped forward (``forward``) reads per call:
+forward-pre editors, forward-pre observers; the op entries run *during* the module's own
+forward (``around``); editors (interventions among them), gradient watchers, observers;
+backward hooks around it. ``plain`` is True only for a table of observers: its plan's one
+run then calls them straight after the module's forward (``forward.Observing``).
 
 Cost: built once per plan and module; reading it is attribute loads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import cast
+import enum
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from torch import nn
-
-from funhooks.specs.editing import Intervention
 from funhooks.specs.spec import Spec
 
-from .entries import BackwardEntry, PostEntry, PreEntry, backward_hook, post_entry, pre_entry, stores_as_is
-from .frame import Frame
+from . import entries
+from .entries import BackwardEntry, PostEntry, PreEntry
 from .op_mode import OpEntry, op_entry
 from .types import Key, Selected
 
-__all__ = ["Hooked", "intervene_entry", "intervene_pre_entry"]
+__all__ = ["ENTRIES", "PLACES", "Hooked", "Place"]
 
 
-def intervene_entry(spec: Spec, key: Key, rank: int) -> PostEntry:
-    """The entry of an intervention on a module's output (``spec.action`` an intervention value):
-    it applies with the frame's per-call values, counting the calls it applied to in the frame
-    (a Record source holding several calls gives call k to the module's k-th call)."""
-    apply, path = cast(Intervention, spec.action).apply, key[0]
+class Place(enum.Enum):
+    """Where the hot loop runs an entry (``forward.call``), in its order."""
 
-    def intervene(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-        count = frame.counts.get(intervene, 0)
-        frame.counts[intervene] = count + 1
-        return apply(output, spec, path, rank, count, frame.values, frame.caller)
+    PRE_EDIT = enum.auto()
+    PRE_OBSERVE = enum.auto()
+    AROUND = enum.auto()  # during the module's forward, on the ops it calls
+    EDIT = enum.auto()
+    GRAD = enum.auto()
+    OBSERVE = enum.auto()
+    BACKWARD_EDIT = enum.auto()
+    BACKWARD_OBSERVE = enum.auto()
+    BACKWARD_PRE_EDIT = enum.auto()
+    BACKWARD_PRE_OBSERVE = enum.auto()
 
-    return intervene
+
+Make = Callable[[Spec, Key, int, bool], Any]
+"""Makes a spec's entry on one module: ``(spec, key, rank, copies) -> entry`` (see ``entries``)."""
+
+ENTRIES: dict[tuple[str, str], Make] = {
+    ("forward_pre", "input"): entries.inputs_entry,
+    ("forward_pre", "call"): entries.args_call_entry,
+    ("forward_pre", "intervene"): entries.args_intervene_entry,
+    ("around", "op"): op_entry,
+    ("forward", "output"): entries.output_entry,
+    ("forward", "call"): entries.output_call_entry,
+    ("forward", "intervene"): entries.output_intervene_entry,
+    ("output_grad", "grad"): entries.grads_entry,
+    ("output_grad", "grad_output"): entries.grads_entry,
+    ("backward", "call"): entries.backward_entry,
+    ("backward_pre", "call"): entries.backward_entry,
+}
+"""The entry of a spec, by its ``(hook, role)``. ``param_grad`` specs have none: they hook parameters."""
+
+PLACES: dict[tuple[str, bool], Place] = {
+    ("forward_pre", True): Place.PRE_EDIT,
+    ("forward_pre", False): Place.PRE_OBSERVE,
+    ("around", True): Place.AROUND,
+    ("around", False): Place.AROUND,
+    ("forward", True): Place.EDIT,
+    ("forward", False): Place.OBSERVE,
+    ("output_grad", False): Place.GRAD,
+    ("backward", True): Place.BACKWARD_EDIT,
+    ("backward", False): Place.BACKWARD_OBSERVE,
+    ("backward_pre", True): Place.BACKWARD_PRE_EDIT,
+    ("backward_pre", False): Place.BACKWARD_PRE_OBSERVE,
+}
+"""Where the hot loop runs a spec's entry, by its ``(hook, is_edit)``."""
 
 
-def intervene_pre_entry(spec: Spec, key: Key, rank: int) -> PreEntry:
-    """The entry of an intervention on a module's positional arguments (a standard point that
-    is a module's input): as :func:`intervene_entry`, on the args tuple."""
-    apply, path = cast(Intervention, spec.action).apply, key[0]
+def _placed(specs: Iterable[Selected], copies: bool) -> dict[Place, list[Any]]:
+    """Each spec's entry, by where the hot loop runs it, in spec order."""
+    placed: dict[Place, list[Any]] = {}
+    for spec, key, rank in specs:
+        entry = ENTRIES[(spec.hook, spec.role)](spec, key, rank, copies)
+        placed.setdefault(PLACES[(spec.hook, spec.is_edit)], []).append(entry)
+    return placed
 
-    def intervene_args(frame: Frame, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-        count = frame.counts.get(intervene_args, 0)
-        frame.counts[intervene_args] = count + 1
-        return apply(args, spec, path, rank, count, frame.values, frame.caller)
 
-    return intervene_args
+def _by_op(op_entries: list[OpEntry]) -> dict[str, tuple[OpEntry, ...]]:
+    """Op entries by the name of each op they read (a derived op, the attention pattern, reads several)."""
+    ops: dict[str, list[OpEntry]] = {}
+    for entry in op_entries:
+        for name in entry.reads:
+            ops.setdefault(name, []).append(entry)
+    return {name: tuple(found) for name, found in ops.items()}
 
 
 class Hooked:
     """One plan's entries for one module, sorted by when the hot loop runs them: forward-pre
     editors, then forward-pre observers; op entries during the module's forward; the module;
     editors, then gradient watchers, then observers (so a recording sees the value after
-    every editor); backward hooks around it."""
+    every editor); backward hooks around it, editors first (so backward observers see the
+    edited gradients too)."""
 
     __slots__ = ("around", "backward", "backward_pre", "edits", "grads", "obs", "ops", "path", "plain", "pre_edits",
-                 "pre_obs", "stores")
+                 "pre_obs")
 
     def __init__(self, path: str, specs: Iterable[Selected], *, copies: bool = False,
                  watch: PreEntry | None = None) -> None:
@@ -70,44 +110,17 @@ class Hooked:
         transforms); `watch`: the entry hooking the FSDP-sharded parameters this module
         manages (``sharded``)."""
         self.path = path
-        pre_edits: list[PreEntry] = []
-        pre_obs: list[PreEntry] = [] if watch is None else [watch]
-        edits: list[PostEntry] = []
-        grads: list[PostEntry] = []
-        obs: list[PostEntry] = []
-        last: Spec | None = None  # the last forward spec, and its key
-        last_key: Key | None = None
-        backward: list[tuple[bool, BackwardEntry]] = []
-        backward_pre: list[tuple[bool, BackwardEntry]] = []
-        ops: dict[str, list[OpEntry]] = {}
-        for spec, key, rank in specs:  # `param_grad` specs never reach here: they hook parameters
-            if spec.hook == "forward_pre" and spec.role == "intervene":
-                pre_edits.append(intervene_pre_entry(spec, key, rank))
-            elif spec.hook == "forward_pre":
-                (pre_edits if spec.is_edit else pre_obs).append(pre_entry(spec, key, copies))
-            elif spec.hook == "around":
-                entry = op_entry(spec, key, rank, copies)
-                for name in entry.reads:  # a derived op (the attention pattern) reads several
-                    ops.setdefault(name, []).append(entry)
-            elif spec.hook == "output_grad":
-                grads.append(post_entry(spec, key, copies))
-            elif spec.hook == "forward" and spec.role == "intervene":
-                edits.append(intervene_entry(spec, key, rank))
-            elif spec.hook == "forward":
-                (edits if spec.is_edit else obs).append(post_entry(spec, key, copies))
-                last, last_key = spec, key
-            elif spec.hook == "backward":
-                backward.append((spec.is_edit, backward_hook(spec, key)))
-            else:
-                backward_pre.append((spec.is_edit, backward_hook(spec, key)))
-        self.pre_edits, self.pre_obs = tuple(pre_edits), tuple(pre_obs)
-        self.edits, self.grads, self.obs = tuple(edits), tuple(grads), tuple(obs)
-        self.ops = {name: tuple(entries) for name, entries in ops.items()}  # op name -> its entries
-        self.around = bool(ops)  # whether the module's forward runs inside an op mode
-        # editors first, so backward observers see the edited gradients too
-        self.backward = tuple(f for _, f in sorted(backward, key=lambda e: not e[0]))
-        self.backward_pre = tuple(f for _, f in sorted(backward_pre, key=lambda e: not e[0]))
-        self.plain = not (pre_edits or pre_obs or edits or grads or backward or backward_pre or ops)
-        self.stores: Key | None = None  # the key, when the one entry stores the output as is
-        if self.plain and len(obs) == 1 and stores_as_is(last, copies):  # type: ignore[arg-type]  # plain: an observer
-            self.stores = last_key
+        placed = _placed(specs, copies)
+        at = placed.get
+        self.pre_edits: tuple[PreEntry, ...] = tuple(at(Place.PRE_EDIT, ()))
+        self.pre_obs: tuple[PreEntry, ...] = (*(() if watch is None else (watch,)), *at(Place.PRE_OBSERVE, ()))
+        self.ops = _by_op(at(Place.AROUND, []))  # op name -> its entries
+        self.around = bool(self.ops)  # whether the module's forward runs inside an op mode
+        self.edits: tuple[PostEntry, ...] = tuple(at(Place.EDIT, ()))
+        self.grads: tuple[PostEntry, ...] = tuple(at(Place.GRAD, ()))
+        self.obs: tuple[PostEntry, ...] = tuple(at(Place.OBSERVE, ()))
+        self.backward: tuple[BackwardEntry, ...] = (*at(Place.BACKWARD_EDIT, ()), *at(Place.BACKWARD_OBSERVE, ()))
+        self.backward_pre: tuple[BackwardEntry, ...] = (*at(Place.BACKWARD_PRE_EDIT, ()),
+                                                        *at(Place.BACKWARD_PRE_OBSERVE, ()))
+        self.plain = not (self.pre_edits or self.pre_obs or self.edits or self.grads or self.backward
+                          or self.backward_pre or self.ops)

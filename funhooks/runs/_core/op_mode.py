@@ -35,12 +35,11 @@ from torch.overrides import TorchFunctionMode
 
 from funhooks import _torch
 from funhooks.errors import TransformError
-from funhooks.specs.editing import Intervention
 from funhooks.specs.ops import OP_NAMES, At, Derived, Op, OpAction, op_name
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
-from .entries import call_spec, checked_edit
+from .entries import call_spec, checked_edit, intervention
 from .frame import Frame
 from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
@@ -104,13 +103,11 @@ def op_entry(spec: Spec, key: Key, rank: int, copies: bool = False) -> OpEntry:
             return checked_edit(frame, spec, path, f"output of `{op.name}`", output, new)
 
         entry.edit = edit_op
-    else:  # an intervention: counted per frame, so a Record with several calls gives call k to the k-th
-        apply = cast(Intervention, action.intervention).apply
+    else:  # an intervention
+        apply = intervention(action.intervention, spec, key, rank)
 
         def intervene_op(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-            count = frame.counts.get(entry, 0)
-            frame.counts[entry] = count + 1
-            return apply(output, spec, path, rank, count, frame.values, frame.caller)
+            return apply(frame, output)
 
         entry.edit = intervene_op
     return entry
@@ -151,12 +148,41 @@ class _Mode(TorchFunctionMode):
 
     def _run(self, func: Callable[..., object], found: list[tuple[Frame, OpEntry]], args: tuple,
              kwargs: dict) -> object:
+        """A matched op with its entries around it: input stores, the op, editors, output stores."""
+        taken = self._taken(found)
+        derived = [(frame, entry) for frame, entry in taken if entry.derived is not None]
+        if derived:
+            taken = [(frame, entry) for frame, entry in taken if entry.derived is None]
+        if not self.replay:
+            _store_inputs(taken, args)
+        if derived:
+            reader: Derived = derived[0][1].derived  # type: ignore[assignment]
+            output = reader.run(op_name(func), func, args, kwargs, self._at(derived, args, kwargs))
+        else:
+            output = func(*args, **kwargs)
+        output = self._edited(taken, args, kwargs, output)
+        if not self.replay:
+            _store_output(taken, output)
+        return output
+
+    def _edited(self, taken: list[tuple[Frame, OpEntry]], args: tuple, kwargs: dict, output: object) -> object:
+        """The op's output after every editor among `taken`, in run order."""
+        for frame, entry in taken:
+            if entry.edit is not None:
+                new = entry.edit(frame, self.module, args, kwargs, output)
+                if new is not None:
+                    output = new
+        return output
+
+    def _taken(self, found: list[tuple[Frame, OpEntry]]) -> list[tuple[Frame, OpEntry]]:
+        """The entries that take this call of the op: the module's own call (or ``deep``), and
+        the entry's ``call`` index; counted either way."""
         own = None
         taken = []
         for frame, entry in found:
             if not entry.deep:
-                if own is None:
-                    own = _own(sys._getframe(2), self.mark)  # 0: here, 1: __torch_function__, 2: what called the op
+                if own is None:  # 0: here, 1: `_run`, 2: `__torch_function__`, 3: what called the op
+                    own = _own(sys._getframe(3), self.mark)
                 if not own:
                     self.outside[entry] = self.outside.get(entry, 0) + 1
                     continue
@@ -164,29 +190,7 @@ class _Mode(TorchFunctionMode):
             self.counts[entry] = count + 1
             if entry.call is None or entry.call == count:
                 taken.append((frame, entry))
-        derived = [(frame, entry) for frame, entry in taken if entry.derived is not None]
-        reader = derived[0][1].derived if derived else None
-        if derived:
-            taken = [(frame, entry) for frame, entry in taken if entry.derived is None]
-        if not self.replay:
-            for frame, entry in taken:
-                if entry.store_in is not None:
-                    entry.store_in(frame, args)
-        module = self.module
-        if reader is not None:
-            output = reader.run(op_name(func), func, args, kwargs, self._at(derived, args, kwargs))
-        else:
-            output = func(*args, **kwargs)
-        for frame, entry in taken:
-            if entry.edit is not None:
-                new = entry.edit(frame, module, args, kwargs, output)
-                if new is not None:
-                    output = new
-        if not self.replay:
-            for frame, entry in taken:
-                if entry.store_out is not None:
-                    entry.store_out(frame, output)
-        return output
+        return taken
 
     def _at(self, derived: list[tuple[Frame, OpEntry]], args: tuple, kwargs: dict) -> At:
         """How a derived op hands its points to the `derived` entries: editors, then stores."""
@@ -222,6 +226,18 @@ class _Mode(TorchFunctionMode):
                                              self.outside.get(entry, 0), sorted(self.seen))
 
 
+def _store_inputs(taken: list[tuple[Frame, OpEntry]], args: tuple) -> None:
+    for frame, entry in taken:
+        if entry.store_in is not None:
+            entry.store_in(frame, args)
+
+
+def _store_output(taken: list[tuple[Frame, OpEntry]], output: object) -> None:
+    for frame, entry in taken:
+        if entry.store_out is not None:
+            entry.store_out(frame, output)
+
+
 def call(module: nn.Module, inner: UserCall, users: OpUsers, path: str, args: tuple, kwargs: dict,
          replay: bool) -> object:
     """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
@@ -235,7 +251,7 @@ def call(module: nn.Module, inner: UserCall, users: OpUsers, path: str, args: tu
                         raise TransformError(
                             f"{frame.caller}: inside `torch.compile`d code an op spec also takes its module's "
                             f"submodules' ops, as frames cannot be walked there, got {entry.spec!r} on module "
-                            f"{where(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
+                            f"{path_label(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
                         )
     mode = _Mode(module, users, None if compiling else sys._getframe(), replay)
     with mode:

@@ -42,7 +42,7 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import HookError, TransformError
-from funhooks.specs.selector import path_label as where
+from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
 from .entries import call_spec, checked_edit
@@ -126,7 +126,7 @@ class Watch:
         if frame.level:
             raise TransformError(
                 f"{frame.caller}: `param_grad` specs on FSDP-sharded parameters need autograd's backward, got module "
-                f"{where(self.path)} called inside a torch.func transform. Run the sharded model outside transforms."
+                f"{path_label(self.path)} called inside a torch.func transform. Run the sharded model outside transforms."
             )
         if frame.watches is None:
             frame.watches = {}
@@ -171,27 +171,41 @@ class Watch:
                 continue
             before = pending[param]
             sharded: Any = param.sharded()  # a DTensor
-            grad = None if sharded is None else sharded.grad
+            grad = _added(None if sharded is None else sharded.grad, before)
             if grad is None:
                 continue
-            if before is not None:
-                old, copy, version = before
-                if grad is copy and grad.to_local()._version == version:
-                    continue  # not reduced in this pass (no gradient sync): nothing added yet
-                grad = grad - old
-            edited = False
-            for (spec, key), prep in zip(param.specs, param.preps):
-                if spec.is_edit:
-                    new = call_spec(frame, spec, param.path, (sharded, grad))
-                    new = checked_edit(frame, spec, param.path, "gradient", grad, new)
-                    if new is not None:
-                        _check_sharded(frame, spec, param.path, grad, new)
-                        grad, edited = new, True
-                    continue
-                value = call_spec(frame, spec, param.path, (sharded, grad if prep is None else prep(grad)))
-                frame.buffer.append((key, value, _versions(value)))
-            if edited:
-                sharded.grad = grad if before is None else before[0] + grad
+            edited = _run_specs(frame, param, sharded, grad)
+            if edited is not None:
+                sharded.grad = edited if before is None else before[0] + edited
+
+
+def _added(grad: Any, before: Pending | None) -> Any:
+    """What this backward pass added to a shard's ``.grad`` (`before`: what it held, see
+    :data:`Pending`); None when it has none, or nothing was added yet (not reduced in this pass,
+    without gradient sync)."""
+    if grad is None or before is None:
+        return grad
+    old, copy, version = before
+    if grad is copy and grad.to_local()._version == version:
+        return None
+    return grad - old
+
+
+def _run_specs(frame: Frame, param: Param, sharded: Any, grad: Any) -> Any:
+    """Each spec of `param` on `grad`, editors first (observers see the edited gradient): the
+    edited gradient, or None when no editor changed it."""
+    edited = None
+    for (spec, key), prep in zip(param.specs, param.preps):
+        if spec.is_edit:
+            new = call_spec(frame, spec, param.path, (sharded, grad))
+            new = checked_edit(frame, spec, param.path, "gradient", grad, new)
+            if new is not None:
+                _check_sharded(frame, spec, param.path, grad, new)
+                grad = edited = new
+            continue
+        value = call_spec(frame, spec, param.path, (sharded, grad if prep is None else prep(grad)))
+        frame.buffer.append((key, value, _versions(value)))
+    return edited
 
 
 def _versions(value: object) -> Check:
@@ -213,6 +227,6 @@ def _check_sharded(frame: Frame, spec: Spec, path: str, old: Any, new: Any) -> N
     got = f"DTensor with placements {tuple(new.placements)}" if _torch.is_dtensor(new) else type(new).__name__
     raise HookError(
         f"{frame.caller}: an editor of an FSDP-sharded parameter's gradient returns a DTensor placed like the "
-        f"gradient ({tuple(old.placements)}), got a {got} from {spec!r} for parameter {where(path)}. Compute "
+        f"gradient ({tuple(old.placements)}), got a {got} from {spec!r} for parameter {path_label(path)}. Compute "
         "the new gradient from `grad` with DTensor ops (e.g. `grad * scale`, `grad.clamp(-c, c)`)."
     )

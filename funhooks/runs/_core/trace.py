@@ -41,7 +41,7 @@ from torch import nn
 from funhooks import _torch
 
 from .entries import PostEntry
-from .forward import Users, call
+from . import forward
 from .frame import Frame
 from .hooked import Hooked
 from .types import Key, Selected, Stored, UserCall
@@ -90,14 +90,25 @@ def layout(modules: Iterable[tuple[str, str, str, list[User]]]) -> Traced:
     rows: list[str] = []
     groups: list[Group] = []
     for route, attr, path, users in modules:
-        plain = all(lean is not None for _, _, lean in users)
-        fields = [route, attr, path, *(name for _, _, lean in users for name, _, _ in lean or ())]
-        if plain and not any(_FIELD in f or _ROW in f for f in fields):
-            rows += [_FIELD.join((route, attr, path, name, "i" if pre else "o", str(copy), str(i)))
-                     for i, _, lean in users for name, pre, copy in lean or ()]
-        else:
+        found = _rows(route, attr, path, users)
+        if found is None:
             groups.append((route, attr, tuple([(i, hooked) for i, hooked, _ in users])))
+        else:
+            rows += found
     return _ROW.join(rows), tuple(groups)
+
+
+def _rows(route: str, attr: str, path: str, users: list[User]) -> list[str] | None:
+    """A module's rows of :func:`layout`'s str, when every frame's entries on it are stores of
+    copies and no string holds a separator; else None (it is recorded through its tables)."""
+    stores = [(i, lean) for i, _, lean in users]
+    if any(lean is None for _, lean in stores):
+        return None
+    fields = [route, attr, path, *(name for _, lean in stores for name, _, _ in lean)]  # type: ignore[union-attr]
+    if any(_FIELD in f or _ROW in f for f in fields):
+        return None
+    return [_FIELD.join((route, attr, path, name, "i" if pre else "o", str(copy), str(i)))
+            for i, lean in stores for name, pre, copy in lean]  # type: ignore[union-attr]
 
 
 def _at(root: nn.Module, route: str) -> nn.Module:
@@ -122,11 +133,11 @@ def _storing(inner: Callable[P, R], before: list[tuple[list[Stored], Key, Copy]]
     return forward
 
 
-def _calling(module: nn.Module, inner: UserCall, users: Users[Hooked]) -> UserCall:
-    def forward(*args: object, **kwargs: object) -> object:
-        return call(module, inner, users, args, kwargs, checked=False)
+def _calling(module: nn.Module, inner: UserCall, users: forward.Users[Hooked]) -> UserCall:
+    def calling(*args: object, **kwargs: object) -> object:
+        return forward.call(module, inner, users, args, kwargs, checked=False)
 
-    return forward
+    return calling
 
 
 def record(fn: Callable[..., R], root: nn.Module, traced: Traced, frames: list[Frame], args: tuple,
@@ -225,7 +236,7 @@ def _recorder(wrapper: nn.Module, compiled_fn: object, users: list[Compiled]) ->
     return context(_fresh(recorder))
 
 
-def compiled_call(wrapper: nn.Module, inner: UserCall, users: Users[Compiled], args: tuple,
+def compiled_call(wrapper: nn.Module, inner: UserCall, users: forward.Users[Compiled], args: tuple,
                   kwargs: dict) -> object:
     """A call of a compiled module (a ``torch.compile`` wrapper, or a module compiled in place,
     whose compiled call is `inner`) for the runs in `users` (``(frame, Compiled)``): the

@@ -57,6 +57,11 @@ def snapshot(value: object) -> tuple[object, Check]:
             return value.clone(), None
     if value is None or isinstance(value, _SCALARS):
         return value, None
+    return _snapshot_tree(value)
+
+
+def _snapshot_tree(value: object) -> tuple[object, Check]:
+    """:func:`snapshot` of a structure: ``(tensor, version)`` for each tensor in it."""
     tensors = value if type(value) is tuple and all(isinstance(t, Tensor) for t in value) else _torch.tensor_leaves(value)
     if not tensors:
         return value, None
