@@ -259,6 +259,17 @@ def run(
         files[name] = (folder / FILES[name]).resolve()
         fig.savefig(files[name])
 
+    grads, update, dead = results["gradients"], results["update_ratio"], results["dead_units"]
+    _report(echo, model, results, accuracy, folder, files)
+    return DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary,
+                      gradients=grads, update_ratio=update, dead_units=dead)
+
+
+def _report(echo: Callable[[str], None], model: nn.Module, results: dict, accuracy: float, folder: Path,
+            files: dict[str, Path]) -> None:
+    """The demo's closing lines: the loss, each layer's last statistics, where the plots went."""
+    stats, losses = results["stats"], results["loss"].losses
+    grads, update, dead = results["gradients"], results["update_ratio"], results["dead_units"]
     last = stats.stats[-1]
     echo(f"\nLoss: {losses[0]:.3f} at the first step, {losses[-1]:.3f} at the last. "
          f"Validation accuracy: {100 * accuracy:.1f}%.")
@@ -267,7 +278,6 @@ def run(
         s = last[i]
         echo(f"  {_label(stats, i, model):<18} mean {s['mean']:+.3f}  std {s['std']:.3f}  "
              f"near zero {100 * s['near_zero']:.0f}%")
-    grads, update, dead = results["gradients"], results["update_ratio"], results["dead_units"]
     echo("Last step, per layer (fh.GradientStats, fh.UpdateRatio):")
     last_grads, last_update = grads.stats[-1], update.log10()[-1]
     for i, path in enumerate(grads.paths):
@@ -281,5 +291,3 @@ def run(
     for name, path in files.items():
         lines = textwrap.wrap(WHAT[name], width=REPORT_WIDTH - 19)
         echo(f"  {path.name:<16} " + f"\n{' ' * 19}".join(lines))
-    return DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary,
-                      gradients=grads, update_ratio=update, dead_units=dead)

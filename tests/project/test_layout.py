@@ -488,3 +488,75 @@ def test_the_stale_name_check_catches_what_it_guards() -> None:
             "funhooks/errors.py, the tag ``funhooks/loss/ema``, tests/project/test_layout.py\n")
     assert [s.split(": ", 1)[1].split(" (")[0] for s in _stale_names("x", text)] == [
         "funhooks.no_such_thing", ":mod:`funhooks.fold`", "funhooks/_core", "tests/test_moved.py"]
+
+
+# -- functions a newcomer can read -------------------------------------------------------------
+
+CORE = PACKAGE / "runs" / "_core"
+MAX_CORE_COMPLEXITY = 12  # McCabe, counted as radon counts it
+MAX_CORE_BODY = 50  # lines of a function's body in the run core, its docstring left out
+MAX_BODY = 60  # lines of a function's body anywhere in the package ...
+MAX_LONG_BODIES = 2  # ... but for this many
+
+
+def _complexity(fn: ast.AST) -> int:
+    """McCabe complexity as radon counts it; nested functions, lambdas and classes count on their own."""
+    count, stack = 1, list(ast.iter_child_nodes(fn))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.If, ast.IfExp, ast.Assert, ast.match_case)):
+            count += 1
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            count += 1 + bool(node.orelse)
+        elif isinstance(node, ast.Try):
+            count += len(node.handlers) + bool(node.orelse)
+        elif isinstance(node, ast.BoolOp):
+            count += len(node.values) - 1
+        elif isinstance(node, ast.comprehension):
+            count += 1 + len(node.ifs)
+        stack.extend(ast.iter_child_nodes(node))
+    return count
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and len(body) > 1:
+        body = body[1:]  # the docstring
+    return (body[-1].end_lineno or body[-1].lineno) - body[0].lineno + 1
+
+
+def _functions(root: Path) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    return [(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}", node)
+            for path in sorted(root.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_the_run_core_has_no_function_too_branched_or_too_long_to_read() -> None:
+    """Every module call runs through `runs/_core`: each of its functions fits a screen and a
+    handful of paths (issue 37's targets)."""
+    branched = [f"{name} (complexity {c})" for name, fn in _functions(CORE)
+                if (c := _complexity(fn)) > MAX_CORE_COMPLEXITY]
+    long = [f"{name} ({n} lines)" for name, fn in _functions(CORE) if (n := _body_lines(fn)) > MAX_CORE_BODY]
+    assert not branched + long, (
+        f"split these run-core functions into their steps (complexity <= {MAX_CORE_COMPLEXITY}, "
+        f"<= {MAX_CORE_BODY} lines): {branched + long}")
+
+
+def test_at_most_two_functions_of_the_package_are_long() -> None:
+    long = [f"{name} ({n} lines)" for name, fn in _functions(PACKAGE) if (n := _body_lines(fn)) > MAX_BODY]
+    assert len(long) <= MAX_LONG_BODIES, f"more than {MAX_LONG_BODIES} functions over {MAX_BODY} lines: {long}"
+
+
+def test_the_complexity_count_agrees_with_mccabe_on_known_shapes() -> None:
+    src = ("def f(x, y):\n"
+           "    if x and y:\n        return [i for i in x if i]\n"
+           "    for i in x:\n        pass\n    else:\n        pass\n"
+           "    try:\n        pass\n    except ValueError:\n        pass\n"
+           "    def inner():\n        if x:\n            pass\n"
+           "    return 1 if y else 2\n")
+    fn = ast.parse(src).body[0]
+    # if +1, and +1, comprehension +2, for/else +2, except +1, ternary +1; `inner` counts on its own
+    assert _complexity(fn) == 9
