@@ -209,7 +209,7 @@ class Kept(NamedTuple):
     hist: Settled | None
 
 
-def settled(entry: Entry) -> Entry | Kept:
+def keep(entry: Entry) -> Entry | Kept:
     """`entry` as a state keeps it: on the CPU its rows and histograms as :class:`Settled`
     (read there with no sync); on another device unchanged (nothing read)."""
     if entry.rows.device.type != "cpu":
@@ -223,7 +223,7 @@ def _settle(t: Tensor) -> Settled:
 
 
 def live(entry: Entry | Kept) -> Entry:
-    """`entry` with tensors again, as :func:`settled` took them, bit for bit."""
+    """`entry` with tensors again, as :func:`keep` took them, bit for bit."""
     if isinstance(entry, Entry):
         return entry
     hist = None if entry.hist is None else _tensor(entry.hist)

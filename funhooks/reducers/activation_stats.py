@@ -216,8 +216,8 @@ class ActivationStats:
             return state
         calls = step.record.calls_by_path(self.record_name)
         if not calls:
-            return (state, _exact.settled(_exact.empty_entry(step.iteration, self._snapshot)))
-        return (state, _exact.settled(_exact.reduce_calls(calls, self._snapshot, step.iteration)))
+            return (state, _exact.keep(_exact.empty_entry(step.iteration, self._snapshot)))
+        return (state, _exact.keep(_exact.reduce_calls(calls, self._snapshot, step.iteration)))
 
     def merge(self, a: State, b: State) -> State:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
@@ -227,7 +227,7 @@ class ActivationStats:
             entry = _exact.live(kept)
             seen = by_iteration.get(entry.iteration)
             by_iteration[entry.iteration] = entry if seen is None else _exact.combine(seen, entry)
-        return _shared.roll([_exact.settled(by_iteration[k]) for k in sorted(by_iteration)])
+        return _shared.roll([_exact.keep(by_iteration[k]) for k in sorted(by_iteration)])
 
     def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/mean", "<layer>/std", "<layer>/near_zero": value}`` of each module at the
@@ -304,7 +304,7 @@ class ActivationStatsResult:
 
     kept: tuple[_exact.Entry | _exact.Kept, ...]
     """Per recorded step, its entry as the state keeps it (on the CPU, numbers: see
-    :func:`~funhooks.reducers._exact.settled`)."""
+    :func:`~funhooks.reducers._exact.keep`)."""
     with_hist: bool
     paths: tuple[str, ...] = attrs.field(init=False, default=attrs.Factory(
         lambda self: _shared.module_order(e.paths for e in self.kept), takes_self=True))

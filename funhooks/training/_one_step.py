@@ -21,7 +21,7 @@ from torch import nn
 from funhooks import _torch
 from funhooks.errors import LoopError
 
-from . import _batches as _batch
+from . import _batches
 from .step import Metrics
 
 __all__ = ["LossFn", "Optimizer", "Optimizers", "Outcome", "StepFn", "builtin_step", "check_loop", "check_start",
@@ -134,7 +134,7 @@ def total(batches: Iterable[object], epochs: int, accumulate: int = 1) -> int | 
 def builtin_step(model: nn.Module, batches: list[Any], start: int, loss_fn: LossFn, opt: Optimizer,
                  caller: str) -> torch.Tensor:
     """One optimizer step over `batches` (micro-batches; usually one): the mean detached loss."""
-    pairs = [_batch.pair(b, start + i, caller) for i, b in enumerate(batches)]
+    pairs = [_batches.pair(b, start + i, caller) for i, b in enumerate(batches)]
     opt.zero_grad()
     if len(pairs) == 1:
         x, y = pairs[0]
@@ -198,5 +198,5 @@ def evaluation(model: nn.Module, batch: Any, index: int, loss_fn: LossFn | None,
             return None, None
 
         return forward
-    x, y = _batch.pair(batch, index, caller)
+    x, y = _batches.pair(batch, index, caller)
     return lambda: (scalar(loss_fn(model(x), y), caller).detach(), None)

@@ -34,8 +34,8 @@ from funhooks._modes import in_mode
 from funhooks.errors import LoopError
 from funhooks.specs.spec import Spec
 
-from . import _batches as _batch
-from . import _one_step as work
+from . import _batches
+from . import _one_step
 from . import progress as _progress
 from ._one_step import LossFn, Optimizer, Optimizers, Outcome, StepFn
 from .recorder import Recorder
@@ -73,9 +73,9 @@ def train_steps(
     to step, paused between them, until the generator ends (:meth:`Recorder.held`; then
     :meth:`Recorder.abort`).
     """
-    work.check_loop(model, batches, epochs, caller)
-    work.check_step(loss_fn, opt, step, accumulate, to_device, caller)
-    work.check_start(start_iteration, caller)
+    _one_step.check_loop(model, batches, epochs, caller)
+    _one_step.check_step(loss_fn, opt, step, accumulate, to_device, caller)
+    _one_step.check_start(start_iteration, caller)
     watches = as_watches(watches, caller)
     if watches and opt is None:
         raise LoopError(f"{caller}: `watches` read the optimizer step, got no optimizer. Pass `opt=` (the "
@@ -100,18 +100,18 @@ def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, O
            recorder: Recorder, held: bool, epochs: int, accumulate: int, to_device: bool, records: Records | None,
            iteration: int, caller: str) -> Generator[Step, None, None]:
     loss_fn, opt = builtin
-    device = _batch.model_device(model) if to_device else None
+    device = _batches.model_device(model) if to_device else None
     walked = recorder.walked  # one walk a step serves the loop and the recording
     for epoch in range(epochs):
         start = 0
-        for group in (_batch.group(batches, accumulate) if accumulate > 1 else ([b] for b in batches)):
+        for group in (_batches.group(batches, accumulate) if accumulate > 1 else ([b] for b in batches)):
             if device is not None:
-                group = [_batch.to_device(b, device) for b in group]
+                group = [_batches.to_device(b, device) for b in group]
 
             def run(group: list[object] = group, start: int = start) -> Outcome:
                 if step is None:
-                    return work.builtin_step(model, group, start, loss_fn, opt, caller), None
-                return work.outcome(step(model, group[0] if accumulate == 1 else group), caller)
+                    return _one_step.builtin_step(model, group, start, loss_fn, opt, caller), None
+                return _one_step.outcome(step(model, group[0] if accumulate == 1 else group), caller)
             modules = walked()
             with in_mode(model, True, modules):
                 if records is None or records(iteration, True):
@@ -123,7 +123,7 @@ def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, O
             iteration += 1
             start += len(group)
         if start == 0:
-            raise work.empty(f"none in epoch {epoch} from a {type(batches).__name__}", caller)
+            raise _one_step.empty(f"none in epoch {epoch} from a {type(batches).__name__}", caller)
 
 
 def train(
@@ -210,7 +210,7 @@ def train(
     """
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
                         accumulate=accumulate, to_device=to_device, start_iteration=start_iteration)
-    return _progress.wrap(steps, total=work.total(batches, epochs, accumulate), desc="train", progress=progress)
+    return _progress.wrap(steps, total=_one_step.total(batches, epochs, accumulate), desc="train", progress=progress)
 
 
 def evaluate(
@@ -255,24 +255,24 @@ def evaluate(
         >>> steps[1].record["1"]["output"].shape, model.training
         (torch.Size([2, 2]), True)
     """
-    work.check_loop(model, batches, 1, "evaluate")
+    _one_step.check_loop(model, batches, 1, "evaluate")
     if step is not None and not callable(step):
         raise LoopError(f"evaluate: `step` is a function `step(model, batch)`, got {step!r}. Pass a function.")
     recorder = Recorder(model, specs, (), None, "evaluate")
     steps = _evaluate(model, batches, loss_fn, step, recorder, to_device)
-    return _progress.wrap(steps, total=work.total(batches, 1), desc="evaluate", progress=progress)
+    return _progress.wrap(steps, total=_one_step.total(batches, 1), desc="evaluate", progress=progress)
 
 
 def _evaluate(model: nn.Module, batches: Iterable[object], loss_fn: LossFn | None, step: StepFn | None,
               recorder: Recorder, to_device: bool) -> Generator[Step, None, None]:
-    device = _batch.model_device(model) if to_device else None
+    device = _batches.model_device(model) if to_device else None
     index = -1
     for index, batch in enumerate(batches):
         if device is not None:
-            batch = _batch.to_device(batch, device)
-        run = work.evaluation(model, batch, index, loss_fn, step, "evaluate")
+            batch = _batches.to_device(batch, device)
+        run = _one_step.evaluation(model, batch, index, loss_fn, step, "evaluate")
         with in_mode(model, False), torch.no_grad():
             (loss, metrics), record = recorder.step(run)
         yield Step(0, index, loss, record, False, metrics)
     if index < 0:
-        raise work.empty(f"none from a {type(batches).__name__}", "evaluate")
+        raise _one_step.empty(f"none from a {type(batches).__name__}", "evaluate")
