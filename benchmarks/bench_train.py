@@ -20,7 +20,7 @@ timing):
   forward and gives fastai's statistics to the bit must pay, with none of funhooks' run,
   Record or fold: each Linear's forward wrapped for the step by a one-line Python function
   keeping its output, then the step's outputs stacked and reduced by the exact batched
-  reduction ``ActivationStats`` uses (``funhooks.reducers._exact.row_stats``); checked equal to
+  reduction ``ActivationStats`` uses (``funhooks.reducers._exact._row_stats``); checked equal to
   ``ActivationStats``' numbers.
 - ``floor: + the contract's work``: the floor above plus, written by hand, what the contract
   asks of ``fit + ActivationStats()`` (issue 31): wrappers installed once per call and taken
@@ -183,7 +183,7 @@ def _floor_stats(model: nn.Module, batches: list, opt: torch.optim.Optimizer) ->
             opt.step()
             for m in linears:
                 del m.forward
-            rows.append(fh.reducers._exact.row_stats(torch.stack(kept).flatten(1), fh.reducers.activation_stats.NEAR_ZERO))
+            rows.append(fh.reducers._exact._row_stats(torch.stack(kept).flatten(1), fh.reducers.activation_stats.NEAR_ZERO))
         return rows
 
     return call
@@ -255,7 +255,7 @@ def _floor_contract(model: nn.Module, batches: list, opt: torch.optim.Optimizer,
                                   and [v.dtype for v in values].count(values[0].dtype) == len(values),
                                   "activations of several shapes")
                 x = torch.stack(values).flatten(1)
-                rows.append(fh.reducers._exact.row_stats(x, fh.reducers.activation_stats.NEAR_ZERO).tolist())
+                rows.append(fh.reducers._exact._row_stats(x, fh.reducers.activation_stats.NEAR_ZERO).tolist())
         finally:
             active.reset(token)
             for m in paths:

@@ -13,7 +13,7 @@ from typing import ClassVar, TypeVar
 
 from .errors import FrozenError
 
-__all__ = ["EVOLVE_HINT", "Frozen", "frozen"]
+__all__ = ["Frozen", "frozen"]
 
 T = TypeVar("T", bound=type)
 
@@ -51,7 +51,7 @@ class Frozen:
         return f"{type(self).__name__}: a frozen value cannot be {what}. {self._hint.format(key=key)}"
 
 
-EVOLVE_HINT = "Build a new one with `attrs.evolve(value, {key}=...)`."
+_EVOLVE_HINT = "Build a new one with `attrs.evolve(value, {key}=...)`."
 """What an attrs value without a ``_hint`` of its own suggests."""
 
 
@@ -75,5 +75,5 @@ def frozen(cls: T) -> T:
     for name in ("__setattr__", "__delattr__", "_refusal"):
         setattr(cls, name, getattr(Frozen, name))
     if "_hint" not in vars(cls) and not any("_hint" in vars(base) for base in cls.__mro__[1:-1]):
-        cls._hint = EVOLVE_HINT  # type: ignore[attr-defined]
+        cls._hint = _EVOLVE_HINT  # type: ignore[attr-defined]
     return cls

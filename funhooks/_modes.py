@@ -19,7 +19,7 @@ from torch import nn
 
 from . import _torch
 
-__all__ = ["InMode", "Walked", "in_mode", "modes_kept"]
+__all__ = ["Walked", "in_mode", "modes_kept"]
 
 _TRAINING = operator.attrgetter("training")
 
@@ -27,7 +27,7 @@ _TRAINING = operator.attrgetter("training")
 class Walked:
     """A model's modules (``_torch.walk``), walked again only when a module's table of children
     changed since (a module added, removed or replaced): the tables are compared with copies in
-    one list comparison, as :class:`~funhooks.training.watch.Seen` does.
+    one list comparison, as :class:`~funhooks.training.watch._Seen` does.
 
     Example:
         >>> from torch import nn
@@ -60,7 +60,7 @@ class Walked:
 
 
 
-def in_mode(model: nn.Module, training: bool, modules: list[nn.Module] | None = None) -> InMode:
+def in_mode(model: nn.Module, training: bool, modules: list[nn.Module] | None = None) -> _InMode:
     """Inside the block `model` is in train (or eval) mode; after it, every module's flag is
     what it was before. `modules`: ``_torch.walk(model)`` where the caller has it (a
     :class:`Walked`'s); nothing is set or restored when every module is in the mode already.
@@ -77,10 +77,10 @@ def in_mode(model: nn.Module, training: bool, modules: list[nn.Module] | None = 
         >>> model.training, model[0].training, model[1].training
         (False, False, True)
     """
-    return InMode(model, training, _torch.walk(model) if modules is None else modules)
+    return _InMode(model, training, _torch.walk(model) if modules is None else modules)
 
 
-class InMode:
+class _InMode:
     """The block of :func:`in_mode`: a plain object rather than a generator's context manager,
     since a training loop enters one per step."""
 

@@ -44,6 +44,39 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "unwrap",
+    "wrapper_attr",
+    "named_modules",
+    "is_compiling",
+    "TRACES_RECORDING",
+    "weights_only_reads_complex",
+    "peek_transform",
+    "graph_task_id",
+    "jit_tracing",
+    "transform_level",
+    "MODULE_CALL_CODES",
+    "in_backward",
+    "backward_pass",
+    "after_backward",
+    "backward_hook",
+    "COMPILED_CALL",
+    "compiled_in_place",
+    "compile_attr",
+    "compiled_model",
+    "dynamo_context",
+    "is_compile_wrapper",
+    "Structure",
+    "flatten",
+    "unflatten",
+    "map_tensors",
+    "tensor_leaves",
+    "is_dtensor",
+    "shard_group",
+    "is_fsdp_module",
+    "own_class",
+    "is_fsdp_hook",
+    "is_sharded",
+    "sharding_kept",
+    "fsdp_parameters",
 ]
 
 tree_map = pytree.tree_map
@@ -132,7 +165,7 @@ def named_modules(model: nn.Module, *, every_path: bool = False) -> Iterator[tup
         stack.extend(reversed(children))
 
 
-HAS_KEY_PATHS = "flatten_with_keys_fn" in inspect.signature(pytree.register_pytree_node).parameters
+_HAS_KEY_PATHS = "flatten_with_keys_fn" in inspect.signature(pytree.register_pytree_node).parameters
 """Whether this torch has pytree key paths (``tree_flatten_with_path``, ``keystr``; torch >= 2.3)."""
 
 
@@ -144,7 +177,7 @@ def register_pytree(cls: type, flatten: Callable, unflatten: Callable, name: str
     context of `flatten`) names each child for ``tree_flatten_with_path``,
     ``tree_map_with_path`` and ``keystr``; a torch without key paths registers without it.
     """
-    keys = {"flatten_with_keys_fn": flatten_with_keys} if flatten_with_keys is not None and HAS_KEY_PATHS else {}
+    keys = {"flatten_with_keys_fn": flatten_with_keys} if flatten_with_keys is not None and _HAS_KEY_PATHS else {}
     pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=name, **keys)
 
 
@@ -160,11 +193,11 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-RELEASE: Any = torch.__version__
+_RELEASE: Any = torch.__version__
 """The torch release: a ``TorchVersion``, which compares with tuples such as ``(2, 13)`` (typed
 Any: torch's annotations of ``TorchVersion`` compare it with str alone)."""
 
-TRACES_RECORDING = RELEASE >= (2, 11) and not (2, 12) <= RELEASE < (2, 13)
+TRACES_RECORDING = _RELEASE >= (2, 11) and not (2, 12) <= _RELEASE < (2, 13)
 """Whether dynamo traces a recording (modules' forwards wrapped in their ``__dict__``) into
 compiled code; where it does not, the recording runs eagerly inside the compiled code, in a
 frame dynamo skips, with the same Records. Releases tried (docs/field.md): 2.13 traces it as
@@ -177,7 +210,7 @@ def weights_only_reads_complex() -> None:
     """Let ``torch.load(weights_only=True)`` read Python complex numbers, as it does by itself
     from torch 2.5 on: on torch 2.4 this adds ``complex`` to its allowlist (once, for the process;
     a builtin type that runs no code), so Records holding complex numbers save and load there."""
-    if RELEASE < (2, 5) and complex not in torch.serialization.get_safe_globals():
+    if _RELEASE < (2, 5) and complex not in torch.serialization.get_safe_globals():
         torch.serialization.add_safe_globals([complex])
 
 

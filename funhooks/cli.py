@@ -23,13 +23,13 @@ if TYPE_CHECKING:  # torch is imported when a command needs it: `funhooks --help
 
 __all__ = ["main"]
 
-EXIT_FAILED = 1  # the command ran and something it ran failed
-EXIT_USAGE = 2  # the command line itself is wrong (argparse's convention)
-EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+_EXIT_FAILED = 1  # the command ran and something it ran failed
+_EXIT_USAGE = 2  # the command line itself is wrong (argparse's convention)
+_EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64")
 
 
-class CommandError(Exception):
+class _CommandError(Exception):
     """A failure to report as one line and exit status :data:`EXIT_FAILED`."""
 
 
@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line, not the usage block plus a line."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: {message}. Run `{self.prog} --help` for usage.\n")
+        self.exit(_EXIT_USAGE, f"{self.prog}: {message}. Run `{self.prog} --help` for usage.\n")
 
 
 def _first_line(err: BaseException) -> str:
@@ -98,7 +98,7 @@ def _import(target: str) -> object:
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
-                raise CommandError(f"the file {module_name!r} does not exist. Check the path")
+                raise _CommandError(f"the file {module_name!r} does not exist. Check the path")
             spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
             assert spec is not None and spec.loader is not None  # a .py file always has a loader
             module = importlib.util.module_from_spec(spec)
@@ -107,23 +107,23 @@ def _import(target: str) -> object:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())  # `funhooks summary mymodel:make` finds ./mymodel.py
             module = importlib.import_module(module_name)
-    except CommandError:
+    except _CommandError:
         raise
     except ModuleNotFoundError as err:
         if err.name is not None and (module_name == err.name or module_name.startswith(err.name + ".")):
-            raise CommandError(
+            raise _CommandError(
                 f"no module named {err.name!r} (looked in the current directory and sys.path), got target "
                 f"{target!r}. Check the spelling or install the package"
             ) from None
-        raise CommandError(f"importing {module_name!r} raised {_first_line(err)}. Fix that module") from None
+        raise _CommandError(f"importing {module_name!r} raised {_first_line(err)}. Fix that module") from None
     except Exception as err:  # noqa: BLE001 - any import-time failure of user code becomes one line
-        raise CommandError(f"importing {module_name!r} raised {_first_line(err)}. Fix that module") from None
+        raise _CommandError(f"importing {module_name!r} raised {_first_line(err)}. Fix that module") from None
     obj: object = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
             where = ".".join([module_name, *attr.split(".")[:i]])
             names = sorted(n for n in dir(obj) if not n.startswith("_"))
-            raise CommandError(
+            raise _CommandError(
                 f"{where!r} has no attribute {part!r}, got target {target!r}. Public names there: {names[:10]}"
             )
         obj = getattr(obj, part)
@@ -137,13 +137,13 @@ def _build_model(target: str) -> nn.Module:
     if isinstance(factory, nn.Module):
         return factory
     if not callable(factory):
-        raise CommandError(f"{target!r} is a factory or an nn.Module, got {type(factory).__name__}. Point at one")
+        raise _CommandError(f"{target!r} is a factory or an nn.Module, got {type(factory).__name__}. Point at one")
     try:
         model = factory()
     except Exception as err:  # noqa: BLE001 - the user's factory failing is reported, not re-raised
-        raise CommandError(f"the factory {target!r} raised {_first_line(err)}. Fix the factory") from None
+        raise _CommandError(f"the factory {target!r} raised {_first_line(err)}. Fix the factory") from None
     if not isinstance(model, nn.Module):
-        raise CommandError(
+        raise _CommandError(
             f"the factory {target!r} returns an nn.Module, got {type(model).__name__}. Return the model"
         )
     return model
@@ -176,7 +176,7 @@ def _summary(args: argparse.Namespace) -> int:
     except Exception as err:  # noqa: BLE001 - the model rejecting the input is a user-facing error
         sizes = " and ".join([*(str(tuple(s)) for s in args.input_size),
                               *(f"{name}={tuple(s)}" for name, _, s in args.kwarg)])
-        raise CommandError(
+        raise _CommandError(
             f"{type(model).__name__} rejected an input of size {sizes}: {_first_line(err)}. "
             "Pass the size the model expects with `--input-size` or `--kwarg`"
         ) from None
@@ -195,9 +195,9 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         demo.run(out=args.out, epochs=args.epochs, fast=fast, progress=False if args.no_progress else None)
     except ExtraError as err:
-        raise CommandError(str(err).rstrip(".")) from None
+        raise _CommandError(str(err).rstrip(".")) from None
     except OSError as err:
-        raise CommandError(f"cannot write the plots into {args.out!r}: {_first_line(err)}. Pass a writable `--out`") from None
+        raise _CommandError(f"cannot write the plots into {args.out!r}: {_first_line(err)}. Pass a writable `--out`") from None
     return 0
 
 
@@ -277,13 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "summary" and not args.input_size and not args.kwarg:
-        parser.exit(EXIT_USAGE, "funhooks summary: an input is required: pass `--input-size N [N ...]` or "
+        parser.exit(_EXIT_USAGE, "funhooks summary: an input is required: pass `--input-size N [N ...]` or "
                     "`--kwarg NAME N [N ...]`. Run `funhooks summary --help` for usage.\n")
     try:
         return args.run(args)
-    except CommandError as err:
+    except _CommandError as err:
         print(f"funhooks {args.command}: {err}.", file=sys.stderr)
-        return EXIT_FAILED
+        return _EXIT_FAILED
     except KeyboardInterrupt:
         print(f"funhooks {args.command}: interrupted.", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _EXIT_INTERRUPTED

@@ -40,20 +40,20 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["DemoResult", "digits", "digits_cnn", "run"]
+__all__ = ["digits", "digits_cnn", "run"]
 
-SEED = 0
-EPOCHS = 8
-FAST_EPOCHS = 1
-FAST_TRAIN_SIZE = 256  # training images in fast mode (the tests' mode)
-VALID_SIZE = 297  # the last images are held out: 1,500 train, 297 validation
-BATCH_SIZE = 64
-LR = 0.1
-MOMENTUM = 0.9
-PIXEL_MAX = 16.0  # digits' pixels are integers 0..16
-SMOOTHING = 0.9  # exponential moving average of the loss curve
-REPORT_WIDTH = 88  # columns of the printed report
-FILES = {
+_SEED = 0
+_EPOCHS = 8
+_FAST_EPOCHS = 1
+_FAST_TRAIN_SIZE = 256  # training images in fast mode (the tests' mode)
+_VALID_SIZE = 297  # the last images are held out: 1,500 train, 297 validation
+_BATCH_SIZE = 64
+_LR = 0.1
+_MOMENTUM = 0.9
+_PIXEL_MAX = 16.0  # digits' pixels are integers 0..16
+_SMOOTHING = 0.9  # exponential moving average of the loss curve
+_REPORT_WIDTH = 88  # columns of the printed report
+_FILES = {
     "layer_stats": "layer_stats.png",
     "color_dim": "color_dim.png",
     "loss": "loss.png",
@@ -61,7 +61,7 @@ FILES = {
     "update_ratio": "update_ratio.png",
     "dead_units": "dead_units.png",
 }
-WHAT = {
+_WHAT = {
     "layer_stats": "mean, std and share of near-zero values of each layer's output at every step; "
     "std should not collapse to 0",
     "color_dim": "fastai's 'colorful dimension': the histogram of each layer's output over training "
@@ -77,7 +77,7 @@ WHAT = {
 
 @_frozen.frozen
 @attrs.frozen
-class DemoResult:
+class _DemoResult:
     """What :func:`run` produced: the PNG files, the losses, the statistics and the accuracy."""
 
     files: dict[str, Path]
@@ -110,9 +110,9 @@ def digits(*, train_size: int | None = None) -> tuple[tuple[torch.Tensor, torch.
             "Install the extra: pip install 'funhooks[demo]'."
         ) from None
     data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / PIXEL_MAX
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / _PIXEL_MAX
     y = torch.tensor(data.target, dtype=torch.int64)
-    x_train, y_train, x_valid, y_valid = x[:-VALID_SIZE], y[:-VALID_SIZE], x[-VALID_SIZE:], y[-VALID_SIZE:]
+    x_train, y_train, x_valid, y_valid = x[:-_VALID_SIZE], y[:-_VALID_SIZE], x[-_VALID_SIZE:], y[-_VALID_SIZE:]
     if train_size is not None:
         x_train, y_train = x_train[:train_size], y_train[:train_size]
     mean, std = x_train.mean(), x_train.std()
@@ -151,7 +151,7 @@ def _label(stats: _ByLayer, i: int, model: nn.Module) -> str:
     return f"{path} ({type(model.get_submodule(path)).__name__})"
 
 
-def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: int) -> Figure:
+def _plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: int) -> Figure:
     """One row per layer, columns mean / std / % near zero over the steps."""
     n = len(stats.paths)
     fig = plot.figure("demo", (12, 2.2 * n + 0.6), extra="demo")
@@ -172,7 +172,7 @@ def plot_layer_stats(stats: ActivationStatsResult, model: nn.Module, epoch_len: 
     return fig
 
 
-def plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Figure:
+def _plot_color_dim(stats: ActivationStatsResult, model: nn.Module) -> Figure:
     """fastai's colorful dimension of every layer, one panel each."""
     n = len(stats.paths)
     fig = plot.figure("demo", (10, 2.0 * n + 0.6), extra="demo")
@@ -203,7 +203,7 @@ def run(
     fast: bool = False,
     progress: bool | None = None,
     echo: Callable[[str], None] = print,
-) -> DemoResult:
+) -> _DemoResult:
     """Train :func:`digits_cnn` on the digits, fold statistics, write the plots into `out`.
 
     Seeds torch's global generator with :data:`SEED`, so every run trains the same model.
@@ -223,22 +223,22 @@ def run(
     """
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)  # fail before training, not after
-    torch.manual_seed(SEED)
-    epochs = epochs or (FAST_EPOCHS if fast else EPOCHS)
-    (x_train, y_train), (x_valid, y_valid) = digits(train_size=FAST_TRAIN_SIZE if fast else None)
+    torch.manual_seed(_SEED)
+    epochs = epochs or (_FAST_EPOCHS if fast else _EPOCHS)
+    (x_train, y_train), (x_valid, y_valid) = digits(train_size=_FAST_TRAIN_SIZE if fast else None)
     batches = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x_train, y_train), batch_size=BATCH_SIZE, shuffle=True,
+        torch.utils.data.TensorDataset(x_train, y_train), batch_size=_BATCH_SIZE, shuffle=True,
         drop_last=True,  # equal batches: a short last batch would streak the histograms
-        generator=torch.Generator().manual_seed(SEED),
+        generator=torch.Generator().manual_seed(_SEED),
     )
     model = digits_cnn()
-    summary = module_summary(model, x_train[:BATCH_SIZE])
+    summary = module_summary(model, x_train[:_BATCH_SIZE])
     echo(f"Training a small CNN on scikit-learn's digits: {len(x_train)} images of 8x8 for training, "
          f"{len(x_valid)} for validation, {epochs} epoch(s) of {len(batches)} steps.\n")
     echo(str(summary) + "\n")
 
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    reducers: dict[str, Reducer] = {"stats": ActivationStats(with_hist=True), "loss": LossCurve(beta=SMOOTHING),
+    opt = torch.optim.SGD(model.parameters(), lr=_LR, momentum=_MOMENTUM)
+    reducers: dict[str, Reducer] = {"stats": ActivationStats(with_hist=True), "loss": LossCurve(beta=_SMOOTHING),
                 "gradients": GradientStats(), "update_ratio": UpdateRatio(), "dead_units": DeadUnits()}
     results = fit(model, batches, nn.functional.cross_entropy, opt, reducers, epochs=epochs, progress=progress)
     stats, curve = results["stats"], results["loss"]
@@ -247,8 +247,8 @@ def run(
         accuracy = (model(x_valid).argmax(dim=1) == y_valid).float().mean().item()
 
     figures = {
-        "layer_stats": plot_layer_stats(stats, model, len(batches)),
-        "color_dim": plot_color_dim(stats, model),
+        "layer_stats": _plot_layer_stats(stats, model, len(batches)),
+        "color_dim": _plot_color_dim(stats, model),
         "loss": curve.plot(epoch_len=len(batches)),
         "gradients": plot.plot_gradient_stats(results["gradients"], model=model),
         "update_ratio": plot.plot_update_ratio(results["update_ratio"], model=model),
@@ -256,12 +256,12 @@ def run(
     }
     files = {}
     for name, fig in figures.items():
-        files[name] = (folder / FILES[name]).resolve()
+        files[name] = (folder / _FILES[name]).resolve()
         fig.savefig(files[name])
 
     grads, update, dead = results["gradients"], results["update_ratio"], results["dead_units"]
     _report(echo, model, results, accuracy, folder, files)
-    return DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary,
+    return _DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary,
                       gradients=grads, update_ratio=update, dead_units=dead)
 
 
@@ -289,5 +289,5 @@ def _report(echo: Callable[[str], None], model: nn.Module, results: dict, accura
         f"{_label(dead, i, model)} {100 * share:.0f}%" for i, share in enumerate(dead.dead[-1])))
     echo(f"\nPlots written to {folder.resolve()}:")
     for name, path in files.items():
-        lines = textwrap.wrap(WHAT[name], width=REPORT_WIDTH - 19)
+        lines = textwrap.wrap(_WHAT[name], width=_REPORT_WIDTH - 19)
         echo(f"  {path.name:<16} " + f"\n{' ' * 19}".join(lines))

@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from . import _torch
-from . import errors as _errors
+from .errors import ReducerError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -121,7 +121,7 @@ def merge_across_ranks(reducer: object, state: _S, *, group: ProcessGroup | None
     """
     merge = getattr(reducer, "merge", None)
     if not callable(merge):
-        raise _errors.ReducerError(
+        raise ReducerError(
             f"merge_across_ranks: the reducer needs a `merge(a, b)` method, got {reducer!r} without one. "
             "Give it `merge`, or gather its results yourself with `torch.distributed.all_gather_object`."
         )

@@ -63,11 +63,11 @@ except ImportError:
 
 __all__ = ["FoldCallback"]
 
-LOSS = "model_loss"
+_LOSS = "model_loss"
 """The record name of the loss the model returned, in the callback's own run on the root."""
 
 
-def model_loss(module: nn.Module, args: tuple[object, ...], output: object) -> torch.Tensor | None:
+def _model_loss(module: nn.Module, args: tuple[object, ...], output: object) -> torch.Tensor | None:
     """A copy of the ``loss`` of a model output (a ``ModelOutput``, a dict); None without one.
     (A copy: the Trainer scales the loss in place after the model returns it.)"""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -147,7 +147,7 @@ class FoldCallback(Results, transformers.TrainerCallback):
         """Resolve the reducers' specs on the model and their watches on its optimizer."""
         self.close()
         self._fold.start(model, optimizer)
-        specs = [observe("", model_loss, name=LOSS, detach=False), inputs("")]
+        specs = [observe("", _model_loss, name=_LOSS, detach=False), inputs("")]
         self._losses = Recorder(model, specs, (), None, "FoldCallback")
         self._epoch = 0
 
@@ -174,7 +174,7 @@ class FoldCallback(Results, transformers.TrainerCallback):
             self._losses_open = False
             record = self._losses.close()
             if "" in record:
-                losses = [loss for loss in record.calls("", LOSS) if loss is not None]
+                losses = [loss for loss in record.calls("", _LOSS) if loss is not None]
                 summed = any("num_items_in_batch" in kwargs for _, kwargs in record.calls("", "input"))
                 if losses:
                     self._fold.add(torch.stack(losses).sum() if summed else torch.stack(losses).mean())

@@ -31,10 +31,7 @@ import torch
 from funhooks import _frozen, _torch
 from funhooks.errors import RecordError
 
-from ._compare import DICTS as _DICTS
-from ._compare import PLAIN as _PLAIN
-from ._compare import TENSORS as _TENSORS
-from ._compare import is_namedtuple as _is_namedtuple
+from ._compare import DICTS, PLAIN, TENSORS, is_namedtuple
 from .node import RecordData, StoredValue
 
 __all__ = ["read", "write"]
@@ -106,11 +103,11 @@ class _Where:
 def _plain(value: StoredValue, where: _Where, position: _Position, types_: list[_TypeEntry], file: str) -> StoredValue:
     """`value` as plain data ``torch.load(weights_only=True)`` reads, its namedtuples noted in `types_`."""
     kind = type(value)
-    if kind in _PLAIN or _is_saveable_tensor(value):
+    if kind in PLAIN or _is_saveable_tensor(value):
         return value
     if kind is tuple or kind is list:
         return kind(_plain(v, where, (*position, i), types_, file) for i, v in enumerate(value))
-    if kind in _DICTS:
+    if kind in DICTS:
         for key in value:
             if not _is_plain_key(key):
                 raise TypeError(
@@ -131,12 +128,12 @@ def _plain(value: StoredValue, where: _Where, position: _Position, types_: list[
 
 
 def _is_saveable_tensor(value: object) -> bool:
-    return type(value) in _TENSORS or (isinstance(value, torch.Tensor) and value.is_nested)
+    return type(value) in TENSORS or (isinstance(value, torch.Tensor) and value.is_nested)
 
 
 def _is_plain_key(key: object) -> bool:
     kind = type(key)
-    return (kind in _PLAIN and kind is not torch.Size) or (type(key) is tuple and all(map(_is_plain_key, key)))
+    return (kind in PLAIN and kind is not torch.Size) or (type(key) is tuple and all(map(_is_plain_key, key)))
 
 
 def _tuple_type(kind: type) -> tuple[str, str, tuple[str, ...]] | None:
@@ -145,7 +142,7 @@ def _tuple_type(kind: type) -> tuple[str, str, tuple[str, ...]] | None:
         return None
     if kind.__module__ == "torch.return_types" and _return_type(kind.__name__) is kind:
         return _RETURN_TYPE, kind.__name__, ()
-    if _is_namedtuple(kind):
+    if is_namedtuple(kind):
         try:
             fields = tuple(getattr(kind, "_fields"))
             _namedtuple(kind.__name__, fields)
@@ -160,7 +157,7 @@ def _conversion(value: object) -> str:
         return "Store `value.full_tensor()` (the whole, a collective) or `value.to_local()` (this rank's part) instead."
     if isinstance(value, torch.Tensor):
         return "Store `value.as_subclass(torch.Tensor)` instead."
-    if _is_namedtuple(type(value)):
+    if is_namedtuple(type(value)):
         return "Store `value._asdict()` instead."
     if isinstance(value, Mapping):
         return "Store `dict(value)` instead."
@@ -317,12 +314,12 @@ def _checked_blob(blob: dict[str, object], version: object) -> RecordData:
 
 def _check_plain(value: StoredValue, where: _Where, position: _Position) -> None:
     kind = type(value)
-    if kind in _PLAIN or _is_saveable_tensor(value):
+    if kind in PLAIN or _is_saveable_tensor(value):
         return
     if kind is tuple or kind is list:
         for i, v in enumerate(value):
             _check_plain(v, where, (*position, i))
-    elif kind in _DICTS and all(map(_is_plain_key, value)):
+    elif kind in DICTS and all(map(_is_plain_key, value)):
         for k, v in value.items():
             _check_plain(v, where, (*position, k))
     else:
@@ -375,7 +372,7 @@ def _rebuilt(value: StoredValue, position: _Position, positions: dict[_Position,
     kind = type(value)
     if kind is tuple or kind is list:
         value = kind(_rebuilt(v, (*position, i), positions, where) for i, v in enumerate(value))
-    elif kind in _DICTS:
+    elif kind in DICTS:
         value = kind((k, _rebuilt(v, (*position, k), positions, where)) for k, v in value.items())
     cls = positions.pop(position, None)
     if cls is None:

@@ -24,10 +24,9 @@ from funhooks.errors import RecordKeyError
 
 from . import _compare
 from . import _file
-from . import node as _node
-from .node import Calls, Notes, RecordData, RecordNode, StoredValue
+from .node import Calls, Notes, RecordData, RecordNode, StoredValue, explained, noted, summarise
 
-__all__ = ["CallKey", "Record", "RecordNode", "merge", "trusted", "with_notes_of"]
+__all__ = ["Record", "RecordNode", "merge", "trusted"]
 
 _D = TypeVar("_D")
 
@@ -108,7 +107,7 @@ class Record(Frozen):
         try:
             values = self._data[path]
         except KeyError:
-            raise RecordKeyError(_node.explained(
+            raise RecordKeyError(explained(
                 f"Record: no module path {path!r} in this record, got paths {list(self._data)}.",
                 "Check the selector, or that the module ran.", self._notes.get(path, ()), path,
             )) from None
@@ -116,7 +115,7 @@ class Record(Frozen):
 
     def _node(self, path: str, values: Mapping[str, Calls]) -> RecordNode:
         notes = self._notes.get(path) if self._notes else None
-        return RecordNode(path, values) if notes is None else _node.noted(path, values, notes)
+        return RecordNode(path, values) if notes is None else noted(path, values, notes)
 
     def calls(self, path: str, name: str) -> Calls:
         """Every call's value of `name` at `path`, in call order."""
@@ -290,7 +289,7 @@ class Record(Frozen):
         return cls._trusted(_file.read(os.fsdecode(path), map_location))
 
     def __repr__(self) -> str:
-        lines = [f"  {p!r}: {{" + ", ".join(f"{n!r}: [{', '.join(_node.summarise(v) for v in vs)}]"
+        lines = [f"  {p!r}: {{" + ", ".join(f"{n!r}: [{', '.join(summarise(v) for v in vs)}]"
                                               for n, vs in names.items()) + "}"
                  for p, names in self._data.items()]
         return "Record({\n" + ",\n".join(lines) + "\n})" if lines else "Record({})"
@@ -372,7 +371,7 @@ def _merged_notes(each: list[Mapping[str, Notes]]) -> Mapping[str, Notes]:
     return out
 
 
-def with_notes_of(data: RecordData, like: Record) -> Record:
+def _with_notes_of(data: RecordData, like: Record) -> Record:
     """A Record over `data` (neither copied nor checked) keeping the notes on absences of `like`."""
     return Record._with_notes(data, like._notes)
 
@@ -443,7 +442,7 @@ def _unflatten(values: Iterable[StoredValue], context: _Structure) -> Record:
 
 @_frozen.frozen
 @attrs.frozen
-class CallKey:
+class _CallKey:
     """The key-path entry of one call's value in a Record: ``.calls(path, name)[call]``.
 
     ``torch.utils._pytree.keystr`` of a leaf's key path is then a Python expression that
@@ -468,8 +467,8 @@ class CallKey:
         return rec.calls(self.path, self.name)[self.call]
 
 
-def _flatten_with_keys(rec: Record) -> tuple[list[tuple[CallKey, StoredValue]], _Structure]:
-    keyed = [(CallKey(p, n, i), v) for p, names in rec._data.items() for n, vs in names.items() for i, v in enumerate(vs)]
+def _flatten_with_keys(rec: Record) -> tuple[list[tuple[_CallKey, StoredValue]], _Structure]:
+    keyed = [(_CallKey(p, n, i), v) for p, names in rec._data.items() for n, vs in names.items() for i, v in enumerate(vs)]
     return keyed, _structure(rec)
 
 

@@ -37,8 +37,8 @@ from funhooks.training.recorder import Learned, learned
 
 from . import _shared
 
-__all__ = ["REDUCE_IN_HOOK_NUMEL", "Entry", "Snapshot", "combine", "empty_entry", "reduce_calls", "reduce_step",
-           "round_std", "row_stats"]
+__all__ = ["REDUCE_IN_HOOK_NUMEL", "Entry", "Snapshot", "combine", "empty_entry", "reduce_calls", "Kept", "keep",
+           "live"]
 
 REDUCE_IN_HOOK_NUMEL = (1 << 15) - 1
 """Contiguous CPU activations of at most this many elements are kept by the hook and
@@ -49,7 +49,7 @@ reduction reproduces, so both ways give torch's own numbers to the bit."""
 
 Tensor = torch.Tensor
 
-Reduced: TypeAlias = tuple[int, Tensor, Tensor | None]
+_Reduced: TypeAlias = tuple[int, Tensor, Tensor | None]
 """An activation reduced in its hook: ``(n, (mean, std, near-zero count), histogram)``."""
 
 _is_compiling = torch.compiler.is_compiling
@@ -68,7 +68,7 @@ class Snapshot:
     hist_bins: int
     hist_range: tuple[float, float]
 
-    def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> Tensor | Reduced:
+    def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> Tensor | _Reduced:
         known = None
         if type(output) is Tensor and not _is_compiling():
             known = learned()  # what the recording learned of the model; None outside one
@@ -103,10 +103,10 @@ class Snapshot:
         if n <= REDUCE_IN_HOOK_NUMEL and output.is_cpu and output.is_contiguous():
             if _is_compiling():  # a compiled model: the graph hands back a copy, no alias to check
                 return output.detach()
-            return copied(module, output, known)
+            return _copied(module, output, known)
         return self.reduce(output.detach())
 
-    def reduce(self, o: Tensor) -> Reduced:
+    def reduce(self, o: Tensor) -> _Reduced:
         """``(n, (mean, std, near-zero count), histogram)`` of `o`, by fastai's very calls."""
         x = o.float()
         n = x.numel()
@@ -116,7 +116,7 @@ class Snapshot:
         return (n, row, x.histc(self.hist_bins, *self.hist_range) if self.with_hist else None)
 
 
-def copied(module: nn.Module, output: Tensor, known: Learned | None) -> Tensor:
+def _copied(module: nn.Module, output: Tensor, known: Learned | None) -> Tensor:
     """A small activation the hook does not keep as an alias, as the step's reduction will read
     it: a copy (its module's output is changed by a later op, or it is not known yet whether it
     is; it is a tensor subclass, or it shares a larger storage; no recording keeps what it
@@ -128,17 +128,17 @@ def copied(module: nn.Module, output: Tensor, known: Learned | None) -> Tensor:
     return copy
 
 
-SUM_ORDER_SLACK = 2.0**-35
+_SUM_ORDER_SLACK = 2.0**-35
 """Two sums in double of the same ``n < 2**15`` non-negative terms, added in different
 orders, differ by at most ``2 (n - 1) 2**-53 < 2**-37`` of the sum, and two stds from them
 by less than ``2**-37`` of the std: with 4x margin, an std whose ``1 -/+ 2**-35`` neighbours
 round to one float32 is that float32 whichever order the sum took."""
 
 
-_SLACK = torch.tensor((1 - SUM_ORDER_SLACK, 1 + SUM_ORDER_SLACK), dtype=torch.float64)
+_SLACK = torch.tensor((1 - _SUM_ORDER_SLACK, 1 + _SUM_ORDER_SLACK), dtype=torch.float64)
 
 
-def round_std(d: Tensor) -> Tensor:
+def _round_std(d: Tensor) -> Tensor:
     """``row.std()`` of each row of float32 values whose deviations from the float32 mean,
     in double, are the rows of `d`: torch's float32 answer, bit for bit.
 
@@ -159,7 +159,7 @@ def round_std(d: Tensor) -> Tensor:
     return std
 
 
-def row_stats(x: Tensor, near_zero: float) -> Tensor:
+def _row_stats(x: Tensor, near_zero: float) -> Tensor:
     """``(mean, std, near-zero count)`` of every row of the float32 CPU matrix `x`, bit for
     bit those of ``row.mean()``, ``row.std()`` and ``(row <= near_zero).sum()``.
 
@@ -171,14 +171,14 @@ def row_stats(x: Tensor, near_zero: float) -> Tensor:
     n = x.shape[1]
     mean = x.mean(1)
     if n > 1:
-        std = round_std(torch.sub(x, mean.double().unsqueeze(1)))  # in double: float32 minus float64
+        std = _round_std(torch.sub(x, mean.double().unsqueeze(1)))  # in double: float32 minus float64
     else:
         std = torch.full_like(mean, math.nan)
     near = torch.le(x, near_zero, out=torch.empty_like(x)).sum(1)
     return torch.stack((mean, std, near), 1)
 
 
-def batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
+def _batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
     """``torch.histc(row, bins, lo, hi)`` for every row of `x` at once: histc's own float32
     arithmetic, ``(value - lo) * bins / (hi - lo)`` truncated, ``hi`` in the last bin."""
     lo32, hi32 = torch.tensor((lo, hi), dtype=torch.float32)
@@ -188,7 +188,7 @@ def batched_hist(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
     return torch.zeros(x.shape[0], bins, dtype=x.dtype, device=x.device).scatter_add_(1, pos, inside.to(x.dtype))
 
 
-class Settled(NamedTuple):
+class _Settled(NamedTuple):
     """A small CPU tensor of a state kept as Python numbers: one tensor kept per step pins
     freed heap pages, so a long CPU run's memory would grow with its steps (issue 26, item 8).
     :func:`live` gives the tensor back, bit for bit (values, dtype and shape)."""
@@ -205,8 +205,8 @@ class Kept(NamedTuple):
     paths: tuple[str, ...]
     ns: tuple[int, ...]
     order: tuple[int, ...]
-    rows: Settled
-    hist: Settled | None
+    rows: _Settled
+    hist: _Settled | None
 
 
 def keep(entry: Entry) -> Entry | Kept:
@@ -218,8 +218,8 @@ def keep(entry: Entry) -> Entry | Kept:
     return Kept(entry.iteration, entry.paths, entry.ns, entry.order, _settle(entry.rows), hist)
 
 
-def _settle(t: Tensor) -> Settled:
-    return Settled(t.tolist(), t.dtype, tuple(t.shape))
+def _settle(t: Tensor) -> _Settled:
+    return _Settled(t.tolist(), t.dtype, tuple(t.shape))
 
 
 def live(entry: Entry | Kept) -> Entry:
@@ -230,7 +230,7 @@ def live(entry: Entry | Kept) -> Entry:
     return Entry(entry.iteration, entry.paths, entry.ns, entry.order, _tensor(entry.rows), hist)
 
 
-def _tensor(s: Settled) -> Tensor:
+def _tensor(s: _Settled) -> Tensor:
     return torch.tensor(s.values, dtype=s.dtype).reshape(s.shape)
 
 
@@ -250,7 +250,7 @@ class Entry(NamedTuple):
     hist: Tensor | None
 
 
-def reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
+def _reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tuple[int, ...], Tensor, Tensor | None]:
     """``(order, ns, rows, histograms)`` of one step's hook values (module order): kept
     activations of one shape and dtype are stacked and reduced together; ``order[i]`` is
     value i's row."""
@@ -266,8 +266,8 @@ def reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tup
         x = torch.stack(values).flatten(1)
         if x.dtype != torch.float32:
             x = x.float()
-        hist = batched_hist(x, snap.hist_bins, *snap.hist_range) if snap.with_hist else None
-        return tuple(range(len(values))), (x.shape[1],) * len(values), row_stats(x, snap.near_zero), hist
+        hist = _batched_hist(x, snap.hist_bins, *snap.hist_range) if snap.with_hist else None
+        return tuple(range(len(values))), (x.shape[1],) * len(values), _row_stats(x, snap.near_zero), hist
     groups: dict[tuple[torch.Size, torch.dtype] | None, list[int]] = {}
     for i, v in enumerate(values):
         key = None if type(v) is tuple else (v.shape, v.dtype)  # None: reduced in the hook
@@ -288,9 +288,9 @@ def reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tup
             x = torch.stack([values[i] for i in members]).flatten(1)
             if x.dtype != torch.float32:
                 x = x.float()
-            pieces.append(row_stats(x, snap.near_zero))
+            pieces.append(_row_stats(x, snap.near_zero))
             if snap.with_hist:
-                hists.append(batched_hist(x, snap.hist_bins, *snap.hist_range))
+                hists.append(_batched_hist(x, snap.hist_bins, *snap.hist_range))
             for i in members:
                 ns[i] = x.shape[1]
         for i in members:
@@ -301,7 +301,7 @@ def reduce_step(values: list[Any], snap: Snapshot) -> tuple[tuple[int, ...], tup
     return tuple(order), tuple(ns), rows, hist
 
 
-def reduce_calls(calls: dict[str, tuple[Tensor | Reduced, ...]], snap: Snapshot, iteration: int) -> Entry:
+def reduce_calls(calls: dict[str, tuple[Tensor | _Reduced, ...]], snap: Snapshot, iteration: int) -> Entry:
     """The Entry of one step from every call's hook value, by path (module order): the calls
     of a module on one step (micro-batches, several forwards before a mark) are one batch.
 
@@ -311,14 +311,14 @@ def reduce_calls(calls: dict[str, tuple[Tensor | Reduced, ...]], snap: Snapshot,
     """
     paths = tuple(calls)
     if max(map(len, calls.values())) == 1:  # the common case: one call per module
-        order, ns, rows, hist = reduce_step([v for v, in calls.values()], snap)
+        order, ns, rows, hist = _reduce_step([v for v, in calls.values()], snap)
         return Entry(iteration, paths, ns, order, rows, hist)
     values = list(calls.values())
     entries = []
     for k in range(max(map(len, values))):
         here = [(p, v[k]) for p, v in zip(paths, values) if len(v) > k]
         ps = [p for p, _ in here]
-        order, ns, rows, hist = reduce_step([v for _, v in here], snap)
+        order, ns, rows, hist = _reduce_step([v for _, v in here], snap)
         entries.append(Entry(iteration, tuple(ps), ns, order, rows, hist))
     entry = entries[0]
     for part in entries[1:]:
@@ -332,7 +332,7 @@ def empty_entry(iteration: int, snap: Snapshot) -> Entry:
     return Entry(iteration, (), (), (), torch.zeros(0, 3, dtype=torch.float64), hist)
 
 
-def in_module_order(entry: Entry) -> Entry:
+def _in_module_order(entry: Entry) -> Entry:
     if entry.order == tuple(range(len(entry.order))):
         return entry
     index = torch.tensor(entry.order, device=entry.rows.device)
@@ -340,7 +340,7 @@ def in_module_order(entry: Entry) -> Entry:
     return entry._replace(order=tuple(range(len(entry.order))), rows=entry.rows.index_select(0, index), hist=hist)
 
 
-def spread(entry: Entry, paths: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+def _spread(entry: Entry, paths: tuple[str, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
     """`entry`'s sizes, rows and histograms (module order) placed at the positions of `paths`;
     zeros where its module did not run."""
     where = torch.tensor([paths.index(p) for p in entry.paths], dtype=torch.long, device=device)
@@ -359,11 +359,11 @@ def combine(a: Entry, b: Entry) -> Entry:
     keeps that part's statistics; one that ran in both gets those of the joint batch (Chan's
     exact merge of means and squared deviations, written symmetrically: combining a with b
     gives the very floats of combining b with a)."""
-    a, b = in_module_order(a), in_module_order(b)
+    a, b = _in_module_order(a), _in_module_order(b)
     paths = _shared.module_order([a.paths, b.paths])
     device = a.rows.device
-    na, ra, ha = spread(a, paths, device)
-    nb, rb, hb = spread(b, paths, device)
+    na, ra, ha = _spread(a, paths, device)
+    nb, rb, hb = _spread(b, paths, device)
     n = na + nb
     m2a = torch.where(na > 1, ra[:, 1].square() * (na - 1), 0.0)
     m2b = torch.where(nb > 1, rb[:, 1].square() * (nb - 1), 0.0)

@@ -3,7 +3,7 @@ that merge by iteration, and results read to the host once.
 
 An :class:`Entry` is one recorded step: the paths of the layers that had values (module
 order) and one row per layer, a tensor on the device the values were computed on. States are
-cons lists of entries (see :mod:`funhooks.reducers._shared`). :func:`merge` puts the entries of
+cons lists of entries (see :mod:`funhooks.reducers._shared`). :func:`_merge` puts the entries of
 disjoint chunks of steps in iteration order and hands two entries of one iteration (two
 ranks) to the reducer's own rule. A :class:`Table` is what results read: every path in module
 order, and each step's rows copied to the host in one go.
@@ -26,10 +26,10 @@ from funhooks.training.step import Step
 
 from . import _shared
 
-__all__ = ["Entry", "Reducer", "Table", "TableResult", "add_step", "index", "merge", "scalars", "table"]
+__all__ = ["Reducer", "State", "Table", "TableResult", "index", "scalars", "table"]
 
 
-class Entry(NamedTuple):
+class _Entry(NamedTuple):
     """One recorded step: ``rows[i]`` holds the values of layer ``paths[i]`` (lists of floats
     on the CPU, see :func:`~funhooks.reducers._shared.settled`)."""
 
@@ -38,19 +38,19 @@ class Entry(NamedTuple):
     rows: torch.Tensor | list[list[float]]
 
 
-State: TypeAlias = "_shared.Cons[Entry]"
+State: TypeAlias = "_shared.Cons[_Entry]"
 """One :class:`Entry` per recorded step, newest on top."""
 
 
-def add_step(state: State, step: Step, every: int | None, name: str) -> State:
+def _add_step(state: State, step: Step, every: int | None, name: str) -> State:
     """`state` with the step's entry (the last value each layer stored under `name`, as rows)
     when the ``every`` rule records the step."""
     if not _shared.records(every, step.iteration, step.training):
         return state
     paths, values = _shared.last_values(step.record, name)
     if not values:
-        return (state, Entry(step.iteration, (), []))
-    return (state, Entry(step.iteration, tuple(paths), _shared.settled(torch.stack(values))))
+        return (state, _Entry(step.iteration, (), []))
+    return (state, _Entry(step.iteration, tuple(paths), _shared.settled(torch.stack(values))))
 
 
 def table(state: State, reducer: str, name: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> Table:
@@ -78,16 +78,16 @@ def scalars(state: State, since: int, finish: Callable[[torch.Tensor], torch.Ten
     return _shared.layer_scalars(rows, columns)
 
 
-def merge(a: State, b: State, same: Callable[[Entry, Entry], Entry]) -> State:
+def _merge(a: State, b: State, same: Callable[[_Entry, _Entry], _Entry]) -> State:
     """Entries of both states in iteration order; `same` combines two of one iteration."""
-    by_iteration: dict[int, Entry] = {}
+    by_iteration: dict[int, _Entry] = {}
     for entry in _shared.unroll(a) + _shared.unroll(b):
         seen = by_iteration.get(entry.iteration)
         by_iteration[entry.iteration] = entry if seen is None else same(seen, entry)
     return _shared.roll([by_iteration[k] for k in sorted(by_iteration)])
 
 
-def keep_first(a: Entry, b: Entry) -> Entry:
+def _keep_first(a: _Entry, b: _Entry) -> _Entry:
     """Two ranks' entries of one iteration where ranks agree (replicated parameters): the
     first's, plus the layers only the second had."""
     extra = [i for i, p in enumerate(b.paths) if p not in a.paths]
@@ -97,9 +97,9 @@ def keep_first(a: Entry, b: Entry) -> Entry:
     rows: dict[str, torch.Tensor | list[float]] = dict(zip(a.paths, a.rows))
     rows.update((b.paths[i], b.rows[i]) for i in extra)
     if isinstance(a.rows, torch.Tensor):
-        return Entry(a.iteration, paths,
+        return _Entry(a.iteration, paths,
                      torch.stack([_shared.as_tensor(rows[p], a.rows.device, a.rows.dtype) for p in paths]))
-    return Entry(a.iteration, paths, [r.tolist() if isinstance(r, torch.Tensor) else r for r in (rows[p] for p in paths)])
+    return _Entry(a.iteration, paths, [r.tolist() if isinstance(r, torch.Tensor) else r for r in (rows[p] for p in paths)])
 
 
 def index(paths: Sequence[str], idx: int | str, caller: str) -> int:
@@ -138,19 +138,19 @@ class Reducer:
 
     def step(self, state: State, step: Step) -> State:
         """Add the step's rows (on the device, not read) when it is recorded."""
-        return add_step(state, step, self.every, self.NAME)
+        return _add_step(state, step, self.every, self.NAME)
 
     def merge(self, a: State, b: State) -> State:
         """Chunks of steps in iteration order; of one iteration (two ranks, replicated
         parameters), the first's rows."""
-        return merge(a, b, keep_first)
+        return _merge(a, b, _keep_first)
 
 
 class Table:
     """Entries read to the host: per step, per path (module order), a list of floats, the
     entries' rows (a reducer's sums) made values by `finish` (float64 rows to rows)."""
 
-    def __init__(self, entries: Sequence[Entry], finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, entries: Sequence[_Entry], finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.entries = tuple(entries)
         self.finish = finish
         self.paths = _shared.module_order(e.paths for e in self.entries)

@@ -19,7 +19,7 @@ import torch
 
 from funhooks import _torch
 
-__all__ = ["Groups", "Plan", "plan"]
+__all__ = ["Groups", "plan"]
 
 
 class Groups:
@@ -121,7 +121,7 @@ def _over_shards(table: torch.Tensor, shards: list[int] | None, group: torch.dis
         table.index_copy_(0, index, part)
 
 
-class Plan:
+class _Plan:
     """The flat list of a Layers' parameters, their layers and their groups."""
 
     __slots__ = ("flat", "groups", "owners", "sparse")
@@ -133,9 +133,9 @@ class Plan:
         self.sparse = False
 
 
-def plan(cache: dict, params: Sequence[Sequence[torch.Tensor]]) -> Plan:
+def plan(cache: dict, params: Sequence[Sequence[torch.Tensor]]) -> _Plan:
     """The :class:`Plan` of `params`, kept in a Layers' `cache`."""
     found = cache.get("plan")
     if found is None:
-        found = cache["plan"] = Plan(params)
+        found = cache["plan"] = _Plan(params)
     return found

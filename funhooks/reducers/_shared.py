@@ -28,12 +28,14 @@ from funhooks.specs.selector import Selector, Where, select
 from .layers import LeafModules
 
 __all__ = [
-    "HEALTHY_RATIO", "ROOT", "Cons", "Steps", "Validator", "as_tensor", "entry_paths", "layer_scalars", "module_order",
-    "newest", "roll", "settled", "unroll"]
+    "HEALTHY_RATIO", "Cons", "Steps", "as_tensor", "entry_paths", "layer_scalars", "module_order", "newest", "roll",
+    "settled", "unroll", "where", "to_selector", "check_every", "check_bool", "is_number", "records", "last_values",
+    "last_calls",
+]
 
 T = TypeVar("T")
 E = TypeVar("E")
-K = TypeVar("K", bound="Dated")
+K = TypeVar("K", bound="_Dated")
 
 Cons: TypeAlias = "tuple[()] | tuple[Cons[E], E]"
 """A cons-list state: ``()``, or ``(rest, entry)`` with the newest entry on top."""
@@ -41,7 +43,7 @@ Cons: TypeAlias = "tuple[()] | tuple[Cons[E], E]"
 HEALTHY_RATIO = 1e-3
 """The rule of thumb for a healthy update-to-parameter ratio (Karpathy's), drawn on its plot."""
 
-ROOT = "(root)"
+_ROOT = "(root)"
 """The layer name of the model itself (path ``""``) in the names ``scalars`` gives."""
 
 
@@ -55,13 +57,13 @@ def to_selector(modules: Where | None) -> Selector | None:
     return None if modules is None else select(modules)
 
 
-class Validator(Protocol):
+class _Validator(Protocol):
     """An attrs validator of a field of any type: ``check(instance, attribute, value)``."""
 
     def __call__(self, instance: object, attribute: attrs.Attribute[T], value: T, /) -> None: ...
 
 
-def check_every(caller: str) -> Validator:
+def check_every(caller: str) -> _Validator:
     """The attrs validator of ``every``: a positive int or None."""
 
     def check(instance: object, attribute: attrs.Attribute[T], every: T) -> None:
@@ -74,7 +76,7 @@ def check_every(caller: str) -> Validator:
     return check
 
 
-def check_bool(caller: str) -> Validator:
+def check_bool(caller: str) -> _Validator:
     """The attrs validator of a flag."""
 
     def check(instance: object, attribute: attrs.Attribute[T], value: T) -> None:
@@ -113,14 +115,14 @@ def last_calls(record: Record, name: str, caller: str) -> list[Any]:
     return out
 
 
-class Dated(Protocol):
+class _Dated(Protocol):
     """What every reducer's entry for one step has: the step's iteration."""
 
     @property
     def iteration(self) -> int: ...
 
 
-class StepEntry(Dated, Protocol):
+class _StepEntry(_Dated, Protocol):
     """What every per-layer reducer's entry for one recorded step has."""
 
     @property
@@ -132,7 +134,7 @@ class Steps:
     and its ``paths``): the iterations recorded and the number of steps."""
 
     __slots__ = ()
-    entries: tuple[StepEntry, ...]
+    entries: tuple[_StepEntry, ...]
 
     @property
     def iterations(self) -> tuple[int, ...]:
@@ -177,7 +179,7 @@ def newest(state: Cons[K], since: int) -> Cons[K]:
 def layer_scalars(rows: dict[str, list[float]], columns: Sequence[str]) -> dict[str, float]:
     """``{"<layer>/<column>": value}`` of one step's rows (``{path: values in column order}``),
     the names ``scalars`` gives (the model itself named :data:`ROOT`)."""
-    return {f"{path or ROOT}/{column}": value for path, row in rows.items() for column, value in zip(columns, row)}
+    return {f"{path or _ROOT}/{column}": value for path, row in rows.items() for column, value in zip(columns, row)}
 
 
 def settled(value: torch.Tensor) -> Any:
@@ -195,7 +197,7 @@ def as_tensor(value: object, device: torch.device, dtype: torch.dtype) -> torch.
     return torch.tensor(value, dtype=dtype, device=device)
 
 
-def path_key(path: str) -> tuple[tuple[int, int, str], ...]:
+def _path_key(path: str) -> tuple[tuple[int, int, str], ...]:
     """A stand-in for module order between two paths no step orders: numbered parts by number."""
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split("."))
 
@@ -221,7 +223,7 @@ def module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     for nexts in later.values():
         for b in nexts:
             waiting[b] += 1
-    ready = [(path_key(p), p) for p, k in waiting.items() if k == 0]
+    ready = [(_path_key(p), p) for p, k in waiting.items() if k == 0]
     heapq.heapify(ready)
     out: list[str] = []
     while ready:
@@ -230,8 +232,8 @@ def module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
         for b in later[p]:
             waiting[b] -= 1
             if waiting[b] == 0:
-                heapq.heappush(ready, (path_key(b), b))
+                heapq.heappush(ready, (_path_key(b), b))
     if len(out) < len(later):  # contradicting orders (states of different models): the rest by name
-        out += sorted(set(later) - set(out), key=path_key)
+        out += sorted(set(later) - set(out), key=_path_key)
     return tuple(out)
 

@@ -84,7 +84,7 @@ Tensor = torch.Tensor
 
 T = TypeVar("T")
 
-State: TypeAlias = "_shared.Cons[_exact.Entry | _exact.Kept]"
+_State: TypeAlias = "_shared.Cons[_exact.Entry | _exact.Kept]"
 """One :class:`~funhooks.reducers._exact.Entry` per recorded step, newest on top."""
 
 
@@ -204,11 +204,11 @@ class ActivationStats:
         """True for the train iterations these statistics record."""
         return _shared.records(self.every, iteration, training)
 
-    def init(self) -> State:
+    def init(self) -> _State:
         """The empty state."""
         return ()
 
-    def step(self, state: State, step: Step) -> State:
+    def step(self, state: _State, step: Step) -> _State:
         """Add the step's statistics (computed on the device, not read) when it is recorded;
         the modules that did not run on it are absent from it, and a module called several
         times on it (micro-batches) has the statistics of all its calls together."""
@@ -219,7 +219,7 @@ class ActivationStats:
             return (state, _exact.keep(_exact.empty_entry(step.iteration, self._snapshot)))
         return (state, _exact.keep(_exact.reduce_calls(calls, self._snapshot, step.iteration)))
 
-    def merge(self, a: State, b: State) -> State:
+    def merge(self, a: _State, b: _State) -> _State:
         """Combine two states exactly: steps of disjoint chunks are put in iteration order;
         the same iteration in both (two ranks) is combined by module path as one larger batch."""
         by_iteration: dict[int, _exact.Entry] = {}
@@ -229,7 +229,7 @@ class ActivationStats:
             by_iteration[entry.iteration] = entry if seen is None else _exact.combine(seen, entry)
         return _shared.roll([_exact.keep(by_iteration[k]) for k in sorted(by_iteration)])
 
-    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+    def scalars(self, state: _State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/mean", "<layer>/std", "<layer>/near_zero": value}`` of each module at the
         newest recorded step, when its iteration is `since` or later (else ``{}``): the numbers
         ``result().stats`` gives for that step (no histogram), read to the host in one copy."""
@@ -240,7 +240,7 @@ class ActivationStats:
         rows = {p: [s["mean"], s["std"], s["near_zero"]] for p, s in zip(res.paths, res.stats[0]) if s is not None}
         return _shared.layer_scalars(rows, ("mean", "std", "near_zero"))
 
-    def result(self, state: State) -> ActivationStatsResult:
+    def result(self, state: _State) -> ActivationStatsResult:
         """The statistics of every recorded step.
 
         Raises:
@@ -264,7 +264,7 @@ class _Hist(TypedDict, total=False):
     hist: Tensor
 
 
-class ModuleStats(_Hist):
+class _ModuleStats(_Hist):
     """One module's statistics on one step, as :attr:`ActivationStatsResult.stats` gives them:
     Python floats, and ``"hist"`` (a CPU tensor) with ``with_hist``."""
 
@@ -344,14 +344,14 @@ class ActivationStatsResult:
         return [here.get(p) for p in self.paths]
 
     @property
-    def stats(self) -> list[list[ModuleStats | None]]:
+    def stats(self) -> list[list[_ModuleStats | None]]:
         """Per recorded step, per module of ``paths``: ``{"mean", "std", "near_zero"}`` as
         Python floats (plus ``"hist"``, a CPU tensor, with ``with_hist``), fastai's
         ``stats``; ``None`` for a module that did not run on that step."""
         out = []
         hists = [cast(torch.Tensor, e.hist).cpu() for e in self.entries] if self.with_hist else None
         for s, (entry, rows) in enumerate(zip(self.kept, self._host_rows())):
-            per_module: list[ModuleStats | None] = []
+            per_module: list[_ModuleStats | None] = []
             for i in self._positions(entry):
                 if i is None:
                     per_module.append(None)
@@ -359,7 +359,7 @@ class ActivationStatsResult:
                 r = entry.order[i]
                 mean, std, near = rows[r]
                 n = entry.ns[i]
-                item: ModuleStats = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
+                item: _ModuleStats = {"mean": mean, "std": std, "near_zero": near / n if n else math.nan}
                 if hists is not None:
                     item["hist"] = hists[s][r]
                 per_module.append(item)

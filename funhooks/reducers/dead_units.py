@@ -35,14 +35,14 @@ from . import _shared
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["ACTIVATIONS", "NEAR_ZERO", "DeadUnits", "DeadUnitsResult", "is_activation"]
+__all__ = ["DeadUnits", "DeadUnitsResult"]
 
 T = TypeVar("T")
 
-NEAR_ZERO = 1e-6
+_NEAR_ZERO = 1e-6
 """A unit's magnitude at or below this counts as zero (``fh.testing.check_dead_units``' too)."""
 
-ACTIVATIONS: tuple[type[nn.Module], ...] = (
+_ACTIVATIONS: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Hardswish, nn.Hardtanh, nn.Softplus,
 )
@@ -53,38 +53,38 @@ _HF_ACTIVATIONS = "transformers.activations"
 _HF_IDENTITY = "LinearActivation"
 
 
-def is_activation(path: str, module: nn.Module) -> bool:
+def _is_activation(path: str, module: nn.Module) -> bool:
     """Whether `module` is an activation: one of :data:`ACTIVATIONS`, or one of Hugging Face's
     own activation modules (the classes of ``transformers.activations``, such as GPT-2's
     ``NewGELUActivation`` and BERT's ``GELUActivation``; not its identity, ``LinearActivation``).
 
     Example:
         >>> from torch import nn
-        >>> from funhooks.reducers.dead_units import is_activation
-        >>> is_activation("1", nn.ReLU()), is_activation("0", nn.Linear(2, 2))
+        >>> from funhooks.reducers.dead_units import _is_activation
+        >>> _is_activation("1", nn.ReLU()), _is_activation("0", nn.Linear(2, 2))
         (True, False)
     """
-    if isinstance(module, ACTIVATIONS):
+    if isinstance(module, _ACTIVATIONS):
         return True
     cls = type(module)
     return cls.__module__ == _HF_ACTIVATIONS and cls.__name__ != _HF_IDENTITY
 
 
-NAME = "dead_units"
+_NAME = "dead_units"
 
 
 def _check_near_zero(instance: object, attribute: attrs.Attribute[T], value: T) -> None:
     if not _shared.is_number(value) or value < 0:
-        raise ReducerError(f"DeadUnits: `near_zero` is a number >= 0, got {value!r}. Pass e.g. near_zero={NEAR_ZERO}.")
+        raise ReducerError(f"DeadUnits: `near_zero` is a number >= 0, got {value!r}. Pass e.g. near_zero={_NEAR_ZERO}.")
 
 
-def unit_peaks(module: nn.Module, args: tuple[object, ...], output: object) -> torch.Tensor | None:
+def _unit_peaks(module: nn.Module, args: tuple[object, ...], output: object) -> torch.Tensor | None:
     """The largest magnitude of each unit of `output` over the batch (None: not a tensor, or 0-d).
 
     Example:
         >>> import torch
-        >>> from funhooks.reducers.dead_units import unit_peaks
-        >>> unit_peaks(None, (), torch.tensor([[0.0, -2.0], [0.0, 1.0]]))
+        >>> from funhooks.reducers.dead_units import _unit_peaks
+        >>> _unit_peaks(None, (), torch.tensor([[0.0, -2.0], [0.0, 1.0]]))
         tensor([0., 2.])
     """
     if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.numel() == 0:
@@ -140,7 +140,7 @@ class _Entry(NamedTuple):
     fractions: torch.Tensor | list[float]
 
 
-State: TypeAlias = "_shared.Cons[_Entry]"
+_State: TypeAlias = "_shared.Cons[_Entry]"
 """One entry per recorded step, newest on top."""
 
 
@@ -191,36 +191,36 @@ class DeadUnits:
 
     modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
     every: int | None = attrs.field(default=None, validator=_shared.check_every("DeadUnits"))
-    near_zero: float = attrs.field(default=NEAR_ZERO, kw_only=True, validator=_check_near_zero)
+    near_zero: float = attrs.field(default=_NEAR_ZERO, kw_only=True, validator=_check_near_zero)
 
     @property
     def specs(self) -> tuple[Spec, ...]:
         """One observer spec storing each unit's peak magnitude over the batch."""
-        where = select(is_activation) if self.modules is None else self.modules
-        return (observe(where, unit_peaks, name=NAME, detach=False),)
+        where = select(_is_activation) if self.modules is None else self.modules
+        return (observe(where, _unit_peaks, name=_NAME, detach=False),)
 
     def records(self, iteration: int, training: bool) -> bool:
         """True for the train iterations recorded."""
         return _shared.records(self.every, iteration, training)
 
-    def init(self) -> State:
+    def init(self) -> _State:
         """The empty state."""
         return ()
 
-    def step(self, state: State, step: Step) -> State:
+    def step(self, state: _State, step: Step) -> _State:
         """Add the step's dead-unit masks (on the device, not read) when it is recorded; a
         module called several times (micro-batches) counts every call."""
         if not _shared.records(self.every, step.iteration, step.training):
             return state
         paths, peaks = [], []
-        for path, every in step.record.calls_by_path(NAME).items():
+        for path, every in step.record.calls_by_path(_NAME).items():
             calls = [c for c in every if c is not None]
             if calls:
                 paths.append(path)
                 peaks.append(calls[0] if len(calls) == 1 else torch.stack(calls).amax(0))
         return (state, _entry(step.iteration, tuple(paths), peaks, self.near_zero))
 
-    def merge(self, a: State, b: State) -> State:
+    def merge(self, a: _State, b: _State) -> _State:
         """Chunks of steps in iteration order; one iteration's two parts (two ranks) by path:
         dead on the joint batch where dead on both."""
         by_iteration: dict[int, _Entry] = {}
@@ -237,7 +237,7 @@ class DeadUnits:
         ordered = tuple(masks[p] for p in paths)
         return _Entry(a.iteration, paths, ordered, _fractions(ordered))
 
-    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+    def scalars(self, state: _State, *, since: int = 0) -> dict[str, float]:
         """``{"<layer>/dead": fraction}`` of each module at the newest recorded step, when its
         iteration is `since` or later (else ``{}``): the numbers ``result().dead`` gives for
         that step."""
@@ -247,7 +247,7 @@ class DeadUnits:
         res = DeadUnitsResult((last[1],))
         return _shared.layer_scalars({p: [d] for p, d in zip(res.paths, res.dead[0])}, ("dead",))
 
-    def result(self, state: State) -> DeadUnitsResult:
+    def result(self, state: _State) -> DeadUnitsResult:
         """The dead fractions of every recorded step.
 
         Raises:
@@ -257,7 +257,7 @@ class DeadUnits:
         if entries and not any(e.paths for e in entries):
             raise ReducerError(
                 f"DeadUnits: a recorded train step holds the records of the reducer's specs, got {len(entries)} "
-                f"recorded steps and no {NAME!r} in any of their records. Run the steps with "
+                f"recorded steps and no {_NAME!r} in any of their records. Run the steps with "
                 "`specs=reducer.specs` (fh.fit does), and select modules that run."
             )
         return DeadUnitsResult(entries)

@@ -33,14 +33,14 @@ __all__ = ["HookCallback"]
 T = TypeVar("T")
 
 
-class Entry(NamedTuple):
+class _Entry(NamedTuple):
     """One recorded step: its iteration and the hook's values, in module order."""
 
     iteration: int
     values: list[Any]
 
 
-State: TypeAlias = "_shared.Cons[Entry]"
+_State: TypeAlias = "_shared.Cons[_Entry]"
 """One :class:`Entry` per recorded step, newest on top."""
 
 
@@ -121,22 +121,22 @@ class HookCallback:
         """True for the train iterations this callback records."""
         return _shared.records(self.every, iteration, training)
 
-    def init(self) -> State:
+    def init(self) -> _State:
         """The empty state."""
         return ()
 
-    def step(self, state: State, step: Step) -> State:
+    def step(self, state: _State, step: Step) -> _State:
         """Add the step's hook values when the step is recorded."""
         if not _shared.records(self.every, step.iteration, step.training):
             return state
         values = _shared.last_calls(step.record, self.record_name, "HookCallback")
-        return (state, Entry(step.iteration, values))
+        return (state, _Entry(step.iteration, values))
 
-    def merge(self, a: State, b: State) -> State:
+    def merge(self, a: _State, b: _State) -> _State:
         """The state of two disjoint chunks of steps, in iteration order."""
         return _shared.roll(sorted(_shared.unroll(a) + _shared.unroll(b), key=lambda entry: entry.iteration))
 
-    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+    def scalars(self, state: _State, *, since: int = 0) -> dict[str, float]:
         """``{"<i>/<record name>": value}`` of the newest recorded step, when its iteration is
         `since` or later (else ``{}``): each hook value that is a real number or a one-element
         tensor, `i` its module's index (as in ``result``); other values are left out."""
@@ -145,7 +145,7 @@ class HookCallback:
             return {}
         return {f"{i}/{self.record_name}": float(v) for i, v in enumerate(last[1].values) if _is_scalar(v)}
 
-    def result(self, state: State) -> tuple[list[Any], ...]:
+    def result(self, state: _State) -> tuple[list[Any], ...]:
         """One list of hook values per recorded step."""
         return tuple(entry.values for entry in _shared.unroll(state))
 

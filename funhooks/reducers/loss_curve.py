@@ -28,17 +28,17 @@ from . import _shared
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["BETA", "LossCurve", "LossCurveResult"]
+__all__ = ["LossCurve", "LossCurveResult"]
 
 T = TypeVar("T")
 
-BETA = 0.98
+_BETA = 0.98
 """fastai's smoothing of the loss (``Recorder``'s ``SmoothenValue``)."""
 
 
 def _check_beta(instance: object, attribute: attrs.Attribute[T], beta: T) -> None:
     if not _shared.is_number(beta) or not 0 <= beta < 1:
-        raise ReducerError(f"LossCurve: `beta` is a number in [0, 1), got {beta!r}. Pass e.g. beta={BETA} (fastai's).")
+        raise ReducerError(f"LossCurve: `beta` is a number in [0, 1), got {beta!r}. Pass e.g. beta={_BETA} (fastai's).")
 
 
 class _Entry(NamedTuple):
@@ -48,7 +48,7 @@ class _Entry(NamedTuple):
     """How many ranks' losses `loss` sums (1 until states of one iteration merge)."""
 
 
-State: TypeAlias = "_shared.Cons[_Entry]"
+_State: TypeAlias = "_shared.Cons[_Entry]"
 """One entry per recorded train step, newest on top."""
 
 
@@ -77,24 +77,24 @@ class LossCurve:
         (3, True, (0, 1, 2))
     """
 
-    beta: float = attrs.field(default=BETA, validator=_check_beta)
+    beta: float = attrs.field(default=_BETA, validator=_check_beta)
 
     @property
     def specs(self) -> tuple[Spec, ...]:
         """None: only ``step.loss`` is read."""
         return ()
 
-    def init(self) -> State:
+    def init(self) -> _State:
         """The empty state: a cons list of losses."""
         return ()
 
-    def step(self, state: State, step: Step) -> State:
+    def step(self, state: _State, step: Step) -> _State:
         """Add the loss of a train step (one that has a loss)."""
         if not step.training or step.loss is None:
             return state
         return (state, _Entry(step.iteration, _shared.settled(step.loss.detach()), 1))
 
-    def merge(self, a: State, b: State) -> State:
+    def merge(self, a: _State, b: _State) -> _State:
         """Chunks of steps in iteration order; one iteration's losses from two ranks average."""
         by_iteration: dict[int, _Entry] = {}
         for entry in _shared.unroll(a) + _shared.unroll(b):
@@ -104,7 +104,7 @@ class LossCurve:
             by_iteration[entry.iteration] = entry
         return _shared.roll([by_iteration[k] for k in sorted(by_iteration)])
 
-    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+    def scalars(self, state: _State, *, since: int = 0) -> dict[str, float]:
         """``{"loss": ..., "ema": ...}`` at the newest train step, when its iteration is `since` or
         later (else ``{}``): the last of ``result().losses`` and of ``result().ema``. The moving
         average depends on every loss so far, so a read copies them all to the host (a float per
@@ -114,7 +114,7 @@ class LossCurve:
         res = self.result(state)
         return {"loss": res.losses[-1], "ema": res.ema[-1]}
 
-    def result(self, state: State) -> LossCurveResult:
+    def result(self, state: _State) -> LossCurveResult:
         """The losses in step order and their moving average (one copy to the host)."""
         entries = _shared.unroll(state)
         if not entries:

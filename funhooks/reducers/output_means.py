@@ -24,7 +24,7 @@ from funhooks.training.step import Step
 
 __all__ = ["OutputMeans"]
 
-State = dict[str, tuple[torch.Tensor, int]]
+_State = dict[str, tuple[torch.Tensor, int]]
 
 
 @_frozen.frozen
@@ -60,11 +60,11 @@ class OutputMeans:
         """The spec whose records it reads: the selected modules' outputs."""
         return (outputs(self.where),)
 
-    def init(self) -> State:
+    def init(self) -> _State:
         """No module seen yet."""
         return {}
 
-    def step(self, state: State, step: Step) -> State:
+    def step(self, state: _State, step: Step) -> _State:
         """Add one step's outputs (every call of every selected module) to the sums."""
         new = dict(state)
         for path, node in step.record.items():
@@ -75,19 +75,19 @@ class OutputMeans:
                 new[path] = self._add(path, new.get(path), (t.double().sum(0, keepdim=True), t.shape[0]))
         return new
 
-    def merge(self, a: State, b: State) -> State:
+    def merge(self, a: _State, b: _State) -> _State:
         """The state of the steps of `a` and `b` together."""
         merged = dict(a)
         for path, part in b.items():
             merged[path] = self._add(path, merged.get(path), part)
         return merged
 
-    def scalars(self, state: State, *, since: int = 0) -> dict[str, float]:
+    def scalars(self, state: _State, *, since: int = 0) -> dict[str, float]:
         """None (``{}``): its statistics are mean activations, tensors for ablation, not numbers
         to watch per step."""
         return {}
 
-    def result(self, state: State) -> Record:
+    def result(self, state: _State) -> Record:
         """A Record of the means, ``(1, ...)``-shaped, under ``"output"``."""
         return Record({path: {"output": ((total / n).float(),)} for path, (total, n) in state.items()})
 

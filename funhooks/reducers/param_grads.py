@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = ["GradientStats", "GradientStatsResult"]
 
-NAME = "gradient_stats"
-COLUMNS = ("norm", "mean", "std", "zeros")
+_NAME = "gradient_stats"
+_COLUMNS = ("norm", "mean", "std", "zeros")
 
 
 @_frozen.frozen
@@ -86,7 +86,7 @@ def _rows(groups: _params.Groups, grads: list[torch.Tensor], paths: tuple[str, .
     return dict(zip(paths, groups.by_layer(table, counts=True).unbind(0)))
 
 
-def finish(sums: torch.Tensor) -> torch.Tensor:
+def _finish(sums: torch.Tensor) -> torch.Tensor:
     """``(norm, mean, std, zero fraction)`` rows from ``(count, sum, sum of squares, zeros)``
     rows: the std (unbiased) is good to about ``1e-6 * (1 + mean**2 / std**2)``."""
     n, total, squares, zeros = sums.unbind(1)
@@ -131,12 +131,12 @@ class GradientStats(_layered.Reducer):
 
     modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
     every: int | None = attrs.field(default=None, validator=_shared.check_every("GradientStats"))
-    NAME = NAME
+    NAME = _NAME
     _watches: tuple[OptimizerWatch, ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         where = OwnParams() if self.modules is None else self.modules  # made once: fit reads it often
-        object.__setattr__(self, "_watches", (OptimizerWatch(where, _GradientRows(), name=NAME),))
+        object.__setattr__(self, "_watches", (OptimizerWatch(where, _GradientRows(), name=_NAME),))
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
@@ -147,7 +147,7 @@ class GradientStats(_layered.Reducer):
         """``{"<layer>/<name>": value}``: each layer's gradient statistics (``norm``, ``mean``, ``std``, ``zeros``) at the newest
         recorded step, when its iteration is `since` or later (else ``{}``); the numbers ``result``
         gives for that step, read to the host in one copy."""
-        return _layered.scalars(state, since, finish, COLUMNS)
+        return _layered.scalars(state, since, _finish, _COLUMNS)
 
     def result(self, state: _layered.State) -> GradientStatsResult:
         """The statistics of every recorded step.
@@ -156,7 +156,7 @@ class GradientStats(_layered.Reducer):
             ReducerError: when steps were recorded and none holds gradient statistics (steps
                 run without the reducer's watches, e.g. by ``fh.train`` without ``watches=``).
         """
-        return GradientStatsResult(_layered.table(state, "GradientStats", NAME, finish))
+        return GradientStatsResult(_layered.table(state, "GradientStats", _NAME, _finish))
 
 
 @_frozen.frozen
@@ -184,7 +184,7 @@ class GradientStatsResult(_layered.TableResult):
     def stats(self) -> list[list[dict[str, float] | None]]:
         """Per recorded step, per layer of ``paths``: ``{"norm", "mean", "std", "zeros"}`` as
         Python floats (``zeros``: the fraction of exact zeros); None where it had no gradient."""
-        return [[dict(zip(COLUMNS, row[p])) if p in row else None for p in self.paths] for row in self.table.rows()]
+        return [[dict(zip(_COLUMNS, row[p])) if p in row else None for p in self.paths] for row in self.table.rows()]
 
     def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float], list[float]]:
         """``(norms, means, stds, zeros)`` of layer `idx` (an index into ``paths``, or a path)
@@ -193,7 +193,7 @@ class GradientStatsResult(_layered.TableResult):
         Raises:
             ReducerError: for an index out of range or an unknown path.
         """
-        columns = [self.table.column(idx, k, "layer_stats") for k in range(len(COLUMNS))]
+        columns = [self.table.column(idx, k, "layer_stats") for k in range(len(_COLUMNS))]
         return columns[0], columns[1], columns[2], columns[3]
 
     def plot(self, *, model: nn.Module | None = None, figsize: tuple[float, float] = (12, 7)) -> Figure:

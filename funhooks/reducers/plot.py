@@ -22,14 +22,15 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["color_dim", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats", "plot_loss", "plot_update_ratio"]
+__all__ = ["color_dim", "figure", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats", "plot_loss",
+           "plot_update_ratio"]
 
-LAYER_STATS_TITLES = ("mean", "std", "% near zero")
+_LAYER_STATS_TITLES = ("mean", "std", "% near zero")
 
 
 # What each plot reads of its result (the results import this module, so it names none of them).
 
-class PerLayer(Protocol):
+class _PerLayer(Protocol):
     """A result over recorded steps and layers."""
 
     @property
@@ -39,7 +40,7 @@ class PerLayer(Protocol):
     def paths(self) -> tuple[str, ...]: ...
 
 
-class ActivationStatsLike(PerLayer, Protocol):
+class _ActivationStatsLike(_PerLayer, Protocol):
     """An :class:`~funhooks.ActivationStatsResult`."""
 
     def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float]]: ...
@@ -47,26 +48,26 @@ class ActivationStatsLike(PerLayer, Protocol):
     def hist(self, idx: int | str) -> torch.Tensor: ...
 
 
-class GradientStatsLike(PerLayer, Protocol):
+class _GradientStatsLike(_PerLayer, Protocol):
     """A :class:`~funhooks.GradientStatsResult`."""
 
     def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float], list[float]]: ...
 
 
-class UpdateRatioLike(PerLayer, Protocol):
+class _UpdateRatioLike(_PerLayer, Protocol):
     """An :class:`~funhooks.UpdateRatioResult`."""
 
     def log10(self) -> list[list[float]]: ...
 
 
-class DeadUnitsLike(PerLayer, Protocol):
+class _DeadUnitsLike(_PerLayer, Protocol):
     """A :class:`~funhooks.DeadUnitsResult`."""
 
     @property
     def dead(self) -> list[list[float]]: ...
 
 
-class LossCurveLike(Protocol):
+class _LossCurveLike(Protocol):
     """A :class:`~funhooks.LossCurveResult`."""
 
     @property
@@ -100,7 +101,7 @@ def figure(caller: str, figsize: tuple[float, float], *, extra: str = "plot") ->
     return fig
 
 
-def plot_layer_stats(result: ActivationStatsLike, idx: int | str, *,
+def plot_layer_stats(result: _ActivationStatsLike, idx: int | str, *,
                      figsize: tuple[float, float] = (12, 3)) -> Figure:
     """Plot the mean, std and near-zero share of module `idx` over the recorded steps.
 
@@ -131,9 +132,9 @@ def plot_layer_stats(result: ActivationStatsLike, idx: int | str, *,
     """
     fig = figure("plot_layer_stats", figsize)
     series = result.layer_stats(idx)
-    axs = fig.subplots(1, len(LAYER_STATS_TITLES))
+    axs = fig.subplots(1, len(_LAYER_STATS_TITLES))
     gaps = any(math.isnan(v) for v in series[0])
-    for values, ax, title in zip(series, axs, LAYER_STATS_TITLES):
+    for values, ax, title in zip(series, axs, _LAYER_STATS_TITLES):
         ax.plot(result.iterations, values, marker="." if gaps else None)
         ax.set_title(title)
         ax.set_xlabel("iteration")
@@ -141,7 +142,7 @@ def plot_layer_stats(result: ActivationStatsLike, idx: int | str, *,
     return fig
 
 
-def color_dim(result: ActivationStatsLike, idx: int | str, *, ax: Axes | None = None,
+def color_dim(result: _ActivationStatsLike, idx: int | str, *, ax: Axes | None = None,
               figsize: tuple[float, float] = (10, 5)) -> Axes:
     """Draw fastai's "colorful dimension" image of module `idx`: histograms over steps.
 
@@ -180,10 +181,10 @@ def color_dim(result: ActivationStatsLike, idx: int | str, *, ax: Axes | None = 
 
 # -- the per-layer reducers ----------------------------------------------------------------------
 
-MAX_LEGEND = 12
+_MAX_LEGEND = 12
 """Layers named in a legend; more lines than this are left unnamed (colour only)."""
 
-GRADIENT_PANELS = (("norm", "gradient norm", True), ("mean", "mean", False), ("std", "std", True),
+_GRADIENT_PANELS = (("norm", "gradient norm", True), ("mean", "mean", False), ("std", "std", True),
                    ("zeros", "% zeros", False))
 
 
@@ -203,11 +204,11 @@ def _lines(ax: Axes, iterations: tuple[int, ...], series: list[tuple[str, list[f
     if log and any(v > 0 for _, values in series for v in values):
         ax.set_yscale("log")
     ax.set_xlabel("iteration")
-    if 1 < len(series) <= MAX_LEGEND:
+    if 1 < len(series) <= _MAX_LEGEND:
         ax.legend(fontsize=7, ncol=2)
 
 
-def plot_gradient_stats(result: GradientStatsLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (12, 7)) -> Figure:
+def plot_gradient_stats(result: _GradientStatsLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (12, 7)) -> Figure:
     """Gradient norm, mean, std and share of zeros of every layer over the recorded steps.
 
     Args:
@@ -236,7 +237,7 @@ def plot_gradient_stats(result: GradientStatsLike, *, model: nn.Module | None = 
     axes = fig.subplots(2, 2).flatten()
     columns = [result.layer_stats(i) for i in range(len(result.paths))]
     labels = _labels(result.paths, model)
-    for k, (ax, (_, title, log)) in enumerate(zip(axes, GRADIENT_PANELS)):
+    for k, (ax, (_, title, log)) in enumerate(zip(axes, _GRADIENT_PANELS)):
         scale = 100.0 if k == 3 else 1.0
         _lines(ax, result.iterations, [(p, [scale * v for v in c[k]]) for p, c in zip(labels, columns)], log=log)
         ax.set_title(title)
@@ -245,7 +246,7 @@ def plot_gradient_stats(result: GradientStatsLike, *, model: nn.Module | None = 
     return fig
 
 
-def plot_update_ratio(result: UpdateRatioLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
+def plot_update_ratio(result: _UpdateRatioLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """log10 of every layer's update-to-parameter ratio over the steps, with the 1e-3 line.
 
     Args:
@@ -281,7 +282,7 @@ def plot_update_ratio(result: UpdateRatioLike, *, model: nn.Module | None = None
     return fig
 
 
-def plot_dead_units(result: DeadUnitsLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
+def plot_dead_units(result: _DeadUnitsLike, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
     """The share of dead units of every layer over the steps.
 
     Args:
@@ -317,7 +318,7 @@ def plot_dead_units(result: DeadUnitsLike, *, model: nn.Module | None = None, fi
     return fig
 
 
-def plot_loss(result: LossCurveLike, *, epoch_len: int | None = None,
+def plot_loss(result: _LossCurveLike, *, epoch_len: int | None = None,
               figsize: tuple[float, float] = (8, 4)) -> Figure:
     """The loss at every step, its moving average and, given `epoch_len`, the epoch boundaries.
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HEALTHY_RATIO", "UpdateRatio", "UpdateRatioResult"]
 
-NAME = "update_ratio"
+_NAME = "update_ratio"
 
 
 @_frozen.frozen
@@ -68,7 +68,7 @@ class _After:
         return dict(zip(layers.paths, plan.groups.by_layer([t.square_() for t in table]).unbind(0)))
 
 
-def finish(sums: torch.Tensor) -> torch.Tensor:
+def _finish(sums: torch.Tensor) -> torch.Tensor:
     """Ratios ``‖update‖ / ‖parameters‖`` from rows of ``(‖update‖², ‖parameters‖²)``."""
     return sums[:, :1].div(sums[:, 1:]).sqrt_()
 
@@ -106,12 +106,12 @@ class UpdateRatio(_layered.Reducer):
 
     modules: Selector | None = attrs.field(default=None, converter=_shared.to_selector)
     every: int | None = attrs.field(default=None, validator=_shared.check_every("UpdateRatio"))
-    NAME = NAME
+    NAME = _NAME
     _watches: tuple[OptimizerWatch, ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         where = OwnParams() if self.modules is None else self.modules  # made once: fit reads it often
-        object.__setattr__(self, "_watches", (OptimizerWatch(where, _Before(), _After(), name=NAME),))
+        object.__setattr__(self, "_watches", (OptimizerWatch(where, _Before(), _After(), name=_NAME),))
 
     @property
     def watches(self) -> tuple[OptimizerWatch, ...]:
@@ -122,7 +122,7 @@ class UpdateRatio(_layered.Reducer):
         """``{"<layer>/<name>": value}``: each layer's ratio (``ratio``) at the newest
         recorded step, when its iteration is `since` or later (else ``{}``); the numbers ``result``
         gives for that step, read to the host in one copy."""
-        return _layered.scalars(state, since, finish, ("ratio",))
+        return _layered.scalars(state, since, _finish, ("ratio",))
 
     def result(self, state: _layered.State) -> UpdateRatioResult:
         """The ratios of every recorded step.
@@ -131,7 +131,7 @@ class UpdateRatio(_layered.Reducer):
             ReducerError: when steps were recorded and none holds ratios (steps run without
                 the reducer's watches).
         """
-        return UpdateRatioResult(_layered.table(state, "UpdateRatio", NAME, finish))
+        return UpdateRatioResult(_layered.table(state, "UpdateRatio", _NAME, _finish))
 
 
 @_frozen.frozen

@@ -41,9 +41,9 @@ from funhooks import _frozen
 
 from .ops import At, Derived
 
-__all__ = ["AttentionOp", "attention_pattern", "attention_scores"]
+__all__ = ["attention_pattern", "attention_scores"]
 
-SCORES, PATTERN = "attention_scores", "attention_pattern"
+_SCORES, _PATTERN = "attention_scores", "attention_pattern"
 """The names of the two points, and of their values in a Record."""
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -56,7 +56,7 @@ def _always_deep(deep: bool) -> bool:
 
 @_frozen.frozen
 @attrs.frozen(repr=False)
-class AttentionOp(Derived):
+class _AttentionOp(Derived):
     """An attention point (``name``: ``attention_pattern`` or ``attention_scores``) of every
     attention call, eager (``softmax``) or SDPA (``scaled_dot_product_attention``).
 
@@ -96,15 +96,15 @@ def _eager(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
     """Eager attention's softmax: its input is the scores, its output the pattern."""
     if args:
         scores = args[0]
-        new = at(SCORES, scores)
+        new = at(_SCORES, scores)
         if new is not scores:
             args = (new, *args[1:])
     else:
         scores = kwargs["input"]
-        new = at(SCORES, scores)
+        new = at(_SCORES, scores)
         if new is not scores:
             kwargs = {**kwargs, "input": new}
-    return at(PATTERN, func(*args, **kwargs))
+    return at(_PATTERN, func(*args, **kwargs))
 
 
 def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -140,13 +140,13 @@ def _sdpa(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
     itself when nothing was edited."""
     a = _bind(args, kwargs)
     scores, masked = _scores(a)
-    new_scores = at(SCORES, scores)
+    new_scores = at(_SCORES, scores)
     dtype = a["query"].dtype
     pattern = torch.softmax(new_scores, -1) if dtype == torch.float32 else torch.softmax(
         new_scores, -1, dtype=torch.float32).to(dtype)
     if masked:  # a query that sees no key: SDPA gives it zeros, softmax NaNs
         pattern = pattern.nan_to_num(0.0)
-    new_pattern = at(PATTERN, pattern)
+    new_pattern = at(_PATTERN, pattern)
     if new_scores is scores and new_pattern is pattern:
         return func(*args, **kwargs)
     if a["dropout_p"] > 0:
@@ -155,7 +155,7 @@ def _sdpa(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
     return torch.matmul(new_pattern.to(value.dtype), value)
 
 
-attention_pattern = AttentionOp(PATTERN)
+attention_pattern = _AttentionOp(_PATTERN)
 """The attention pattern of each attention call: softmax probabilities, ``(batch, head, query, key)``.
 
 Example:
@@ -173,6 +173,6 @@ Example:
             [0.3333, 0.3333, 0.3333]])
 """
 
-attention_scores = AttentionOp(SCORES)
+attention_scores = _AttentionOp(_SCORES)
 """The pre-softmax scores of each attention call: ``scale * q·kᵀ`` plus the mask, ``(batch,
 head, query, key)``; ``-inf`` where SDPA masks, the mask's own value under eager attention."""

@@ -36,7 +36,7 @@ from .selector import path_label
 from .spec import Spec
 from .decoding import DECODING, Decoding, Steps
 
-__all__ = ["Arg", "Index", "Intervention", "Nth", "Operand", "Source", "View"]
+__all__ = ["Arg", "Index", "Intervention", "Nth", "Operand", "Source", "View", "is_number", "show"]
 
 Tensor = torch.Tensor
 
@@ -81,7 +81,7 @@ Source: TypeAlias = "Tensor | float | Record | Arg"
 """What a patch puts in, or an ablation's mean: a value, or a Record holding one per module."""
 Operand: TypeAlias = "Tensor | float | Arg"
 """What a steer adds (its vector and scale) or a scale multiplies by."""
-PerCall: TypeAlias = "Mapping[str, object]"
+_PerCall: TypeAlias = "Mapping[str, object]"
 """The per-call values of one call of a capture function, by ``fh.arg`` name."""
 
 
@@ -138,7 +138,7 @@ class Intervention:
 
     @property
     def intervenes(self) -> bool:
-        """True: it edits with an intervention value (see :class:`~funhooks.specs.spec.Action`)."""
+        """True: it edits with an intervention value (see :class:`~funhooks.specs.spec._Action`)."""
         return True
 
     def __str__(self) -> str:
@@ -152,7 +152,7 @@ class Intervention:
 
     # -- applying ------------------------------------------------------------------------
 
-    def apply(self, output: StoredValue, spec: Spec, path: str, rank: int, count: int, values: PerCall,
+    def apply(self, output: StoredValue, spec: Spec, path: str, rank: int, count: int, values: _PerCall,
               caller: str) -> StoredValue:
         """The edited `output` of the `count`-th call (in the run) of the module at `path`,
         the `rank`-th its spec selected; None to leave it as it was."""
@@ -177,7 +177,7 @@ class Intervention:
             new = self.view.put(whole, new)
         return new if isinstance(output, Tensor) else _replace(output, self.element, new)
 
-    def _get(self, x: object, values: PerCall, at: _At, role: str = "index") -> object:
+    def _get(self, x: object, values: _PerCall, at: _At, role: str = "index") -> object:
         """`x`, or the call's value for it when it is an ``fh.arg``; a value for a `role` other
         than ``index`` (checked by :meth:`_mask`) must be of the kind the constructor takes."""
         if not isinstance(x, Arg):
@@ -204,7 +204,7 @@ class Intervention:
             raise at.error(f"`{role}` is {what}, got {show(value)}", "Pass one of those per call")
         return value
 
-    def _nth(self, values: PerCall, at: _At) -> int | Tensor | None:
+    def _nth(self, values: _PerCall, at: _At) -> int | Tensor | None:
         """The call's `nth`, checked: an int, or an integer tensor (1-d: one per row, with `per_row`)."""
         nth = cast("int | Tensor | None", self._get(self.nth, values, at, "nth"))  # `_get` checked it
         if isinstance(nth, Tensor):
@@ -217,7 +217,7 @@ class Intervention:
                                "or pass `per_row=True` for one per row of the batch")
         return nth
 
-    def _where(self, nth: int | Tensor | None, rank: int, target: Tensor, values: PerCall,
+    def _where(self, nth: int | Tensor | None, rank: int, target: Tensor, values: _PerCall,
                at: _At) -> Tensor | Literal[False] | None:
         """Where `target` is edited (None: everywhere): at `index`, in the calls (or with `per_row`
         the rows) whose `nth` is `rank`. Outside transforms and traces the mask is kept per rank
@@ -244,7 +244,7 @@ class Intervention:
         self._masks[rank] = (key, tuple(weakref.ref(x) for x in (nth, index) if isinstance(x, Tensor)), where)
         return where
 
-    def _new(self, target: Tensor, values: PerCall, count: int, at: _At) -> tuple[Tensor, bool]:
+    def _new(self, target: Tensor, values: _PerCall, count: int, at: _At) -> tuple[Tensor, bool]:
         """The replacement of `target` (before `index`/`nth`; broadcast to it, not expanded), and
         whether it is a new tensor."""
         kind = self.kind
@@ -270,7 +270,7 @@ class Intervention:
             return (target * value).to(target.dtype), True
         return value, False
 
-    def _mask(self, index: object, target: Tensor, values: PerCall, at: _At) -> Tensor | None:
+    def _mask(self, index: object, target: Tensor, values: _PerCall, at: _At) -> Tensor | None:
         if index is None:
             return None
         ndim = target.ndim
@@ -346,7 +346,7 @@ class Intervention:
             x = x.to(target.device)
         return x.reshape((rows,) + (1,) * (target.ndim - 1))
 
-    def _steps(self, index: Steps, size: int, values: PerCall, at: _At, device: torch.device) -> Tensor:
+    def _steps(self, index: Steps, size: int, values: _PerCall, at: _At, device: torch.device) -> Tensor:
         """The mask of ``index=fh.steps(...)`` over a call's `size` positions."""
         decoding = values.get(DECODING)
         if not isinstance(decoding, Decoding):

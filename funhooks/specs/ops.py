@@ -32,7 +32,8 @@ from .editing import Intervention, Nth
 from .selector import Where, select
 from .spec import Located, Spec, check_bools, check_flags, check_fn
 
-__all__ = ["OP_NAMES", "PROPERTY_READS", "Derived", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
+__all__ = ["OP_NAMES", "PROPERTY_READS", "Derived", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit",
+           "op_inputs", "op_name", "op_outputs", "At"]
 
 
 OP_NAMES: dict[Callable[..., object], str] = {}
@@ -185,7 +186,7 @@ def as_op(label: str, fn: object, *, call: int | None = None, deep: bool = False
     return attrs.evolve(fn, call=call, deep=deep) if isinstance(fn, Op) else Op(name, call, deep)
 
 
-OpKind: TypeAlias = Literal["output", "input", "edit", "intervene"]
+_OpKind: TypeAlias = Literal["output", "input", "edit", "intervene"]
 """What an op spec does with each call of its op it takes."""
 
 
@@ -197,7 +198,7 @@ class OpAction:
     ``intervene`` with an intervention value)."""
 
     op: Op
-    kind: OpKind
+    kind: _OpKind
     intervention: Intervention | None = None
     """The intervention value, for ``intervene``."""
 
@@ -227,7 +228,7 @@ class OpAction:
         return str(self.op)
 
 
-def around_spec(label: str, where: Where | Located, op_: OpLike, kind: OpKind, fn: Callable[..., object] | None = None,
+def around_spec(label: str, where: Where | Located, op_: OpLike, kind: _OpKind, fn: Callable[..., object] | None = None,
                 *, intervention: Intervention | None = None, name: str | None = None, **flags: bool) -> Spec:
     """An op spec: `kind` (``output``, ``input``, ``edit`` with `fn`, ``intervene`` with
     `intervention`) on `op_` in the modules `where` selects."""

@@ -24,7 +24,7 @@ from torch import nn
 from funhooks import _frozen, _torch
 from funhooks.errors import SelectorError
 
-__all__ = ["Selector", "select", "resolve"]
+__all__ = ["Selector", "select", "resolve", "Where", "path_label"]
 
 Where = Union[str, type, tuple, nn.Module, Callable[[str, nn.Module], bool], list, "Selector"]
 

@@ -22,18 +22,20 @@ from .selector import Selector, Where, select
 
 __all__ = [
     "EVENTS",
-    "Action",
     "Event",
-    "Flags",
     "Hook",
     "Located",
-    "Role",
     "Spec",
     "edit",
     "grads",
     "inputs",
     "observe",
     "outputs",
+    "check_nth",
+    "check_bools",
+    "check_flags",
+    "check_fn",
+    "record_name",
 ]
 
 Event: TypeAlias = Literal["forward_pre", "forward", "backward_pre", "backward", "param_grad"]
@@ -43,8 +45,8 @@ EVENTS: tuple[Event, ...] = get_args(Event)
 ``backward_pre`` ``fn(module, grad_output)``, ``backward`` ``fn(module, grad_input,
 grad_output)``, ``param_grad`` ``fn(param, grad)``."""
 
-Role: TypeAlias = Literal["output", "input", "grad", "grad_output", "call", "intervene", "op"]
-ROLES: tuple[Role, ...] = get_args(Role)
+_Role: TypeAlias = Literal["output", "input", "grad", "grad_output", "call", "intervene", "op"]
+_ROLES: tuple[_Role, ...] = get_args(_Role)
 """What a spec does: the built-in stores (``output``, ``input``, ``grad`` and fastai's
 ``grad_output`` tuple) have fast paths; ``call`` runs the spec's function (``fn``);
 ``intervene`` is an editor whose action is an intervention value that also reads the call's
@@ -52,8 +54,8 @@ per-call values (``funhooks.specs.interventions``); ``op`` acts on the operation
 the module's forward, as its action says (``funhooks.specs.ops``)."""
 
 Hook: TypeAlias = Literal["forward_pre", "forward", "around", "output_grad", "backward_pre", "backward", "param_grad"]
-HOOKS: tuple[Hook, ...] = get_args(Hook)
-_BACKWARD_HOOKS: frozenset[Hook] = frozenset(HOOKS[3:])
+_HOOKS: tuple[Hook, ...] = get_args(Hook)
+_BACKWARD_HOOKS: frozenset[Hook] = frozenset(_HOOKS[3:])
 """How a run reaches a spec, the one field it dispatches on: ``forward_pre`` / ``forward``
 around the module's own forward; ``around``, during the module's own forward (the ops it
 calls); ``output_grad``, tensor hooks on the outputs (``grads``, whose event is
@@ -61,7 +63,7 @@ calls); ``output_grad``, tensor hooks on the outputs (``grads``, whose event is
 per-call backward hook; ``param_grad``, hooks on the parameters."""
 
 
-class Action(Protocol):
+class _Action(Protocol):
     """What an intervention or op spec does (its ``action``): an ``Intervention``
     (``funhooks.specs.editing``) or an ``OpAction`` (``funhooks.specs.ops``). ``str()`` of it
     renders its arguments for the spec's repr."""
@@ -79,7 +81,7 @@ class Action(Protocol):
         """Whether it edits with an intervention value (whose values are the user's)."""
 
 
-class Flags(TypedDict):
+class _Flags(TypedDict):
     """What a store does with a value before keeping it (the flags of :func:`outputs`)."""
 
     detach: bool
@@ -109,7 +111,7 @@ class Spec:
 
     where: Selector = attrs.field(converter=select)  # so `attrs.evolve(spec, where="head.*")` works
     event: Event = attrs.field(validator=lambda spec, _, event: _check_event(spec.label, event))
-    role: Role = attrs.field(validator=lambda spec, _, role: _check_role(spec.label, role))
+    role: _Role = attrs.field(validator=lambda spec, _, role: _check_role(spec.label, role))
     name: str | None
     fn: Callable[..., Any] | None = None
     """The function a run calls with the hook's arguments (``observe``, ``edit``, ``op_edit``,
@@ -125,7 +127,7 @@ class Spec:
     Record source read) under the Record path instead (a standard point's ``blocks.3.resid_pre``)."""
     shown: str | None = None
     """How repr shows `where` (a standard point's name), None for the selector's repr."""
-    action: Action | None = attrs.field(default=None, kw_only=True)
+    action: _Action | None = attrs.field(default=None, kw_only=True)
     """What an intervention or op spec does (``role`` ``intervene``: an ``Intervention``;
     ``op``: an ``OpAction``); None for the others."""
     hook: Hook = attrs.field(init=False)
@@ -243,10 +245,10 @@ def check_bools(label: str, **flags: object) -> None:
 
 
 def check_flags(label: str, *, detach: bool = True, cpu: bool = False, gather: bool = False,
-                clone: bool = False) -> Flags:
+                clone: bool = False) -> _Flags:
     """A store's flags, each refused unless a bool."""
     check_bools(label, detach=detach, cpu=cpu, gather=gather, clone=clone)
-    return Flags(detach=detach, cpu=cpu, gather=gather, clone=clone)
+    return _Flags(detach=detach, cpu=cpu, gather=gather, clone=clone)
 
 
 def _is_event(event: object) -> TypeGuard[Event]:
@@ -260,8 +262,8 @@ def _check_event(label: str, event: object) -> Event:
 
 
 def _check_role(label: str, role: str) -> None:
-    if role not in ROLES:
-        raise SpecError(f"{label}: a spec's `role` is one of {list(ROLES)}, got {role!r}.")
+    if role not in _ROLES:
+        raise SpecError(f"{label}: a spec's `role` is one of {list(_ROLES)}, got {role!r}.")
 
 
 def check_fn(label: str, fn: object, arg: str = "fn") -> Callable[..., object]:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["START", "chain"]
+
 START = hashlib.blake2b(b"funhooks.collect.inputs", digest_size=16).hexdigest()
 """The fingerprint of no batches."""
 

@@ -51,12 +51,15 @@ from funhooks.errors import StoreError
 
 from ._shards import HEADER, SHARD, TEMP_SUFFIX, Column, JsonObject, is_storable
 
+__all__ = ["FORMAT", "FORMAT_VERSION", "RankLock", "append_line", "check_listed", "create_manifest", "fsync_directory",
+           "manifest_path", "ranks_in", "read_manifest"]
+
 FORMAT = "funhooks.activations"
 FORMAT_VERSION = 1
 """The version of this layout; a reader refuses any other."""
 
-MANIFEST = "manifest.rank{rank}.jsonl"
-LOCK = ".lock.rank{rank}"
+_MANIFEST = "manifest.rank{rank}.jsonl"
+_LOCK = ".lock.rank{rank}"
 _MANIFEST_RE = re.compile(r"manifest\.rank(\d+)\.jsonl")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 """Opened with this, a store's own file that is a symbolic link fails instead of being followed."""
@@ -64,7 +67,7 @@ _ROW_BYTES_LIMIT = 1 << 63
 
 
 def manifest_path(directory: pathlib.Path, rank: int) -> pathlib.Path:
-    return directory / MANIFEST.format(rank=rank)
+    return directory / _MANIFEST.format(rank=rank)
 
 
 def ranks_in(directory: pathlib.Path) -> list[int]:
@@ -76,7 +79,7 @@ def ranks_in(directory: pathlib.Path) -> list[int]:
 
 @_frozen.frozen
 @attrs.frozen
-class Manifest:
+class _Manifest:
     """What a rank's manifest commits: the header (None before the first batch) and shard lines."""
 
     path: pathlib.Path
@@ -87,7 +90,7 @@ class Manifest:
     size: int
 
 
-def read_manifest(path: pathlib.Path, caller: str) -> Manifest:
+def read_manifest(path: pathlib.Path, caller: str) -> _Manifest:
     """Read `path` (an absent file is an empty manifest); a torn last line is left out.
 
     Every field the store uses is checked: a damaged or crafted manifest is a StoreError
@@ -97,7 +100,7 @@ def read_manifest(path: pathlib.Path, caller: str) -> Manifest:
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     except FileNotFoundError:
-        return Manifest(path, None, (), 0, 0)
+        return _Manifest(path, None, (), 0, 0)
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
@@ -119,11 +122,11 @@ def read_manifest(path: pathlib.Path, caller: str) -> Manifest:
         lines.append(obj)
     header = lines[0] if lines else None
     if header is not None:
-        check_header_format(header, path, caller)
+        _check_header_format(header, path, caller)
         columns = _check_header(header, path, caller)
         for k, line in enumerate(lines[1:]):
             _check_line(line, k, int(header["rank"]), columns, path, caller)
-    return Manifest(path, header, tuple(lines[1:]), cut, len(data))
+    return _Manifest(path, header, tuple(lines[1:]), cut, len(data))
 
 
 def _not_regular(path: pathlib.Path, caller: str) -> StoreError:
@@ -212,7 +215,7 @@ def _check_line(line: JsonObject, k: int, rank: int, columns: list[Column], path
                                     f"each of {regions}")
 
 
-def check_header_format(header: JsonObject, path: pathlib.Path, caller: str) -> None:
+def _check_header_format(header: JsonObject, path: pathlib.Path, caller: str) -> None:
     """Refuse a manifest of another format, or of another version of this one."""
     if header.get("format") != FORMAT:
         raise StoreError(
@@ -229,7 +232,7 @@ def check_header_format(header: JsonObject, path: pathlib.Path, caller: str) -> 
         )
 
 
-def check_listed(manifest: Manifest, rank: int, directory: pathlib.Path, caller: str) -> StoreError | None:
+def check_listed(manifest: _Manifest, rank: int, directory: pathlib.Path, caller: str) -> StoreError | None:
     """None, or the error for the first listed shard that is missing, not a regular file, or of another size."""
     for k, line in enumerate(manifest.shards):
         path = directory / line["file"]
@@ -317,7 +320,7 @@ class RankLock:
         self._fd: int | None = None
         if _fcntl is None:
             return
-        path = directory / LOCK.format(rank=rank)
+        path = directory / _LOCK.format(rank=rank)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
         except OSError as e:

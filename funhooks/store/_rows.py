@@ -23,7 +23,9 @@ from funhooks.records.record import Record
 
 from . import _shards
 
-CALLER = "ActivationWriter"
+__all__ = ["describe", "rows_of"]
+
+_CALLER = "ActivationWriter"
 
 
 def _unfit(calls: Calls, lead: int) -> str | None:
@@ -60,13 +62,13 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
         got = _unfit(calls, lead)
         if got is not None:
             raise StoreError(
-                f"{CALLER}: each column holds one {'(batch, position, ...)' if flatten else '(batch, ...)'} "
+                f"{_CALLER}: each column holds one {'(batch, position, ...)' if flatten else '(batch, ...)'} "
                 f"tensor per batch, got {got} for {name!r} in batch {batch}. Run the steps with "
                 "`specs=writer.specs`, and store a tensor (fh.observe(where, fn) can pick one from a tuple)."
             )
         if calls[0].layout != torch.strided:
             raise StoreError(
-                f"{CALLER}: columns hold dense (strided) tensors, got a {calls[0].layout} tensor for {name!r} in batch "
+                f"{_CALLER}: columns hold dense (strided) tensors, got a {calls[0].layout} tensor for {name!r} in batch "
                 f"{batch}. Store a dense one (e.g. `.to_dense()` in an fh.observe spec)."
             )
         values[name] = calls[0].detach()
@@ -74,7 +76,7 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
     shape = next(iter(leads.values()))
     if any(s != shape for s in leads.values()):
         raise StoreError(
-            f"{CALLER}: the columns of a batch share their leading {'(batch, position)' if flatten else 'batch'} "
+            f"{_CALLER}: the columns of a batch share their leading {'(batch, position)' if flatten else 'batch'} "
             f"dimensions, got {leads} in batch {batch}. Write modules with other shapes to another store."
         )
     keep = None
@@ -83,7 +85,7 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
         keep = keep if keep.dtype == torch.bool else keep != 0
         if tuple(keep.shape) != shape:
             raise StoreError(
-                f"{CALLER}: a mask has the columns' leading shape {shape}, got {tuple(keep.shape)} in batch {batch}. "
+                f"{_CALLER}: a mask has the columns' leading shape {shape}, got {tuple(keep.shape)} in batch {batch}. "
                 f"Pass a {'(batch, position)' if flatten else '(batch,)'} mask of the same batch."
             )
         keep = keep.reshape(-1)
@@ -95,7 +97,7 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
         cast = dtype if dtype is not None and v.is_floating_point() else v.dtype
         if not _shards.is_storable(cast):
             raise StoreError(
-                f"{CALLER}: columns hold bool, integer or floating-point tensors, got {cast} for {name!r} in batch "
+                f"{_CALLER}: columns hold bool, integer or floating-point tensors, got {cast} for {name!r} in batch "
                 f"{batch}. Store a real tensor (e.g. `.real` or `.abs()` in an fh.observe spec)."
             )
         out[name] = v.to(device="cpu", dtype=cast).contiguous()

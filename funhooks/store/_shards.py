@@ -43,9 +43,12 @@ import torch
 from funhooks import _frozen
 from funhooks.errors import StoreError
 
+__all__ = ["Column", "HEADER", "JsonObject", "SHARD", "ShardFile", "TEMP_SUFFIX", "crc32_of", "dtype_name",
+           "is_storable", "rank_files", "region_sizes"]
+
 SHARD = "shard.rank{rank}.{index:06d}.safetensors"
 TEMP_SUFFIX = ".tmp"
-COPY_CHUNK_BYTES = 1 << 20
+_COPY_CHUNK_BYTES = 1 << 20
 """Compaction of a last, shorter shard copies, and ``verify`` reads, at most this many bytes at
 a time, through one buffer of this size (a constant next to a batch)."""
 
@@ -70,7 +73,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def _parse_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``."""
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
@@ -108,7 +111,7 @@ class Column:
 
     @classmethod
     def from_json(cls, obj: JsonObject) -> Column:
-        return cls(str(obj["name"]), parse_dtype(obj["dtype"]), _shape(int(d) for d in obj["shape"]))
+        return cls(str(obj["name"]), _parse_dtype(obj["dtype"]), _shape(int(d) for d in obj["shape"]))
 
     def describe(self) -> str:
         return f"{dtype_name(self.dtype)} rows of shape {self.shape}"
@@ -118,7 +121,7 @@ HEADER = "header"
 """The key of a shard's header region (its 8-byte size and JSON header) in a manifest line's ``crc32s``."""
 
 
-class Finished(NamedTuple):
+class _Finished(NamedTuple):
     """A finished shard file: its size in bytes and the CRC-32 of each region: ``HEADER``
     (bytes ``0:8 + header size``) and every column's tensor bytes, by column name."""
 
@@ -129,9 +132,9 @@ class Finished(NamedTuple):
 def crc32_of(f: io.BufferedIOBase, size: int | None = None) -> int:
     """The CRC-32 of the next `size` bytes of `f` (all that is left if None; fewer if
     the file ends first), read ``COPY_CHUNK_BYTES`` at a time."""
-    crc, buffer = 0, memoryview(bytearray(COPY_CHUNK_BYTES))
+    crc, buffer = 0, memoryview(bytearray(_COPY_CHUNK_BYTES))
     while size is None or size > 0:
-        got = f.readinto(buffer if size is None else buffer[:min(size, COPY_CHUNK_BYTES)])
+        got = f.readinto(buffer if size is None else buffer[:min(size, _COPY_CHUNK_BYTES)])
         if not got:
             break
         crc = zlib.crc32(buffer[:got], crc)
@@ -141,7 +144,7 @@ def crc32_of(f: io.BufferedIOBase, size: int | None = None) -> int:
 
 def region_sizes(columns: Sequence[Column], rows: int) -> list[tuple[str, int]]:
     """(column name, bytes) of each column region of a shard of `rows` rows, in file order."""
-    return [(c.name, rows * c.row_bytes) for c in in_layout_order(columns)]
+    return [(c.name, rows * c.row_bytes) for c in _in_layout_order(columns)]
 
 
 def rank_files(directory: pathlib.Path, rank: int) -> list[pathlib.Path]:
@@ -160,7 +163,7 @@ def _layout(columns: Sequence[Column], rows: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def in_layout_order(columns: Sequence[Column]) -> list[Column]:
+def _in_layout_order(columns: Sequence[Column]) -> list[Column]:
     return sorted(columns, key=lambda c: (-c.dtype.itemsize, c.name))
 
 
@@ -190,7 +193,7 @@ class ShardFile:
                  capacity: int, meta: Mapping[str, str]) -> None:
         self.final = directory / SHARD.format(rank=rank, index=index)
         self.temp = directory / f".{self.final.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        self.columns = in_layout_order(columns)
+        self.columns = _in_layout_order(columns)
         self.capacity, self.rows, self._meta = capacity, 0, dict(meta)
         header = _header(self.columns, capacity, self._meta)
         self._reserve, self._data = len(header), 8 + len(header)
@@ -227,7 +230,7 @@ class ShardFile:
         for name, data in written:
             self._crc32s[name] = zlib.crc32(data, self._crc32s[name])
 
-    def finish(self, *, fsync: bool) -> Finished:
+    def finish(self, *, fsync: bool) -> _Finished:
         """Finish the file (compacted when it holds fewer than `capacity` rows); its size and checksums."""
         if self.rows < self.capacity:
             self._compact()
@@ -235,19 +238,19 @@ class ShardFile:
         if fsync:
             os.fsync(self._file.fileno())
         self._file.close()
-        return Finished(self._data + sum(self.rows * c.row_bytes for c in self.columns),
+        return _Finished(self._data + sum(self.rows * c.row_bytes for c in self.columns),
                         {HEADER: zlib.crc32(self._head), **self._crc32s})
 
     def _compact(self) -> None:
         header = _header(self.columns, self.rows, self._meta, reserve=self._reserve)
         assert len(header) == self._reserve, "a header for fewer rows is never longer"
-        buffer = memoryview(bytearray(COPY_CHUNK_BYTES))
+        buffer = memoryview(bytearray(_COPY_CHUNK_BYTES))
         for c in self.columns:
             src, dst = self._data + self._begin[c.name], self._data + _layout(self.columns, self.rows)[c.name][0]
             left = self.rows * c.row_bytes
             while left and src != dst:  # dst < src: copying forward never overwrites unread bytes
                 self._file.seek(src)
-                got = self._file.readinto(buffer[:min(left, COPY_CHUNK_BYTES)])
+                got = self._file.readinto(buffer[:min(left, _COPY_CHUNK_BYTES)])
                 self._file.seek(dst)
                 self._file.write(buffer[:got])
                 src, dst, left = src + got, dst + got, left - got

@@ -40,6 +40,8 @@ from funhooks.errors import StoreError
 
 from . import _manifest, _shards, stats
 
+__all__ = ["CALLER", "Sink"]
+
 CALLER = "ActivationWriter"
 _T = TypeVar("_T")
 _OPEN: dict[tuple[str, int], weakref.ref[Sink]] = {}
@@ -177,7 +179,7 @@ class Sink:
             self._digest = None
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()
-        while len(self._pending) >= MAX_PENDING:
+        while len(self._pending) >= _MAX_PENDING:
             self._pending.popleft().result()
         future = self._worker.submit(fn, *args)
         self._pending.append(cast("concurrent.futures.Future[object]", future))
@@ -256,7 +258,7 @@ class Sink:
             raise StoreError(self.failed) from e
 
 
-MAX_PENDING = 2
+_MAX_PENDING = 2
 """Tasks the worker may have unfinished before another waits for the oldest: a digest of one
 piece of rows and one input fingerprint of ``collect`` (memory stays flat however fast rows
 come). A digest also waits for the one before it."""

@@ -24,7 +24,7 @@ from funhooks._modes import in_mode
 from funhooks.errors import LoopError, StoreError
 from funhooks.records.record import Record
 from funhooks.runs.pure import capture
-from funhooks.training import progress as _progress
+from funhooks.training.progress import wrap
 
 from . import _fingerprint
 from ._sink import Sink
@@ -35,13 +35,13 @@ __all__ = ["collect"]
 
 _R = TypeVar("_R")
 
-Batch: TypeAlias = Any
+_Batch: TypeAlias = Any
 """One of the user's batches: a dict, a tuple or list, or one value, as the model takes it."""
-Mask = Callable[[Batch], torch.Tensor]
+_Mask = Callable[[_Batch], torch.Tensor]
 """``mask(batch)``: the rows of a batch to keep, as a bool tensor."""
 
 
-def _call(fn: Callable[..., _R], batch: Batch) -> _R:
+def _call(fn: Callable[..., _R], batch: _Batch) -> _R:
     if isinstance(batch, Mapping):
         return fn(**batch)
     if isinstance(batch, (tuple, list)):
@@ -49,7 +49,7 @@ def _call(fn: Callable[..., _R], batch: Batch) -> _R:
     return fn(batch)
 
 
-def _mask_of(mask: str | Mask | None, batch: Batch, index: int) -> torch.Tensor | None:
+def _mask_of(mask: str | _Mask | None, batch: _Batch, index: int) -> torch.Tensor | None:
     if mask is None or callable(mask):
         return None if mask is None else mask(batch)
     if isinstance(batch, Mapping) and mask in batch:
@@ -61,7 +61,7 @@ def _mask_of(mask: str | Mask | None, batch: Batch, index: int) -> torch.Tensor 
     )
 
 
-def _remaining(inputs: Iterable[Batch], start: int) -> Iterator[tuple[int, Batch]]:
+def _remaining(inputs: Iterable[_Batch], start: int) -> Iterator[tuple[int, _Batch]]:
     if isinstance(inputs, Sequence):  # indexable: the written batches are not even loaded
         return ((i, inputs[i]) for i in range(start, len(inputs)))
     return itertools.islice(enumerate(inputs), start, None)
@@ -85,7 +85,7 @@ class _Inputs:
         self.directory, self.batches, self.fingerprint = directory, 0, _fingerprint.START
         self.sink = sink
 
-    def see(self, index: int, batch: Batch) -> Mapping[str, object]:
+    def see(self, index: int, batch: _Batch) -> Mapping[str, object]:
         """Take batch `index` into the fingerprint (once); refuse inputs the store was not written from."""
         if index < self.batches:
             return _Seen(self.batches, self._last)
@@ -99,7 +99,7 @@ class _Inputs:
             self._last = self.sink.background(self._chain, batch)  # one worker: digests run in batch order
         return _Seen(self.batches, self._last)
 
-    def _chain(self, batch: Batch) -> str:
+    def _chain(self, batch: _Batch) -> str:
         self.fingerprint = _fingerprint.chain(self.fingerprint, batch)  # only the worker writes it now
         return self.fingerprint
 
@@ -165,7 +165,7 @@ def _budget_mask(record: Record, writer: ActivationWriter, keep: torch.Tensor | 
     return flat.reshape(lead), left
 
 
-def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Mask | None = None,
+def collect(writer: ActivationWriter, inputs: Iterable[_Batch], *, mask: str | _Mask | None = None,
             max_rows: int | None = None, progress: bool | None = None) -> ActivationDataset:
     """Run ``writer.model`` over `inputs` through :func:`funhooks.capture` and write the activations.
 
@@ -227,7 +227,7 @@ def collect(writer: ActivationWriter, inputs: Iterable[Batch], *, mask: str | Ma
     fn = capture(writer.model, writer.specs)
     model = writer.model
     total = len(inputs) - first if isinstance(inputs, Sized) else None
-    batches = _progress.wrap((b for b in _remaining(inputs, first)), total=total, desc="collect",
+    batches = wrap((b for b in _remaining(inputs, first)), total=total, desc="collect",
                              progress=progress)
     track = sink.committed_inputs is not None or not sink.rows  # a store written without a record keeps none
     try:

@@ -37,15 +37,15 @@ import torch
 from funhooks.errors import ExtraError, StoreError
 
 from . import _manifest, _shards
-from . import stats as column_stats
+from .stats import ColumnStats, Moments, from_json, merge, shard_moments
 
-__all__ = ["MAX_OPEN_SHARDS", "ActivationDataset"]
+__all__ = ["MAX_OPEN_SHARDS", "ActivationDataset", "require_safetensors"]
 
 MAX_OPEN_SHARDS = 64
 """Shards kept mapped at once per process; the least recently used one is closed first."""
 
-CALLER = "ActivationDataset"
-Row: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"
+_CALLER = "ActivationDataset"
+_Row: TypeAlias = "torch.Tensor | dict[str, torch.Tensor]"
 """One row: its tensor for a store opened on one column, else its tensors by column name."""
 _AGREE = (("columns", "columns"), ("specs", "specs"), ("flatten", "`flatten`"), ("dtype", "`dtype`"))
 
@@ -73,7 +73,7 @@ def _as_indices(index: object) -> torch.Tensor:
     """`index` as a tensor of row numbers; a TypeError for anything but ints."""
     if isinstance(index, str):
         raise TypeError(
-            f"{CALLER}: an index picks rows by position, got {index!r}. To read one column, open the store with "
+            f"{_CALLER}: an index picks rows by position, got {index!r}. To read one column, open the store with "
             f"`columns={index!r}`: fh.ActivationDataset(directory, columns={index!r})."
         )
     try:
@@ -82,7 +82,7 @@ def _as_indices(index: object) -> torch.Tensor:
         idx = None
     if idx is None or (idx.numel() and (idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex())):
         raise TypeError(
-            f"{CALLER}: an index is an int, a slice, or a list or tensor of ints, got {index!r}. "
+            f"{_CALLER}: an index is an int, a slice, or a list or tensor of ints, got {index!r}. "
             "Pass row numbers (int(x) rounds a float towards zero)."
         )
     return idx.long()
@@ -101,7 +101,7 @@ def require_safetensors(caller: str) -> types.ModuleType:
 
 
 def _safe_open() -> Any:
-    require_safetensors(CALLER)
+    require_safetensors(_CALLER)
     from safetensors import safe_open
 
     return safe_open
@@ -145,11 +145,11 @@ class ActivationDataset(torch.utils.data.Dataset):
         self._safe_open = _safe_open()
         self.directory = pathlib.Path(os.fspath(directory))
         ranks = _manifest.ranks_in(self.directory)
-        manifests = [_manifest.read_manifest(_manifest.manifest_path(self.directory, r), CALLER) for r in ranks]
+        manifests = [_manifest.read_manifest(_manifest.manifest_path(self.directory, r), _CALLER) for r in ranks]
         manifests = [m for m in manifests if m.header is not None]
         if not manifests:
             raise StoreError(
-                f"{CALLER}: a store's directory holds a manifest.rank<r>.jsonl per rank, got none with a header in "
+                f"{_CALLER}: a store's directory holds a manifest.rank<r>.jsonl per rank, got none with a header in "
                 f"{str(self.directory)!r}. Write one with fh.ActivationWriter or fh.collect, or check the path."
             )
         first = manifests[0]
@@ -157,7 +157,7 @@ class ActivationDataset(torch.utils.data.Dataset):
             for key, what in _AGREE:
                 if m.header.get(key) != first.header.get(key):  # type: ignore[union-attr]
                     raise StoreError(
-                        f"{CALLER}: the ranks of a store agree on their {what}, got {m.path.name} with "
+                        f"{_CALLER}: the ranks of a store agree on their {what}, got {m.path.name} with "
                         f"{m.header.get(key)!r} and {first.path.name} with {first.header.get(key)!r} "  # type: ignore[union-attr]
                         f"in {str(self.directory)!r}. Write every rank with one writer, or keep them in separate "
                         "directories."
@@ -165,7 +165,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         self._files: list[_Listed] = []
         for m in manifests:
             rank = int(m.header["rank"])  # type: ignore[index]
-            error = _manifest.check_listed(m, rank, self.directory, CALLER)
+            error = _manifest.check_listed(m, rank, self.directory, _CALLER)
             if error is not None:
                 raise error
             self._files += [_Listed(self.directory / line["file"], line["rows"], rank, line["shard"], line.get("crc32"),
@@ -192,7 +192,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         unknown = [w for w in wanted if w not in by_name]
         if unknown or not wanted:
             raise StoreError(
-                f"{CALLER}: `columns` names columns of the store, got {unknown or wanted!r}; the store has "
+                f"{_CALLER}: `columns` names columns of the store, got {unknown or wanted!r}; the store has "
                 f"{list(by_name)}. Pick some of those, or pass None for all."
             )
         return [by_name[w] for w in wanted], isinstance(columns, str)
@@ -236,7 +236,7 @@ class ActivationDataset(torch.utils.data.Dataset):
             held = (about.get("rank"), about.get("shard")) if isinstance(about, dict) else (None, None)
             if held != (rank, index):
                 raise StoreError(
-                    f"{CALLER}: a shard file holds the shard its manifest line lists, got {path.name} holding rank "
+                    f"{_CALLER}: a shard file holds the shard its manifest line lists, got {path.name} holding rank "
                     f"{held[0]} shard {held[1]} where the manifest lists rank {rank} shard {index}. Put the file back "
                     "under its name, or write the store again."
                 )
@@ -247,7 +247,7 @@ class ActivationDataset(torch.utils.data.Dataset):
                     problem = f"with {c.name!r} as {t.dtype} {tuple(t.shape)}"
         if problem is not None:
             raise StoreError(
-                f"{CALLER}: a shard holds the rows its manifest line says, got {path.name} {problem} where the "
+                f"{_CALLER}: a shard holds the rows its manifest line says, got {path.name} {problem} where the "
                 f"manifest says {rows} rows of {[c.describe() for c in self._columns]}. Restore the file, or write "
                 "the store again."
             )
@@ -294,7 +294,7 @@ class ActivationDataset(torch.utils.data.Dataset):
             if isinstance(listed.stats, dict):
                 for c in self._every:
                     if c.dtype.is_floating_point:
-                        column_stats.from_json(listed.stats.get(c.name), c, listed.rows, self._where(listed), CALLER)
+                        from_json(listed.stats.get(c.name), c, listed.rows, self._where(listed), _CALLER)
 
     def _where(self, listed: _Listed) -> str:
         return f"shard {listed.shard} of rank {listed.rank} ({listed.path.name}) in {str(self.directory)!r}"
@@ -303,11 +303,11 @@ class ActivationDataset(torch.utils.data.Dataset):
     def _check_crc(path: pathlib.Path, crc: int, want: int, where: str) -> None:
         if crc != want:
             raise StoreError(
-                f"{CALLER}: a shard's bytes have the CRC-32 its manifest line records, got {path.name}{where} "
+                f"{_CALLER}: a shard's bytes have the CRC-32 its manifest line records, got {path.name}{where} "
                 f"with {crc:#010x} where the manifest says {want:#010x}. Restore the file, or write the store again."
             )
 
-    def stats(self, *, recompute: bool = False) -> dict[str, column_stats.ColumnStats]:
+    def stats(self, *, recompute: bool = False) -> dict[str, ColumnStats]:
         """Count, mean, variance and mean norm of each floating-point column, over every row.
 
         The writer computed each shard's statistics when it committed the shard; they are
@@ -332,28 +332,28 @@ class ActivationDataset(torch.utils.data.Dataset):
             True
         """
         columns = [c for c in self._columns if c.dtype.is_floating_point]
-        totals: dict[str, column_stats.Moments] = {}
+        totals: dict[str, Moments] = {}
         for s, listed in enumerate(self._files):
             if recompute or not isinstance(listed.stats, dict):
                 tensors = self._open(s)
-                found = column_stats.shard_moments(lambda name, a, b: tensors[name][a:b], columns, listed.rows)
+                found = shard_moments(lambda name, a, b: tensors[name][a:b], columns, listed.rows)
             else:
-                found = {c.name: column_stats.from_json(listed.stats.get(c.name), c, listed.rows, self._where(listed),
-                                                        CALLER) for c in columns}
-            totals = {c.name: column_stats.merge(totals[c.name], found[c.name]) if c.name in totals else found[c.name]
+                found = {c.name: from_json(listed.stats.get(c.name), c, listed.rows, self._where(listed),
+                                                        _CALLER) for c in columns}
+            totals = {c.name: merge(totals[c.name], found[c.name]) if c.name in totals else found[c.name]
                       for c in columns}
-        empty = column_stats.Moments(0, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0.0)
-        return {c.name: column_stats.ColumnStats.of(totals.get(c.name, empty), c.shape) for c in columns}
+        empty = Moments(0, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0.0)
+        return {c.name: ColumnStats.of(totals.get(c.name, empty), c.shape) for c in columns}
 
     @property
     def shard_rows(self) -> tuple[int, ...]:
         """Rows of each shard, in store order (rank, then shard)."""
         return tuple(listed.rows for listed in self._files)
 
-    def _row(self, i: int) -> Row:
+    def _row(self, i: int) -> _Row:
         n = len(self)
         if not -n <= i < n:
-            raise IndexError(f"{CALLER}: an index is in range(-{n}, {n}), got {i}. Index a row of the dataset.")
+            raise IndexError(f"{_CALLER}: an index is in range(-{n}, {n}), got {i}. Index a row of the dataset.")
         i %= n
         s = bisect.bisect_right(self._starts, i) - 1
         tensors = self._open(s)
@@ -366,7 +366,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         n = len(self)
         if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
             bad = int(idx.min()) if int(idx.min()) < -n else int(idx.max())
-            raise IndexError(f"{CALLER}: an index is in range(-{n}, {n}), got {bad}. Index rows of the dataset.")
+            raise IndexError(f"{_CALLER}: an index is in range(-{n}, {n}), got {bad}. Index rows of the dataset.")
         idx = idx % max(n, 1)
         shard = torch.searchsorted(self._starts_t, idx, right=True) - 1
         out = {c.name: torch.empty((idx.numel(), *c.shape), dtype=c.dtype) for c in self._columns}
@@ -408,7 +408,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         batch = self._batch(index)
         return batch[self._columns[0].name] if self._single else batch
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Row]:
+    def __getitems__(self, indices: Sequence[int]) -> list[_Row]:
         """Rows `indices` in one gather per shard (a DataLoader calls this for each batch)."""
         batch = self._batch(indices)
         if self._single:

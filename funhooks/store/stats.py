@@ -37,7 +37,8 @@ from funhooks.errors import StoreError
 
 from ._shards import Column
 
-__all__ = ["STATS_CHUNK_ROWS", "ColumnStats"]
+__all__ = ["STATS_CHUNK_ROWS", "ColumnStats", "Moments", "merge", "Buffers", "shard_moments", "Accumulator", "to_json",
+           "from_json"]
 
 STATS_CHUNK_ROWS = 1024
 """Rows per chunk of the statistics pass (float32 sums inside a chunk, float64 between chunks)."""

@@ -49,7 +49,7 @@ BLOCK_ROWS = 8192
 """A consumer reads at most this many consecutive rows of a shard at a time."""
 SHUFFLE_BUFFER_ROWS = 1 << 16
 """The default shuffle buffer, in rows."""
-CALLER = "ActivationStream"
+_CALLER = "ActivationStream"
 _INDEX = "__index__"
 _Chunk = dict[str, torch.Tensor]
 
@@ -70,7 +70,7 @@ def _check(name: str, value: object, low: int, allow_none: bool = False) -> None
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         none = " or None" if allow_none else ""
-        raise StoreError(f"{CALLER}: `{name}` is an int >= {low}{none}, got {value!r}. Pass one.")
+        raise StoreError(f"{_CALLER}: `{name}` is an int >= {low}{none}, got {value!r}. Pass one.")
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -174,7 +174,7 @@ class ActivationStream(torch.utils.data.IterableDataset):
                  rank: int | None = None, world_size: int | None = None, drop_last: bool = False) -> None:
         if not isinstance(dataset, ActivationDataset):
             raise StoreError(
-                f"{CALLER}: `dataset` is an fh.ActivationDataset, got {type(dataset).__name__}. "
+                f"{_CALLER}: `dataset` is an fh.ActivationDataset, got {type(dataset).__name__}. "
                 "Pass fh.ActivationDataset(directory)."
             )
         for name, value, low, none in (("batch_size", batch_size, 1, True), ("buffer", buffer, 2, False),
@@ -184,14 +184,14 @@ class ActivationStream(torch.utils.data.IterableDataset):
             _check(name, value, low, none)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(flag, bool):
-                raise StoreError(f"{CALLER}: `{name}` is a bool, got {flag!r}. Pass True or False.")
+                raise StoreError(f"{_CALLER}: `{name}` is a bool, got {flag!r}. Pass True or False.")
         dist = torch.distributed
         live = dist.is_available() and dist.is_initialized()
         world = world_size if world_size is not None else dist.get_world_size() if live else 1
         place = rank if rank is not None else dist.get_rank() if live else 0
         if place >= world:
             raise StoreError(
-                f"{CALLER}: `rank` is in range({world}), got {place}. Pass the rank of this process among `world_size`."
+                f"{_CALLER}: `rank` is in range({world}), got {place}. Pass the rank of this process among `world_size`."
             )
         self.dataset, self.batch_size, self.shuffle, self.buffer = dataset, batch_size, shuffle, buffer
         self.seed, self.epoch, self.start, self.rank, self.world_size = seed, epoch, start, place, world

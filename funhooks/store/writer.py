@@ -57,7 +57,7 @@ SHARD_BYTES = 1 << 27
 """With ``rows_per_shard=None``, a shard holds as many rows as fit in this many bytes (128 MiB)."""
 
 CALLER = _sink.CALLER
-Mask = Callable[[Step], torch.Tensor]
+_Mask = Callable[[Step], torch.Tensor]
 """``mask(step)``: the rows of a step to keep, as a bool tensor."""
 
 
@@ -99,7 +99,7 @@ def _check_rank(writer: ActivationWriter, attribute: attrs.Attribute[int | None]
         )
 
 
-def _check_mask(writer: ActivationWriter, attribute: attrs.Attribute[Mask | None], mask: object) -> None:
+def _check_mask(writer: ActivationWriter, attribute: attrs.Attribute[_Mask | None], mask: object) -> None:
     if mask is not None and not callable(mask):
         raise ReducerError(
             f"{CALLER}: `mask` is a function of a Step or None, got {type(mask).__name__}. Pass e.g. "
@@ -209,7 +209,7 @@ class ActivationWriter:
     directory: pathlib.Path = attrs.field(converter=_as_path)
     dtype: torch.dtype | None = attrs.field(default=None, kw_only=True, validator=_check_dtype)
     flatten: bool = attrs.field(default=False, kw_only=True, validator=attrs.validators.instance_of(bool))
-    mask: Mask | None = attrs.field(default=None, kw_only=True, validator=_check_mask)
+    mask: _Mask | None = attrs.field(default=None, kw_only=True, validator=_check_mask)
     rows_per_shard: int | None = attrs.field(default=None, kw_only=True, validator=_check_rows)
     rank: int | None = attrs.field(default=None, kw_only=True, validator=_check_rank)
     fsync: bool = attrs.field(default=True, kw_only=True, validator=attrs.validators.instance_of(bool))

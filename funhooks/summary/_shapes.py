@@ -40,15 +40,14 @@ from funhooks.specs.spec import Spec, observe
 
 from .table import Shape, ShapeTree, shape_tree
 
-__all__ = ["NOT_RUN", "REAL_BYTES", "REAL_FLOPS", "Pass", "Track", "is_leaf", "last_shape", "last_track", "nbytes",
-           "record_shapes", "tracks"]
+__all__ = ["NOT_RUN", "Pass", "Track", "is_leaf", "last_shape", "nbytes", "record_shapes", "tracks"]
 
 _T = TypeVar("_T")
 Tensor = torch.Tensor
 
-REAL_FLOPS = 2_000_000_000
+_REAL_FLOPS = 2_000_000_000
 """A real pass that has done more FLOPs than this is stopped and redone on the meta device."""
-REAL_BYTES = 64 * 2**20
+_REAL_BYTES = 64 * 2**20
 """A real pass that makes a tensor of more bytes than this is stopped and redone on the meta device."""
 
 
@@ -160,9 +159,9 @@ class _Counter(_torch.TorchDispatchMode):
             out = func(*args, **kwargs)
             if self.budget:
                 if type(out) is Tensor:
-                    if out.numel() * out.element_size() > REAL_BYTES:
+                    if out.numel() * out.element_size() > _REAL_BYTES:
                         self._stop()
-                elif _largest(out) > REAL_BYTES:
+                elif _largest(out) > _REAL_BYTES:
                     self._stop()
             return out
         if kind is _Op.LEAVE:
@@ -175,13 +174,13 @@ class _Counter(_torch.TorchDispatchMode):
             out = func(*args, **kwargs)
         else:
             flops, key = self._before(kind, func, args, kwargs)
-            if self.budget and flops is not None and self.total + flops > REAL_FLOPS:
+            if self.budget and flops is not None and self.total + flops > _REAL_FLOPS:
                 self._stop()  # before a matrix product or attention over the budget runs
             out = func(*args, **kwargs)
             if flops is None:
                 flops = self._after(kind, key, args, kwargs, out)
             self.total += flops
-        if self.budget and (self.total > REAL_FLOPS or _largest(out) > REAL_BYTES):
+        if self.budget and (self.total > _REAL_FLOPS or _largest(out) > _REAL_BYTES):
             self._stop()
         return out
 
@@ -419,11 +418,11 @@ def tracks(rec: Record, path: str) -> tuple[Track, ...]:
     return rec.calls(path, "shape") if path in rec else ()
 
 
-def last_track(rec: Record, path: str) -> Track:
+def _last_track(rec: Record, path: str) -> Track:
     """The module's last call; shape None and `same` False when it did not run."""
     calls = tracks(rec, path)
     return calls[-1] if calls else NOT_RUN
 
 
 def last_shape(rec: Record, path: str) -> ShapeTree:
-    return last_track(rec, path).shape
+    return _last_track(rec, path).shape

@@ -56,7 +56,7 @@ __all__ = [
     "total_params",
 ]
 
-DEFAULT_SIZE = (64, 64)
+_DEFAULT_SIZE = (64, 64)
 """fastai's default spatial size of a dummy batch."""
 
 _DUMMY_RANGE = (-1.0, 1.0)  # a dummy batch is uniform on this interval, as fastai's
@@ -123,7 +123,7 @@ def _first_layer(caller: str, m: nn.Module) -> nn.Linear | nn.Conv1d | nn.Conv2d
     )
 
 
-def dummy_batch(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> torch.Tensor:
+def dummy_batch(m: nn.Module, size: Sequence[int] = _DEFAULT_SIZE) -> torch.Tensor:
     """A batch of one random input for `m`, shaped from its first conv or linear layer.
 
     Args:
@@ -157,7 +157,7 @@ def dummy_batch(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> torch.Tenso
         if len(size) != dims:
             raise ValueError(
                 f"dummy_batch: `size` has one entry per spatial dimension of the first layer "
-                f"({type(layer).__name__}: {dims}), got {size!r}. Pass size={(DEFAULT_SIZE[0],) * dims!r}."
+                f"({type(layer).__name__}: {dims}), got {size!r}. Pass size={(_DEFAULT_SIZE[0],) * dims!r}."
             )
         shape = (1, layer.in_channels, *size)
     weight = layer.weight
@@ -167,7 +167,7 @@ def dummy_batch(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> torch.Tenso
     return x.to(device=weight.device, dtype=weight.dtype)
 
 
-def dummy_eval(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> Any:
+def dummy_eval(m: nn.Module, size: Sequence[int] = _DEFAULT_SIZE) -> Any:
     """`m`'s output on :func:`dummy_batch`, computed in eval mode without gradients.
 
     Args:
@@ -195,7 +195,7 @@ def dummy_eval(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> Any:
 # -- shapes ------------------------------------------------------------------------------------
 
 
-def model_sizes(m: nn.Module, size: Sequence[int] = DEFAULT_SIZE) -> list[Shape]:
+def model_sizes(m: nn.Module, size: Sequence[int] = _DEFAULT_SIZE) -> list[Shape]:
     """The output shape of each child of `m` on :func:`dummy_batch`.
 
     Args:

@@ -37,8 +37,8 @@ from torch import nn
 
 from funhooks.errors import SpecError
 from funhooks.records.record import Record
-from funhooks.runs import run as _run
-from funhooks.specs import spec as _spec
+from funhooks.runs.run import Run, as_specs, with_hooks
+from funhooks.specs import Spec, outputs
 from funhooks.specs.selector import path_label
 
 from . import _invariant
@@ -136,7 +136,7 @@ def check_invariant(
     predicate: Callable[[str, str, torch.Tensor], object] | Callable[[Record], object],
     inputs_strategy: st.SearchStrategy[object],
     *,
-    specs: _spec.Spec | Iterable[_spec.Spec] = _spec.outputs("**"),
+    specs: Spec | Iterable[Spec] = outputs("**"),
     settings: hypothesis.settings | None = None,
     seed: int | None = _invariant.DRAW_SEED,
 ) -> None:
@@ -175,7 +175,7 @@ def check_invariant(
         >>> fh.testing.check_invariant(model, shrinks, fh.testing.tensors((3, 2)))
     """
     hyp = _invariant.hypothesis()
-    spec_tuple = _run.as_specs(specs, "check_invariant")
+    spec_tuple = as_specs(specs, "check_invariant")
     if not callable(predicate):
         raise SpecError(
             "check_invariant: `predicate` is a callable `(path, name, tensor) -> bool` or `(record) -> bool`, "
@@ -190,7 +190,7 @@ def check_invariant(
     @hyp.given(inputs_strategy)
     def holds(drawn: object) -> None:
         args = drawn if isinstance(drawn, tuple) else (drawn,)
-        with torch.set_grad_enabled(needs_backward), _run.with_hooks(model, spec_tuple) as run:
+        with torch.set_grad_enabled(needs_backward), with_hooks(model, spec_tuple) as run:
             out = model(*args)
             if needs_backward:
                 backward_all(out)

@@ -32,13 +32,16 @@ if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis as hyp
     from hypothesis.strategies import SearchStrategy
 
-EXAMPLES = 25
+__all__ = ["DRAW_SEED", "EVERY", "Inputs", "as_args", "as_strategy", "hypothesis", "innermost", "is_inside",
+           "module_name", "named_modules", "preserved", "search", "seeded", "show", "tensor_leaves"]
+
+_EXAMPLES = 25
 """Examples a check draws unless its `settings` say otherwise: a few seconds on a small model."""
-DRAWN_ELEMENTS = 64
+_DRAWN_ELEMENTS = 64
 """Example inputs up to this many elements are drawn element by element, so Hypothesis
 shrinks every value; larger ones are drawn from a seed (shrinking a few hundred values
 element by element takes seconds)."""
-FLOAT_BOUND = 3.0
+_FLOAT_BOUND = 3.0
 """Element-wise drawn floats lie in ``[-FLOAT_BOUND, FLOAT_BOUND]`` (three standard deviations)."""
 DRAW_SEED = 0
 """The seed a check draws its inputs from unless given another: a failure reproduces."""
@@ -63,7 +66,7 @@ def hypothesis() -> ModuleType:
     return hypothesis
 
 
-def settings_for(settings: hyp.settings | None) -> hyp.settings:
+def _settings_for(settings: hyp.settings | None) -> hyp.settings:
     """The Hypothesis settings of a check: the user's, or the loaded profile with at most
     :data:`EXAMPLES` examples, no deadline and no example database (each check's draws are
     its own). Either way without the explain phase and with one bug reported: the check
@@ -73,7 +76,7 @@ def settings_for(settings: hyp.settings | None) -> hyp.settings:
         default = hyp.settings.default
         settings = hyp.settings(
             default,
-            max_examples=min(default.max_examples, EXAMPLES),
+            max_examples=min(default.max_examples, _EXAMPLES),
             deadline=None,
             database=None,
             suppress_health_check=[*default.suppress_health_check, hyp.HealthCheck.too_slow],
@@ -102,7 +105,7 @@ def _like(example: torch.Tensor, normal: bool, caller: str) -> SearchStrategy[to
     if _is_mask(example):  # which masks are valid (a row of padding only, one key per row) is the model's rule
         return st.just(example).map(torch.clone)
     if dtype.is_floating_point:
-        elements: SearchStrategy[float] = st.floats(-FLOAT_BOUND, FLOAT_BOUND)
+        elements: SearchStrategy[float] = st.floats(-_FLOAT_BOUND, _FLOAT_BOUND)
 
         def seeded(g: torch.Generator) -> torch.Tensor:
             return torch.randn(shape, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -117,7 +120,7 @@ def _like(example: torch.Tensor, normal: bool, caller: str) -> SearchStrategy[to
             f"{caller}: an example input is a real, integer or bool tensor, got dtype {dtype}. "
             "Pass a Hypothesis strategy of inputs instead."
         )
-    if count <= DRAWN_ELEMENTS and not normal:
+    if count <= _DRAWN_ELEMENTS and not normal:
         return st.lists(elements, min_size=count, max_size=count).map(
             lambda xs: torch.tensor(xs, dtype=dtype).reshape(shape).to(device)
         )
@@ -176,7 +179,7 @@ def search(strategy: SearchStrategy[_Drawn], fails: Callable[[_Drawn], bool], se
     """Draw from `strategy` (from `seed`) until ``fails(drawn)``; the shrunk failing draw, or None."""
     hyp = hypothesis()
 
-    @settings_for(settings)
+    @_settings_for(settings)
     @hyp.given(strategy)
     def holds(drawn: _Drawn) -> None:
         if fails(drawn):

@@ -17,6 +17,8 @@ from torch import nn
 if TYPE_CHECKING:  # pragma: no cover - types only
     from hypothesis.strategies import DrawFn
 
+__all__ = ["MAX_CHANNELS", "MAX_FEATURES", "MAX_SIDE", "Shape", "blocks"]
+
 
 class _Residual(nn.Module):
     """``x + body(x)``."""

@@ -23,11 +23,13 @@ from funhooks.records.record import Record
 from funhooks.runs.run import with_hooks
 from funhooks.specs.spec import inputs, outputs
 
-from . import _invariant as inv
+from . import _invariant
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
     from hypothesis.strategies import SearchStrategy
+
+__all__ = ["ATOL", "RTOL", "Run", "SEED", "Same", "broken", "close", "compare"]
 
 RTOL, ATOL = 1e-4, 1e-5
 """Default tolerances: float32 rounding when work is reordered, nothing more."""
@@ -51,7 +53,7 @@ breaks it, None when the two tensors cannot be compared (the tensor is skipped).
 _Draw = TypeVar("_Draw")
 
 
-def seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
+def _seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
                 mode: bool | None = None) -> object:
     """``model(*args)`` from the saved buffers and random seed `seed`, without gradients;
     in train (`mode` True) or eval (False) mode, or as it is (None)."""
@@ -63,11 +65,11 @@ def seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: 
         return model(*args)
 
 
-def recorded(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
+def _recorded(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
              mode: bool | None = None) -> tuple[object, Record]:
     """:func:`seeded_call` with every module's inputs and outputs recorded (copies)."""
-    with with_hooks(model, [outputs(inv.EVERY, clone=True), inputs(inv.EVERY, clone=True)]) as run:
-        out = seeded_call(model, reset, args, seed, mode)
+    with with_hooks(model, [outputs(_invariant.EVERY, clone=True), inputs(_invariant.EVERY, clone=True)]) as run:
+        out = _seeded_call(model, reset, args, seed, mode)
     return out, run.record
 
 
@@ -83,13 +85,13 @@ def close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
 
 def broken(a: object, b: object, same: Same) -> bool:
     """Whether any comparable tensor of `b` breaks the invariant (or the structures differ)."""
-    left, right = inv.tensor_leaves(a), inv.tensor_leaves(b)
+    left, right = _invariant.tensor_leaves(a), _invariant.tensor_leaves(b)
     if len(left) != len(right):
         return True
     return any(same(x, y) is False for x, y in zip(left, right))
 
 
-def introducer(rec_a: Record, rec_b: Record, same: Same) -> str | None:
+def _introducer(rec_a: Record, rec_b: Record, same: Same) -> str | None:
     """The innermost module, first in module order, with a call whose inputs keep the
     invariant and whose output breaks it: the module that introduces the break."""
     found = []
@@ -104,7 +106,7 @@ def introducer(rec_a: Record, rec_b: Record, same: Same) -> str | None:
         if any(broken(oa, ob, same) and not broken(ia, ib, same)
                for oa, ob, ia, ib in zip(outs_a, outs_b, ins_a, ins_b)):
             found.append(path)
-    return inv.innermost(found)
+    return _invariant.innermost(found)
 
 
 def compare(caller: str, model: nn.Module, draws: SearchStrategy[_Draw], runs: Callable[[_Draw], tuple[Run, Run]],
@@ -121,16 +123,16 @@ def compare(caller: str, model: nn.Module, draws: SearchStrategy[_Draw], runs: C
         def breaks(draw: _Draw, first: object, second: object) -> bool:
             return broken(first, second, same_for(draw))
 
-    with inv.preserved(model) as reset:
+    with _invariant.preserved(model) as reset:
         def fails(draw: _Draw) -> bool:
-            first, second = (seeded_call(model, reset, *run) for run in runs(draw))
+            first, second = (_seeded_call(model, reset, *run) for run in runs(draw))
             return breaks(draw, first, second)
 
-        draw = inv.search(draws, fails, settings, seed)
+        draw = _invariant.search(draws, fails, settings, seed)
         if draw is None:
             return
-        (_, rec_a), (_, rec_b) = (recorded(model, reset, *run) for run in runs(draw))
-        path = introducer(rec_a, rec_b, same_for(draw))
-    where = inv.module_name(model, "" if path is None else path)
-    details = f"input: {inv.show(draw)}" if describe is None else describe(draw)
+        (_, rec_a), (_, rec_b) = (_recorded(model, reset, *run) for run in runs(draw))
+        path = _introducer(rec_a, rec_b, same_for(draw))
+    where = _invariant.module_name(model, "" if path is None else path)
+    details = f"input: {_invariant.show(draw)}" if describe is None else describe(draw)
     raise AssertionError(f"{caller}: {rule}, got module {where} first breaking it. {fix}.\n{details}")

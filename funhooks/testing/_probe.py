@@ -27,10 +27,12 @@ from funhooks.records.record import Record
 from funhooks.runs.run import with_hooks
 from funhooks.specs.spec import edit, observe
 
-from . import _invariant as inv
+from . import _invariant
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from typing import TypeAlias
+
+__all__ = ["Flow", "LossFn", "ancestors", "kind", "owner", "projection_loss"]
 
 _LOSS_SEED = 0
 
@@ -47,7 +49,7 @@ def projection_loss(output: object) -> torch.Tensor:
     outputs sum to a constant."""
     g = torch.Generator().manual_seed(_LOSS_SEED)
     terms = [(t * torch.randn(t.shape, generator=g).to(t.device, t.dtype)).sum()
-             for t in inv.tensor_leaves(output) if t.is_floating_point()]
+             for t in _invariant.tensor_leaves(output) if t.is_floating_point()]
     return torch.stack([t.float() for t in terms]).sum() if terms else torch.zeros(())
 
 
@@ -67,11 +69,11 @@ def _grad_enabled(module: nn.Module, args: tuple) -> bool:
 
 
 def _input_kind(module: nn.Module, args: tuple) -> str | None:
-    return kind(inv.tensor_leaves(args))
+    return kind(_invariant.tensor_leaves(args))
 
 
 def _output_kind(module: nn.Module, args: tuple, output: object) -> str | None:
-    return kind(inv.tensor_leaves(output))
+    return kind(_invariant.tensor_leaves(output))
 
 
 class _Probes:
@@ -79,7 +81,7 @@ class _Probes:
     into and out of each module call, and keep the probes by path and call."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.paths = {id(m): p for p, m in inv.named_modules(model)}
+        self.paths = {id(m): p for p, m in _invariant.named_modules(model)}
         self.inputs: dict[str, list[list[torch.Tensor]]] = {}
         self.outputs: dict[str, list[list[torch.Tensor]]] = {}
         self.order: list[tuple[str, int]] = []  # (path, call) in call order
@@ -94,7 +96,7 @@ class _Probes:
                 return t + probes[-1]
             return t
 
-        return inv.tree_map(add, tree), probes
+        return _invariant.tree_map(add, tree), probes
 
     def before(self, module: nn.Module, args: tuple) -> tuple:
         path = self.paths[id(module)]
@@ -121,11 +123,11 @@ class Flow:
         self.model = model
         probes = _Probes(model)
         specs = [
-            edit(inv.EVERY, probes.before, event="forward_pre", name="probe_inputs"),
-            edit(inv.EVERY, probes.after, name="probe_outputs"),
-            observe(inv.EVERY, _grad_enabled, event="forward_pre", name="grad_enabled"),
-            observe(inv.EVERY, _input_kind, event="forward_pre", name="input_kind"),
-            observe(inv.EVERY, _output_kind, name="output_kind"),
+            edit(_invariant.EVERY, probes.before, event="forward_pre", name="probe_inputs"),
+            edit(_invariant.EVERY, probes.after, name="probe_outputs"),
+            observe(_invariant.EVERY, _grad_enabled, event="forward_pre", name="grad_enabled"),
+            observe(_invariant.EVERY, _input_kind, event="forward_pre", name="input_kind"),
+            observe(_invariant.EVERY, _output_kind, name="output_kind"),
         ]
         with torch.enable_grad(), with_hooks(model, specs) as run:
             self.loss = loss_fn(model(*args))
@@ -157,7 +159,7 @@ class Flow:
         return path in self.record and bool(self.record.calls(path, "grad_enabled")[0])
 
     def name(self, path: str) -> str:
-        return inv.module_name(self.model, path)
+        return _invariant.module_name(self.model, path)
 
 
 def owner(name: str) -> str:

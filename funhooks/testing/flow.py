@@ -25,19 +25,19 @@ from torch import nn
 from funhooks import _torch
 from funhooks.errors import SpecError, TransformError
 
-from . import _invariant as inv
-from . import _probe as probe
+from . import _invariant
+from . import _probe
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
 
 __all__ = ["check_finite", "check_gradients_reach"]
 
-SEED = 0
+_SEED = 0
 """The random seed every pass starts from (dropout draws the same masks each time)."""
 
 
-def _forward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
+def _forward_culprit(flow: _probe.Flow) -> tuple[str, str] | None:
     """``(path, kind)`` of the innermost module, first in module order, with a call whose
     inputs are finite and whose output is not."""
     found: dict[str, str] = {}
@@ -45,34 +45,34 @@ def _forward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
         for before, after in zip(node.calls("input_kind"), node.calls("output_kind")):
             if before is None and after is not None:
                 found.setdefault(path, after)
-    culprit = inv.innermost(list(found))
+    culprit = _invariant.innermost(list(found))
     return None if culprit is None else (culprit, found[culprit])
 
 
-def _backward_culprit(flow: probe.Flow) -> tuple[str, str] | None:
+def _backward_culprit(flow: _probe.Flow) -> tuple[str, str] | None:
     """``(path, kind)`` of the innermost module, first in module order, that receives finite
     gradients at its output and passes a non-finite one to its inputs or parameters."""
     found: dict[str, str] = {}
-    bad_params = {probe.owner(n): k for n, g in flow.param_grads.items() if (k := probe.kind([g])) is not None}
+    bad_params = {_probe.owner(n): k for n, g in flow.param_grads.items() if (k := _probe.kind([g])) is not None}
     for path in flow.record:
         for call, out in enumerate(flow.out_grads.get(path, [])):
-            if probe.kind(out) is not None:
+            if _probe.kind(out) is not None:
                 continue
             ins = flow.in_grads.get(path, [])
-            kind = probe.kind(ins[call]) if call < len(ins) else None
+            kind = _probe.kind(ins[call]) if call < len(ins) else None
             if kind is None:
                 kind = bad_params.get(path)
             if kind is not None:
                 found.setdefault(path, kind)
-    culprit = inv.innermost(list(found))
+    culprit = _invariant.innermost(list(found))
     return None if culprit is None else (culprit, found[culprit])
 
 
 _FINITE_FIX = "Guard the operation (clamp what goes into `log` or `sqrt`, add an epsilon to a division)"
 
 
-def check_finite(model: nn.Module, inputs: inv.Inputs, *, loss_fn: probe.LossFn | None = None,
-                 settings: hypothesis.settings | None = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_finite(model: nn.Module, inputs: _invariant.Inputs, *, loss_fn: _probe.LossFn | None = None,
+                 settings: hypothesis.settings | None = None, seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that no activation and no gradient is NaN or infinite, on drawn inputs.
 
     Every module's inputs and outputs are checked in the forward pass, and the gradient
@@ -100,36 +100,36 @@ def check_finite(model: nn.Module, inputs: inv.Inputs, *, loss_fn: probe.LossFn 
         >>> fh.testing.check_finite(model, torch.randn(2, 3))
     """
     caller = "check_finite"
-    loss_fn = probe.projection_loss if loss_fn is None else loss_fn
+    loss_fn = _probe.projection_loss if loss_fn is None else loss_fn
 
-    with inv.preserved(model) as reset:
-        def flow_of(draw: object) -> probe.Flow:
+    with _invariant.preserved(model) as reset:
+        def flow_of(draw: object) -> _probe.Flow:
             reset()
-            torch.manual_seed(SEED)
-            return probe.Flow(model, inv.as_args(draw), loss_fn)
+            torch.manual_seed(_SEED)
+            return _probe.Flow(model, _invariant.as_args(draw), loss_fn)
 
         def fails(draw: object) -> bool:
             flow = flow_of(draw)
             grads = [g for by_path in (flow.out_grads, flow.in_grads) for calls in by_path.values()
                      for call in calls for g in call]
             return (_forward_culprit(flow) is not None
-                    or probe.kind([flow.loss, *grads, *flow.param_grads.values()]) is not None)
+                    or _probe.kind([flow.loss, *grads, *flow.param_grads.values()]) is not None)
 
-        draw = inv.search(inv.as_strategy(inputs, caller), fails, settings, seed)
+        draw = _invariant.search(_invariant.as_strategy(inputs, caller), fails, settings, seed)
         if draw is None:
             return
         flow = flow_of(draw)
     forward, backward = _forward_culprit(flow), _backward_culprit(flow)
     if forward is not None:
         found, fix = f"{forward[1]} in the output of module {flow.name(forward[0])}, whose inputs are finite", _FINITE_FIX
-    elif probe.kind([flow.loss]) is not None:
-        found, fix = f"a loss of {probe.kind([flow.loss])} from finite outputs", "Check `loss_fn`"
+    elif _probe.kind([flow.loss]) is not None:
+        found, fix = f"a loss of {_probe.kind([flow.loss])} from finite outputs", "Check `loss_fn`"
     elif backward is not None:
         found, fix = (f"{backward[1]} in the gradient that module {flow.name(backward[0])} passes back to its "
                       "inputs, from finite gradients at its output"), _FINITE_FIX
     else:
         found, fix = "a non-finite gradient of the model's output", "Check the backward of `loss_fn`"
-    raise AssertionError(f"{caller}: every activation and gradient is finite, got {found}. {fix}.\ninput: {inv.show(draw)}")
+    raise AssertionError(f"{caller}: every activation and gradient is finite, got {found}. {fix}.\ninput: {_invariant.show(draw)}")
 
 
 _NON_FINITE = "a non-finite gradient"
@@ -139,38 +139,38 @@ def _status(grad: torch.Tensor | None) -> str | None:
     """What is wrong with a parameter's gradient, or None."""
     if grad is None:
         return "no gradient"
-    if probe.kind([grad]) is not None:
+    if _probe.kind([grad]) is not None:
         return _NON_FINITE
     if not bool((grad != 0).any()):
         return "a zero gradient"
     return None
 
 
-def _cut(flow: probe.Flow, path: str) -> tuple[str, str]:
+def _cut(flow: _probe.Flow, path: str) -> tuple[str, str]:
     """``(culprit, reason)``: the module that keeps a gradient from the parameters of `path`."""
     name = flow.name(path)
     first_call = next((i for i, (p, _) in enumerate(flow.order) if p == path), None)
     if first_call is None:
-        ran = next(a for a in probe.ancestors(path) if a in flow.record)
+        ran = next(a for a in _probe.ancestors(path) if a in flow.record)
         return ran, f"module {flow.name(ran)} never calls {name}"
     if not flow.grad_enabled(path):
-        caller = next((a for a in probe.ancestors(path) if flow.grad_enabled(a)), "")
+        caller = next((a for a in _probe.ancestors(path) if flow.grad_enabled(a)), "")
         return caller, f"module {flow.name(caller)} calls {name} with gradients off (`torch.no_grad()`)"
     if flow.reached(path, 0):
         return path, (f"module {name} gets a gradient at its output but passes none to its parameters "
                       "(`torch.no_grad()`, `.detach()` or `.data` inside its forward)")
-    reached = next((a for a in probe.ancestors(path) if flow.reached(a, 0)), "")
+    reached = next((a for a in _probe.ancestors(path) if flow.reached(a, 0)), "")
     stops = [p for p, call in flow.order[first_call + 1:]
-             if inv.is_inside(p, reached) and not inv.is_inside(p, path) and not inv.is_inside(path, p)
+             if _invariant.is_inside(p, reached) and not _invariant.is_inside(p, path) and not _invariant.is_inside(path, p)
              and flow.reached(p, call) and flow.passes_back(p, call) is False]
-    stop = inv.innermost(stops)
+    stop = _invariant.innermost(stops)
     if stop is not None:
         return stop, f"module {flow.name(stop)} gets a gradient at its output but passes none back to its input"
     return reached, f"module {flow.name(reached)} drops or detaches the output of {name}"
 
 
-def check_gradients_reach(model: nn.Module, inputs: inv.Inputs, *, loss_fn: probe.LossFn | None = None,
-                          settings: hypothesis.settings | None = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_gradients_reach(model: nn.Module, inputs: _invariant.Inputs, *, loss_fn: _probe.LossFn | None = None,
+                          settings: hypothesis.settings | None = None, seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that backward passes give every trainable parameter a finite, non-zero gradient.
 
     It catches a branch cut by ``.detach()``, a forward left under ``torch.no_grad()``, a
@@ -210,7 +210,7 @@ def check_gradients_reach(model: nn.Module, inputs: inv.Inputs, *, loss_fn: prob
             "sharded by FSDP2, whose parameter shards autograd never sees (FSDP fills their `.grad` after the "
             "backward). Check the model before `fully_shard`."
         )
-    loss_fn = probe.projection_loss if loss_fn is None else loss_fn
+    loss_fn = _probe.projection_loss if loss_fn is None else loss_fn
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         every = list(model.parameters())
@@ -222,13 +222,13 @@ def check_gradients_reach(model: nn.Module, inputs: inv.Inputs, *, loss_fn: prob
     reached: set[str] = set()  # parameters with a finite, non-zero gradient on some draw
     drawn: list[object] = []
 
-    with inv.preserved(model) as reset:
+    with _invariant.preserved(model) as reset:
         def statuses(draw: object) -> list[tuple[str, str]]:
             """``(name, what is wrong)`` of every failing parameter, from a bare pass."""
             reset()
-            torch.manual_seed(SEED)
+            torch.manual_seed(_SEED)
             with torch.enable_grad():
-                loss = loss_fn(model(*inv.as_args(draw)))
+                loss = loss_fn(model(*_invariant.as_args(draw)))
                 grads: Sequence[torch.Tensor | None] = [None] * len(params)
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
@@ -240,30 +240,30 @@ def check_gradients_reach(model: nn.Module, inputs: inv.Inputs, *, loss_fn: prob
             reached.update(n for n, _ in params if n not in failing)
             return _NON_FINITE in failing.values()
 
-        draw = inv.search(inv.as_strategy(inputs, caller, normal=True), non_finite, settings, seed)
+        draw = _invariant.search(_invariant.as_strategy(inputs, caller, normal=True), non_finite, settings, seed)
         if draw is not None:
             failing = [(n, s) for n, s in statuses(draw) if s == _NON_FINITE]
-            shown = f"input: {inv.show(draw)}"
+            shown = f"input: {_invariant.show(draw)}"
         else:
             draw = drawn[0]
             failing = [(n, s) for n, s in statuses(draw) if n not in reached]
-            shown = f"the same on all {len(drawn)} drawn inputs; the first one:\ninput: {inv.show(draw)}"
+            shown = f"the same on all {len(drawn)} drawn inputs; the first one:\ninput: {_invariant.show(draw)}"
         if not failing:
             return
         reset()
-        torch.manual_seed(SEED)
-        flow = probe.Flow(model, inv.as_args(draw), loss_fn)
+        torch.manual_seed(_SEED)
+        flow = _probe.Flow(model, _invariant.as_args(draw), loss_fn)
     name, status = failing[0]
-    group = [n for n, s in failing if probe.owner(n) == probe.owner(name) and s == status]
+    group = [n for n, s in failing if _probe.owner(n) == _probe.owner(name) and s == status]
     culprit = _backward_culprit(flow) if status == _NON_FINITE else None
     if culprit is not None:
         path, reason = culprit[0], f"module {flow.name(culprit[0])} passes back {culprit[1]}; see `check_finite`"
     else:
-        path, reason = _cut(flow, probe.owner(name))
+        path, reason = _cut(flow, _probe.owner(name))
     listed = "\n".join(f"{s}: {n!r}" for n, s in failing)
     raise AssertionError(
         f"{caller}: every trainable parameter gets a finite, non-zero gradient, got {status} for "
-        f"{len(group)} parameter(s) of {flow.name(probe.owner(name))}, cut in module {flow.name(path)}. "
+        f"{len(group)} parameter(s) of {flow.name(_probe.owner(name))}, cut in module {flow.name(path)}. "
         f"Look there for `.detach()`, `torch.no_grad()` or an output that is never used.\n{reason}\n"
         f"{listed}\n{shown}"
     )

@@ -25,36 +25,36 @@ from funhooks.runs.run import with_hooks
 from funhooks.specs.selector import Where
 from funhooks.specs.spec import observe
 
-from . import _invariant as inv
+from . import _invariant
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
 
 __all__ = ["check_dead_units", "check_init_scale"]
 
-STD_RANGE = (0.5, 2.0)
+_STD_RANGE = (0.5, 2.0)
 """fastai's idea of a healthy layer at initialisation: activations with a standard
 deviation near 1 (here within a factor of two), so the signal neither vanishes nor explodes
 from layer to layer."""
-NEAR_ZERO = 1e-6
+_NEAR_ZERO = 1e-6
 """A unit is dead when its magnitude stays at or below this on every drawn example."""
-MAX_DEAD = 0.5
+_MAX_DEAD = 0.5
 """A layer fails ``check_dead_units`` when more than this share of its units are dead."""
 _SEED = 0
 
 
-def is_layer(path: str, module: nn.Module) -> bool:
+def _is_layer(path: str, module: nn.Module) -> bool:
     """fastai's default layers: leaf modules that hold parameters."""
     return not any(True for _ in module.children()) and any(True for _ in module.parameters(recurse=False))
 
 
-def is_leaf(path: str, module: nn.Module) -> bool:
+def _is_leaf(path: str, module: nn.Module) -> bool:
     """Modules without submodules."""
     return not any(True for _ in module.children())
 
 
 def _first_float(output: object) -> torch.Tensor | None:
-    return next((t for t in inv.tensor_leaves(output) if t.is_floating_point()), None)
+    return next((t for t in _invariant.tensor_leaves(output) if t.is_floating_point()), None)
 
 
 def _moments(module: nn.Module, args: tuple, output: object) -> torch.Tensor:
@@ -79,9 +79,9 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
-def check_init_scale(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_layer,
-                     std_range: tuple[float, float] = STD_RANGE, settings: hypothesis.settings | None = None,
-                     seed: int | None = inv.DRAW_SEED) -> None:
+def check_init_scale(model: nn.Module, inputs: _invariant.Inputs, *, where: Where = _is_layer,
+                     std_range: tuple[float, float] = _STD_RANGE, settings: hypothesis.settings | None = None,
+                     seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that every layer's activations have a standard deviation within `std_range`.
 
     The classic check of an initialisation: feed unit-variance data and look at each
@@ -121,12 +121,12 @@ def check_init_scale(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_
                         "Pass e.g. `(0.5, 2.0)`.")
     spec = observe(where, _moments, name="moments")
 
-    with inv.preserved(model) as reset:
+    with _invariant.preserved(model) as reset:
         def outside(draw: object) -> list[tuple[str, float, float]]:
             reset()
             torch.manual_seed(_SEED)
             with torch.no_grad(), with_hooks(model, spec) as run:
-                model(*inv.as_args(draw))
+                model(*_invariant.as_args(draw))
             rows = []
             for path, node in run.record.items():
                 for mean, std in (m.tolist() for m in node.calls("moments")):
@@ -135,23 +135,23 @@ def check_init_scale(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_
                         break
             return rows
 
-        draw = inv.search(inv.as_strategy(inputs, caller, normal=True), lambda d: bool(outside(d)), settings, seed)
+        draw = _invariant.search(_invariant.as_strategy(inputs, caller, normal=True), lambda d: bool(outside(d)), settings, seed)
         if draw is None:
             return
         rows = outside(draw)
     path, _, std = rows[0]
-    table = _table(("layer", "mean", "std"), [(inv.module_name(model, p), f"{m:.3g}", f"{s:.3g}") for p, m, s in rows])
+    table = _table(("layer", "mean", "std"), [(_invariant.module_name(model, p), f"{m:.3g}", f"{s:.3g}") for p, m, s in rows])
     raise AssertionError(
         f"{caller}: every layer's activation std at init is within [{low:g}, {high:g}], got "
-        f"{len(rows)} layer(s) outside it, first {inv.module_name(model, path)} with std {std:.3g}. "
+        f"{len(rows)} layer(s) outside it, first {_invariant.module_name(model, path)} with std {std:.3g}. "
         f"Rescale its initialisation (e.g. `nn.init.kaiming_normal_` before a ReLU).\n{table}\n"
-        f"input: {inv.show(draw)}"
+        f"input: {_invariant.show(draw)}"
     )
 
 
-def check_dead_units(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_leaf, near_zero: float = NEAR_ZERO,
-                     max_dead: float = MAX_DEAD, settings: hypothesis.settings | None = None,
-                     seed: int | None = inv.DRAW_SEED) -> None:
+def check_dead_units(model: nn.Module, inputs: _invariant.Inputs, *, where: Where = _is_leaf, near_zero: float = _NEAR_ZERO,
+                     max_dead: float = _MAX_DEAD, settings: hypothesis.settings | None = None,
+                     seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that no layer has more than `max_dead` of its units near zero on every drawn input.
 
     A unit is one element of a layer's output for one example (a feature, or a channel at
@@ -189,12 +189,12 @@ def check_dead_units(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_
     peaks: dict[tuple[str, int], torch.Tensor] = {}
     drawn = [0]
 
-    with inv.preserved(model) as reset:
+    with _invariant.preserved(model) as reset:
         def collect(draw: object) -> bool:
             reset()
             torch.manual_seed(_SEED)
             with torch.no_grad(), with_hooks(model, spec) as run:
-                model(*inv.as_args(draw))
+                model(*_invariant.as_args(draw))
             for path, node in run.record.items():
                 for call, peak in enumerate(node.calls("peaks")):
                     if peak is None:
@@ -204,18 +204,18 @@ def check_dead_units(model: nn.Module, inputs: inv.Inputs, *, where: Where = is_
                         raise SpecError(
                             f"{caller}: every drawn input gives each layer outputs of one shape, got "
                             f"{tuple(seen.shape)} and {tuple(peak.shape)} per example from module "
-                            f"{inv.module_name(model, path)}. Draw inputs of one shape."
+                            f"{_invariant.module_name(model, path)}. Draw inputs of one shape."
                         )
                     peaks[path, call] = torch.maximum(seen, peak)
             drawn[0] += 1
             return False
 
-        inv.search(inv.as_strategy(inputs, caller, normal=True), collect, settings, seed)
+        _invariant.search(_invariant.as_strategy(inputs, caller, normal=True), collect, settings, seed)
     rows, failing = [], []
     for (path, call), peak in peaks.items():
         dead, total = int((peak <= near_zero).sum()), peak.numel()
         if dead:
-            name = inv.module_name(model, path) + (f" call {call + 1}" if call else "")
+            name = _invariant.module_name(model, path) + (f" call {call + 1}" if call else "")
             rows.append((name, f"{dead}/{total}", f"{dead / total:.0%}"))
             if dead > max_dead * total:
                 failing.append((name, dead, total))

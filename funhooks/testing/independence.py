@@ -24,8 +24,8 @@ from torch import nn
 
 from funhooks.errors import SpecError
 
-from . import _invariant as inv
-from . import _pair as pair
+from . import _invariant
+from . import _pair
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
@@ -71,9 +71,9 @@ def _spliced(args: tuple, other: tuple, dim: int, size: int, index: slice) -> tu
     return tuple(out)
 
 
-def check_batch_independence(model: nn.Module, inputs: inv.Inputs, *, batch_dim: int = 0, rtol: float = pair.RTOL,
-                             atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
-                             seed: int | None = inv.DRAW_SEED) -> None:
+def check_batch_independence(model: nn.Module, inputs: _invariant.Inputs, *, batch_dim: int = 0, rtol: float = _pair.RTOL,
+                             atol: float = _pair.ATOL, settings: hypothesis.settings | None = None,
+                             seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that the output for one example does not depend on the other examples.
 
     For each drawn input it changes one example ``j`` (taken from a second draw) and checks
@@ -103,21 +103,21 @@ def check_batch_independence(model: nn.Module, inputs: inv.Inputs, *, batch_dim:
         >>> fh.testing.check_batch_independence(model, torch.randn(4, 3))
     """
     caller = "check_batch_independence"
-    st = inv.hypothesis().strategies
-    drawn = inv.as_strategy(inputs, caller)
+    st = _invariant.hypothesis().strategies
+    drawn = _invariant.as_strategy(inputs, caller)
     pairs: SearchStrategy[_Draw] = st.tuples(drawn, drawn, st.integers(0, _INDEX)).map(_Draw._make)
 
     def layout(draw: _Draw) -> tuple[tuple, tuple, int, int]:
-        args, other = inv.as_args(draw.first), inv.as_args(draw.second)
+        args, other = _invariant.as_args(draw.first), _invariant.as_args(draw.second)
         size = _batch_size(args, batch_dim, caller, "examples", 2)
         return args, other, size, draw.at % size
 
-    def runs(draw: _Draw) -> tuple[pair.Run, pair.Run]:
+    def runs(draw: _Draw) -> tuple[_pair.Run, _pair.Run]:
         args, other, size, j = layout(draw)
         changed = _spliced(args, other, batch_dim, size, slice(j, j + 1))
-        return pair.Run(args, pair.SEED, None), pair.Run(changed, pair.SEED, None)
+        return _pair.Run(args, _pair.SEED, None), _pair.Run(changed, _pair.SEED, None)
 
-    def same_for(draw: _Draw) -> pair.Same:
+    def same_for(draw: _Draw) -> _pair.Same:
         _, _, size, j = layout(draw)
         keep = [i for i in range(size) if i != j]
 
@@ -125,22 +125,22 @@ def check_batch_independence(model: nn.Module, inputs: inv.Inputs, *, batch_dim:
             if not _has_dim(a, batch_dim) or a.shape != b.shape or a.shape[batch_dim] != size:
                 return None
             rows = torch.tensor(keep, device=a.device)
-            return pair.close(a.index_select(batch_dim, rows), b.index_select(batch_dim, rows.to(b.device)), rtol, atol)
+            return _pair.close(a.index_select(batch_dim, rows), b.index_select(batch_dim, rows.to(b.device)), rtol, atol)
         return same
 
     def describe(draw: _Draw) -> str:
         args, other, size, j = layout(draw)
         rows = tuple(b.select(batch_dim, j) for a, b in zip(args, other) if _has_dim(a, batch_dim) and a.shape[batch_dim] == size)
-        return f"input: {inv.show(draw.first)}\nexample {j} changed to: {inv.show(rows if len(rows) > 1 else rows[0])}"
+        return f"input: {_invariant.show(draw.first)}\nexample {j} changed to: {_invariant.show(rows if len(rows) > 1 else rows[0])}"
 
-    pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
+    _pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
                  rule="the output for one example depends only on that example",
                  fix="Look for a reshape or transpose across the batch dimension, or statistics over the batch")
 
 
-def check_causality(model: nn.Module, inputs: inv.Inputs, *, dim: int = 1, rtol: float = pair.RTOL,
-                    atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
-                    seed: int | None = inv.DRAW_SEED) -> None:
+def check_causality(model: nn.Module, inputs: _invariant.Inputs, *, dim: int = 1, rtol: float = _pair.RTOL,
+                    atol: float = _pair.ATOL, settings: hypothesis.settings | None = None,
+                    seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that the output at position ``t`` along `dim` depends only on inputs at ``<= t``.
 
     For each drawn input it changes every position after a drawn ``t`` (taking them from a
@@ -169,35 +169,35 @@ def check_causality(model: nn.Module, inputs: inv.Inputs, *, dim: int = 1, rtol:
         >>> fh.testing.check_causality(model, torch.randn(1, 2, 6), dim=-1)
     """
     caller = "check_causality"
-    st = inv.hypothesis().strategies
-    drawn = inv.as_strategy(inputs, caller)
+    st = _invariant.hypothesis().strategies
+    drawn = _invariant.as_strategy(inputs, caller)
     pairs: SearchStrategy[_Draw] = st.tuples(drawn, drawn, st.integers(0, _INDEX)).map(_Draw._make)
 
     def layout(draw: _Draw) -> tuple[tuple, tuple, int, int]:
-        args, other = inv.as_args(draw.first), inv.as_args(draw.second)
+        args, other = _invariant.as_args(draw.first), _invariant.as_args(draw.second)
         length = _batch_size(args, dim, caller, "positions", 2)
         return args, other, length, draw.at % (length - 1)
 
-    def runs(draw: _Draw) -> tuple[pair.Run, pair.Run]:
+    def runs(draw: _Draw) -> tuple[_pair.Run, _pair.Run]:
         args, other, length, t = layout(draw)
         changed = _spliced(args, other, dim, length, slice(t + 1, None))
-        return pair.Run(args, pair.SEED, None), pair.Run(changed, pair.SEED, None)
+        return _pair.Run(args, _pair.SEED, None), _pair.Run(changed, _pair.SEED, None)
 
-    def same_for(draw: _Draw) -> pair.Same:
+    def same_for(draw: _Draw) -> _pair.Same:
         _, _, length, t = layout(draw)
 
         def same(a: torch.Tensor, b: torch.Tensor) -> bool | None:
             if not _has_dim(a, dim) or a.shape != b.shape or a.shape[dim] != length:
                 return None
-            return pair.close(a.narrow(dim, 0, t + 1), b.narrow(dim, 0, t + 1), rtol, atol)
+            return _pair.close(a.narrow(dim, 0, t + 1), b.narrow(dim, 0, t + 1), rtol, atol)
         return same
 
     def describe(draw: _Draw) -> str:
         args, other, length, t = layout(draw)
         changed = _spliced(args, other, dim, length, slice(t + 1, None))
-        return (f"input: {inv.show(draw.first)}\ninput with positions {t + 1}.. changed: "
-                f"{inv.show(changed if len(changed) > 1 else changed[0])}\nthe output at positions 0..{t} changed")
+        return (f"input: {_invariant.show(draw.first)}\ninput with positions {t + 1}.. changed: "
+                f"{_invariant.show(changed if len(changed) > 1 else changed[0])}\nthe output at positions 0..{t} changed")
 
-    pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
+    _pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
                  rule=f"the output at position t along dim {dim} depends only on inputs at positions <= t",
                  fix="Mask the future: a causal attention mask, left-only padding")

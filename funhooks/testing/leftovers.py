@@ -18,6 +18,8 @@ from funhooks.errors import SpecError
 from funhooks.runs.introspect import is_run_forward
 from funhooks.specs.selector import path_label
 
+__all__ = ["assert_no_hooks"]
+
 # -- hooks left behind -----------------------------------------------------------------------
 
 _HOOK_DICTS = (

@@ -15,7 +15,7 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.runs.introspect import never_called
-from funhooks.specs import spec as _spec
+from funhooks.specs import Spec, grads, inputs, observe, outputs, select
 
 from . import _invariant, _models
 from .transparency import tensor_leaves
@@ -23,6 +23,8 @@ from .transparency import tensor_leaves
 if TYPE_CHECKING:  # pragma: no cover - types only
     from hypothesis import strategies as st
     from hypothesis.strategies import DrawFn
+
+__all__ = ["models_and_inputs", "specs", "tensors"]
 
 
 # -- strategies ----------------------------------------------------------------------------
@@ -135,7 +137,7 @@ def _grad_norm(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad.detach().norm()
 
 
-def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) -> st.SearchStrategy[tuple[_spec.Spec, ...]]:
+def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) -> st.SearchStrategy[tuple[Spec, ...]]:
     """A strategy for a tuple of valid observer specs for `model`.
 
     Each spec is one of ``outputs``, ``inputs``, ``grads`` or ``observe`` (forward,
@@ -171,7 +173,7 @@ def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) ->
     types = sorted({type(m) for _, m in modules}, key=lambda t: t.__qualname__)
     patterns = sorted({".".join("*" if i == k else s for i, s in enumerate(p.split("."))) + tail
                        for p, _ in every if p for k in range(p.count(".") + 1) for tail in ("", ".**")})
-    patterns = [p for p in patterns if any(not never_called(m) for _, m in _spec.select(p).resolve(model))]
+    patterns = [p for p in patterns if any(not never_called(m) for _, m in select(p).resolve(model))]
     param_modules = [m for _, m in modules if any(True for _ in m.parameters(recurse=False))]
     where = st.one_of(
         st.sampled_from(paths),
@@ -183,7 +185,7 @@ def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) ->
     flag = st.booleans()
 
     @st.composite
-    def draw_specs(draw: DrawFn) -> tuple[_spec.Spec, ...]:
+    def draw_specs(draw: DrawFn) -> tuple[Spec, ...]:
         kinds = ["outputs", "inputs", "grads", "observe_forward", "observe_pre"]
         if param_modules:
             kinds.append("observe_param")
@@ -196,17 +198,17 @@ def specs(model: nn.Module, *, clone: bool | None = None, max_specs: int = 3) ->
             flags = {"detach": draw(flag), "cpu": draw(flag),
                      "clone": draw(flag) if clone is None else clone}
             if kind == "outputs":
-                out.append(_spec.outputs(sel, **flags))
+                out.append(outputs(sel, **flags))
             elif kind == "inputs":
-                out.append(_spec.inputs(sel, **flags))
+                out.append(inputs(sel, **flags))
             elif kind == "grads":
-                out.append(_spec.grads(sel, **flags))
+                out.append(grads(sel, **flags))
             elif kind == "observe_forward":
-                out.append(_spec.observe(sel, _output_mean, name="mean", **flags))
+                out.append(observe(sel, _output_mean, name="mean", **flags))
             elif kind == "observe_pre":
-                out.append(_spec.observe(sel, _arg_count, event="forward_pre", name="arg_count", **flags))
+                out.append(observe(sel, _arg_count, event="forward_pre", name="arg_count", **flags))
             else:
-                out.append(_spec.observe(sel, _grad_norm, event="param_grad", name="grad_norm", **flags))
+                out.append(observe(sel, _grad_norm, event="param_grad", name="grad_norm", **flags))
         return tuple(out)
 
     return draw_specs()

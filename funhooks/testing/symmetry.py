@@ -22,8 +22,8 @@ from torch import nn
 
 from funhooks.errors import SpecError
 
-from . import _invariant as inv
-from . import _pair as pair
+from . import _invariant
+from . import _pair
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import hypothesis
@@ -31,10 +31,10 @@ if TYPE_CHECKING:  # pragma: no cover - types only
 __all__ = ["check_determinism", "check_equivariance", "check_train_eval_consistency"]
 
 
-def check_equivariance(model: nn.Module, inputs: inv.Inputs, transform: Callable[[torch.Tensor], torch.Tensor], *,
-                       output_transform: Callable[[Any], Any] | None = None, rtol: float = pair.RTOL,
-                       atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
-                       seed: int | None = inv.DRAW_SEED) -> None:
+def check_equivariance(model: nn.Module, inputs: _invariant.Inputs, transform: Callable[[torch.Tensor], torch.Tensor], *,
+                       output_transform: Callable[[Any], Any] | None = None, rtol: float = _pair.RTOL,
+                       atol: float = _pair.ATOL, settings: hypothesis.settings | None = None,
+                       seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check ``model(transform(x)) == output_transform(model(x))`` on drawn inputs.
 
     With ``output_transform=lambda y: y`` it checks invariance (a set model's pooled
@@ -83,25 +83,25 @@ def check_equivariance(model: nn.Module, inputs: inv.Inputs, transform: Callable
             return None
         return out if isinstance(out, torch.Tensor) and out.shape == t.shape else None
 
-    def runs(draw: object) -> tuple[pair.Run, pair.Run]:
-        args = inv.as_args(draw)
+    def runs(draw: object) -> tuple[_pair.Run, _pair.Run]:
+        args = _invariant.as_args(draw)
         moved = tuple(transform(a) if isinstance(a, torch.Tensor) else a for a in args)
-        return pair.Run(args, pair.SEED, None), pair.Run(moved, pair.SEED, None)
+        return _pair.Run(args, _pair.SEED, None), _pair.Run(moved, _pair.SEED, None)
 
     def breaks(draw: object, first: object, second: object) -> bool:
-        return pair.broken(after(first), second, lambda a, b: pair.close(a, b, rtol, atol))
+        return _pair.broken(after(first), second, lambda a, b: _pair.close(a, b, rtol, atol))
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool | None:
         options = [o for o in (apply(transform, a), apply(after, a)) if o is not None and o.shape == b.shape]
-        return any(pair.close(o, b, rtol, atol) for o in options) if options else None
+        return any(_pair.close(o, b, rtol, atol) for o in options) if options else None
 
-    pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, breaks=breaks,
+    _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, breaks=breaks,
                  settings=settings, seed=seed, rule="model(transform(x)) equals output_transform(model(x))",
                  fix="Look for positions the module treats differently (position embeddings, zero padding, flattening)")
 
 
-def check_determinism(model: nn.Module, inputs: inv.Inputs, *, rtol: float = 0.0, atol: float = 0.0,
-                      settings: hypothesis.settings | None = None, seed: int | None = inv.DRAW_SEED) -> None:
+def check_determinism(model: nn.Module, inputs: _invariant.Inputs, *, rtol: float = 0.0, atol: float = 0.0,
+                      settings: hypothesis.settings | None = None, seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that the model in eval mode gives the same output twice on the same input.
 
     The two runs start from different random seeds, so randomness left in eval mode shows:
@@ -129,14 +129,14 @@ def check_determinism(model: nn.Module, inputs: inv.Inputs, *, rtol: float = 0.0
     """
     caller = "check_determinism"
 
-    def runs(draw: object) -> tuple[pair.Run, pair.Run]:
-        args = inv.as_args(draw)
-        return pair.Run(args, pair.SEED, False), pair.Run(args, pair.SEED + 1, False)
+    def runs(draw: object) -> tuple[_pair.Run, _pair.Run]:
+        args = _invariant.as_args(draw)
+        return _pair.Run(args, _pair.SEED, False), _pair.Run(args, _pair.SEED + 1, False)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return pair.close(a, b, rtol, atol)
+        return _pair.close(a, b, rtol, atol)
 
-    pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
+    _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
                  rule="two runs in eval mode on the same input give the same output",
                  fix="Remove randomness from eval mode (dropout with `training=True`, `torch.rand`, sampling)")
 
@@ -151,9 +151,9 @@ def _mode_dependent(module: nn.Module) -> bool:
     return isinstance(module, nn.RReLU) or bool(getattr(module, "track_running_stats", False))
 
 
-def check_train_eval_consistency(model: nn.Module, inputs: inv.Inputs, *, rtol: float = pair.RTOL,
-                                 atol: float = pair.ATOL, settings: hypothesis.settings | None = None,
-                                 seed: int | None = inv.DRAW_SEED) -> None:
+def check_train_eval_consistency(model: nn.Module, inputs: _invariant.Inputs, *, rtol: float = _pair.RTOL,
+                                 atol: float = _pair.ATOL, settings: hypothesis.settings | None = None,
+                                 seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that a model without dropout or batch norm gives the same output in train and
     eval mode.
 
@@ -181,7 +181,7 @@ def check_train_eval_consistency(model: nn.Module, inputs: inv.Inputs, *, rtol: 
         >>> fh.testing.check_train_eval_consistency(model, torch.randn(2, 3))
     """
     caller = "check_train_eval_consistency"
-    differ = [(p, m) for p, m in inv.named_modules(model) if _mode_dependent(m)]
+    differ = [(p, m) for p, m in _invariant.named_modules(model) if _mode_dependent(m)]
     if differ:
         path, module = differ[0]
         raise SpecError(
@@ -190,13 +190,13 @@ def check_train_eval_consistency(model: nn.Module, inputs: inv.Inputs, *, rtol: 
             "build the model without them."
         )
 
-    def runs(draw: object) -> tuple[pair.Run, pair.Run]:
-        args = inv.as_args(draw)
-        return pair.Run(args, pair.SEED, True), pair.Run(args, pair.SEED, False)
+    def runs(draw: object) -> tuple[_pair.Run, _pair.Run]:
+        args = _invariant.as_args(draw)
+        return _pair.Run(args, _pair.SEED, True), _pair.Run(args, _pair.SEED, False)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return pair.close(a, b, rtol, atol)
+        return _pair.close(a, b, rtol, atol)
 
-    pair.compare(caller, model, inv.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
+    _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
                  rule="a model without dropout or batch norm gives the same output in train and eval mode",
                  fix="Look for a `self.training` branch")

@@ -13,10 +13,12 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import SpecError
-from funhooks.runs import run as _run
-from funhooks.specs import spec as _spec
+from funhooks.runs.run import Run, as_specs, with_hooks
+from funhooks.specs import Spec, outputs
 
 from .leftovers import assert_no_hooks
+
+__all__ = ["assert_transparent", "backward_all", "tensor_leaves"]
 
 # -- transparency ----------------------------------------------------------------------------
 
@@ -53,7 +55,7 @@ def _leaf_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Ten
 
 
 def _one_pass(model: nn.Module, args: tuple, kwargs: dict, state: dict[str, torch.Tensor],
-              run: _run.Run | None) -> dict[str, list[torch.Tensor]]:
+              run: Run | None) -> dict[str, list[torch.Tensor]]:
     """Forward and backward from `state`; what a user of the model can see afterwards."""
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
@@ -80,7 +82,7 @@ def backward_all(out: object) -> None:
         torch.stack([t.float().sum() for t in needs]).sum().backward()
 
 
-def assert_transparent(model: nn.Module, specs: _spec.Spec | Iterable[_spec.Spec], *args: object,
+def assert_transparent(model: nn.Module, specs: Spec | Iterable[Spec], *args: object,
                        **kwargs: object) -> None:
     """Assert that running observer `specs` changes nothing the model computes.
 
@@ -107,7 +109,7 @@ def assert_transparent(model: nn.Module, specs: _spec.Spec | Iterable[_spec.Spec
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
         >>> fh.testing.assert_transparent(model, [fh.outputs("**", clone=True), fh.grads("0")], torch.randn(2, 3))
     """
-    spec_tuple = _run.as_specs(specs, "assert_transparent")
+    spec_tuple = as_specs(specs, "assert_transparent")
     for s in spec_tuple:
         if s.is_edit:
             raise SpecError(
@@ -118,7 +120,7 @@ def assert_transparent(model: nn.Module, specs: _spec.Spec | Iterable[_spec.Spec
     grads_before = [p.grad for p in model.parameters()]
     try:
         bare = _one_pass(model, args, kwargs, state, None)
-        hooked = _one_pass(model, args, kwargs, state, _run.with_hooks(model, spec_tuple))
+        hooked = _one_pass(model, args, kwargs, state, with_hooks(model, spec_tuple))
     finally:
         with torch.no_grad():
             for name, t in model.state_dict(keep_vars=True).items():

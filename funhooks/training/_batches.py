@@ -21,12 +21,12 @@ from torch import nn
 
 from funhooks.errors import LoopError
 
-__all__ = ["describe", "group", "model_device", "pair", "to_device"]
+__all__ = ["group", "model_device", "pair", "to_device"]
 
 B = TypeVar("B")
 
 
-def describe(batch: object) -> str:
+def _describe(batch: object) -> str:
     """A batch as an error message names it."""
     if isinstance(batch, torch.Tensor):
         return f"a Tensor of shape {tuple(batch.shape)}"
@@ -42,7 +42,7 @@ def pair(batch: object, index: int, caller: str) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     raise LoopError(
-        f"{caller}: each batch is an `(x, y)` pair for `loss_fn(model(x), y)`, got {describe(batch)} at batch "
+        f"{caller}: each batch is an `(x, y)` pair for `loss_fn(model(x), y)`, got {_describe(batch)} at batch "
         f"{index}. Yield `(x, y)` tuples, e.g. from a DataLoader over a TensorDataset, or pass your own "
         "`step=fn(model, batch)`."
     )

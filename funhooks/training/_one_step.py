@@ -25,7 +25,7 @@ from . import _batches
 from .step import Metrics
 
 __all__ = ["LossFn", "Optimizer", "Optimizers", "Outcome", "StepFn", "builtin_step", "check_loop", "check_start",
-           "check_step", "empty", "evaluation", "outcome", "scalar", "total"]
+           "check_step", "empty", "evaluation", "outcome", "total"]
 
 LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
 """The built-in step's ``loss_fn(model(x), y)``: the model's output and the batch's target (the
@@ -89,7 +89,7 @@ def check_start(start_iteration: object, caller: str) -> None:
         )
 
 
-def check_opt(opt: object, caller: str) -> None:
+def _check_opt(opt: object, caller: str) -> None:
     """An optimizer with ``step()`` and ``zero_grad()``, or a LoopError."""
     if not (callable(getattr(opt, "step", None)) and callable(getattr(opt, "zero_grad", None))):
         raise LoopError(
@@ -114,7 +114,7 @@ def check_step(loss_fn: object, opt: object, step: object, accumulate: object, t
                 f"{caller}: without `step=`, the built-in step needs `loss_fn` and `opt`, got loss_fn=None. "
                 "Pass `loss_fn, opt`, or your own `step=fn(model, batch)`."
             )
-        check_opt(opt, caller)
+        _check_opt(opt, caller)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise LoopError(f"{caller}: `accumulate` is a positive int (micro-batches per optimizer step), got "
                         f"{accumulate!r}. Pass accumulate=1 for one batch per step.")
@@ -138,20 +138,20 @@ def builtin_step(model: nn.Module, batches: list[Any], start: int, loss_fn: Loss
     opt.zero_grad()
     if len(pairs) == 1:
         x, y = pairs[0]
-        loss = scalar(loss_fn(model(x), y), caller)
+        loss = _scalar(loss_fn(model(x), y), caller)
         loss.backward()
         opt.step()
         return loss.detach()
     losses = []
     for x, y in pairs:
-        loss = scalar(loss_fn(model(x), y), caller)
+        loss = _scalar(loss_fn(model(x), y), caller)
         (loss / len(pairs)).backward()
         losses.append(loss.detach())
     opt.step()
     return torch.stack(losses).mean()
 
 
-def scalar(loss: object, caller: str) -> torch.Tensor:
+def _scalar(loss: object, caller: str) -> torch.Tensor:
     """What `loss_fn` returned, when it is a one-element tensor; else a LoopError."""
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
@@ -199,4 +199,4 @@ def evaluation(model: nn.Module, batch: Any, index: int, loss_fn: LossFn | None,
 
         return forward
     x, y = _batches.pair(batch, index, caller)
-    return lambda: (scalar(loss_fn(model(x), y), caller).detach(), None)
+    return lambda: (_scalar(loss_fn(model(x), y), caller).detach(), None)

@@ -31,19 +31,20 @@ from torch import nn
 from funhooks.errors import ReducerError
 from funhooks.specs.spec import Spec
 
-from . import progress as _progress
+from .progress import wrap
 from ._one_step import LossFn, Optimizers, StepFn, total
 from .loops import train_steps
 from .step import Step
 from .watch import OptimizerWatch
 
-__all__ = ["Reducer", "Reducers", "fit", "fold", "fold_all", "running"]
+__all__ = ["AnyReducer", "Reducer", "Reducers", "Shape", "as_items", "fit", "fold", "fold_all", "records_of", "running",
+           "watches_of"]
 
 S = TypeVar("S")
 """A reducer's state."""
 R_co = TypeVar("R_co", covariant=True)
 """A reducer's result."""
-PROTOCOL = ("specs", "init", "step", "result")
+_PROTOCOL = ("specs", "init", "step", "result")
 """The members every reducer has."""
 
 
@@ -84,12 +85,12 @@ Shape: TypeAlias = Callable[[Sequence[object]], Any]
 """Puts the reducers' results (or states), in order, back in the shape of `reducers`."""
 
 
-def check_reducer(reducer: object, caller: str) -> AnyReducer:
+def _check_reducer(reducer: object, caller: str) -> AnyReducer:
     """Return `reducer` if it has the protocol, else raise a ReducerError naming what lacks."""
-    missing = [name for name in PROTOCOL if not hasattr(reducer, name)]
+    missing = [name for name in _PROTOCOL if not hasattr(reducer, name)]
     checked = cast("AnyReducer", reducer)  # its members are there; their kinds are checked next
     if not missing:
-        missing = [name for name in PROTOCOL[1:] if not callable(getattr(reducer, name))]
+        missing = [name for name in _PROTOCOL[1:] if not callable(getattr(reducer, name))]
     if not missing:
         specs = checked.specs
         if not isinstance(specs, (tuple, list)) or not all(isinstance(s, Spec) for s in specs):
@@ -141,7 +142,7 @@ def fold(reducer: Reducer[S, R_co], steps: Iterable[Step]) -> R_co:
         >>> len(res.stats), len(res.stats[0]), sorted(res.stats[0][0])
         (3, 2, ['mean', 'near_zero', 'std'])
     """
-    check_reducer(reducer, "fold")
+    _check_reducer(reducer, "fold")
     try:
         state = reducer.init()
         for step in steps:
@@ -172,7 +173,7 @@ def running(reducer: Reducer[S, R_co], steps: Iterable[Step]) -> Iterator[R_co]:
         >>> [len(r.stats) for r in fh.running(stats, fh.train(model, batches, nn.functional.mse_loss, opt, specs=stats.specs))]
         [1, 2, 3]
     """
-    check_reducer(reducer, "running")
+    _check_reducer(reducer, "running")
     states = toolz.accumulate(reducer.step, steps, initial=reducer.init())
     next(states)  # the initial state
     try:
@@ -186,14 +187,14 @@ def as_items(reducers: Reducers, caller: str) -> tuple[Shape, tuple[AnyReducer, 
     """The reducers as a tuple, plus the function that puts results back in their shape."""
     if isinstance(reducers, Mapping):
         keys = tuple(reducers)
-        items = tuple(check_reducer(reducers[k], caller) for k in keys)
+        items = tuple(_check_reducer(reducers[k], caller) for k in keys)
         return (lambda results: dict(zip(keys, results))), items
     if isinstance(reducers, (list, tuple)):
         kind = type(reducers)
-        items = tuple(check_reducer(r, caller) for r in reducers)
+        items = tuple(_check_reducer(r, caller) for r in reducers)
         return (lambda results: kind(results) if kind in (list, tuple) else list(results)), items
-    if all(hasattr(reducers, name) for name in PROTOCOL):
-        return (lambda results: results[0]), (check_reducer(reducers, caller),)
+    if all(hasattr(reducers, name) for name in _PROTOCOL):
+        return (lambda results: results[0]), (_check_reducer(reducers, caller),)
     raise ReducerError(
         f"{caller}: `reducers` is a dict or a list of reducers, got {type(reducers).__name__}. "
         "Pass e.g. {'stats': fh.ActivationStats()} or [fh.ActivationStats()]."
@@ -307,5 +308,5 @@ def fit(
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
                         accumulate=accumulate, to_device=to_device, records=records_of(items),
                         start_iteration=start_iteration, caller="fit", held=True)
-    wrapped = _progress.wrap(steps, total=total(batches, epochs, accumulate), desc="fit", progress=progress)
+    wrapped = wrap(steps, total=total(batches, epochs, accumulate), desc="fit", progress=progress)
     return shape(fold_all(list(items), wrapped))

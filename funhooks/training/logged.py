@@ -33,15 +33,15 @@ from .folds import AnyReducer, Reducers, Shape, as_items, records_of, watches_of
 from .step import Step
 from .watch import OptimizerWatch
 
-__all__ = ["LOG_EVERY", "PREFIX", "EventFile", "Logged", "Scalars", "Writer", "check_log_every", "group_names", "scalars_of"]
+__all__ = ["Logged", "Scalars", "check_log_every", "group_names", "scalars_of"]
 
 S_contra = TypeVar("S_contra", contravariant=True)
 """A reducer's state."""
 
-PREFIX = "funhooks"
+_PREFIX = "funhooks"
 """The first part of every logged name: ``funhooks/<group>/<layer>/<statistic>``."""
 
-LOG_EVERY = 50
+_LOG_EVERY = 50
 """The default interval of :class:`Logged`, in steps (Lightning's ``log_every_n_steps``)."""
 
 
@@ -58,7 +58,7 @@ class Scalars(Protocol[S_contra]):
     def scalars(self, state: S_contra, *, since: int = 0) -> dict[str, float]: ...
 
 
-class Writer(Protocol):
+class _Writer(Protocol):
     """Where :class:`Logged` writes: ``add_scalar(tag, value, global_step)``, as
     ``torch.utils.tensorboard.SummaryWriter`` (and tensorboardX's) has it."""
 
@@ -89,11 +89,11 @@ def scalars_of(names: Sequence[str], items: Sequence[AnyReducer], states: Sequen
     out: dict[str, float] = {}
     for group, reducer, state in zip(names, items, states):
         if isinstance(reducer, Scalars):
-            out.update((f"{PREFIX}/{group}/{name}", value) for name, value in reducer.scalars(state, since=since).items())
+            out.update((f"{_PREFIX}/{group}/{name}", value) for name, value in reducer.scalars(state, since=since).items())
     return out
 
 
-class EventFile:
+class _EventFile:
     """A TensorBoard event file in `logdir` that holds nothing open: each :meth:`flush` opens
     the file, appends the scalars added since the last one and closes it. No thread is
     started (``SummaryWriter`` starts one per writer and keeps it until ``close()``, which a
@@ -143,9 +143,9 @@ class EventFile:
         self._pending = []
 
 
-def _writer(to: object) -> Writer:
+def _writer(to: object) -> _Writer:
     if isinstance(to, (str, os.PathLike)):
-        return EventFile(to)
+        return _EventFile(to)
     if callable(getattr(to, "add_scalar", None)):
         return to  # type: ignore[return-value]  # add_scalar is there; its signature is the writer's
     raise ReducerError(
@@ -209,8 +209,8 @@ class Logged:
     """
 
     reducers: Reducers
-    to: Writer = attrs.field(converter=_writer)
-    every: int = attrs.field(default=LOG_EVERY, kw_only=True, validator=_every)
+    to: _Writer = attrs.field(converter=_writer)
+    every: int = attrs.field(default=_LOG_EVERY, kw_only=True, validator=_every)
     _shape: Shape = attrs.field(init=False, repr=False)
     _items: tuple[AnyReducer, ...] = attrs.field(init=False, repr=False)
     _names: tuple[str, ...] = attrs.field(init=False, repr=False)

@@ -36,15 +36,15 @@ from funhooks.specs.spec import Spec
 
 from . import _batches
 from . import _one_step
-from . import progress as _progress
+from .progress import wrap
 from ._one_step import LossFn, Optimizer, Optimizers, Outcome, StepFn
 from .recorder import Recorder
 from .step import EMPTY_RECORD, Step
 from .watch import OptimizerWatch, as_watches
 
-__all__ = ["evaluate", "train"]
+__all__ = ["evaluate", "train", "train_steps"]
 
-Records = Callable[[int, bool], bool]
+_Records = Callable[[int, bool], bool]
 """``records(iteration, training) -> bool``: whether a step's record is read by anyone."""
 
 
@@ -60,7 +60,7 @@ def train_steps(
     epochs: int = 1,
     accumulate: int = 1,
     to_device: bool = False,
-    records: Records | None = None,
+    records: _Records | None = None,
     start_iteration: int = 0,
     caller: str = "train",
     held: bool = False,
@@ -97,7 +97,7 @@ def _ending(steps: Generator[Step, None, None], recorder: Recorder) -> Generator
 
 
 def _train(model: nn.Module, batches: Iterable[object], builtin: tuple[LossFn, Optimizer], step: StepFn | None,
-           recorder: Recorder, held: bool, epochs: int, accumulate: int, to_device: bool, records: Records | None,
+           recorder: Recorder, held: bool, epochs: int, accumulate: int, to_device: bool, records: _Records | None,
            iteration: int, caller: str) -> Generator[Step, None, None]:
     loss_fn, opt = builtin
     device = _batches.model_device(model) if to_device else None
@@ -210,7 +210,7 @@ def train(
     """
     steps = train_steps(model, batches, loss_fn, opt, step=step, specs=specs, watches=watches, epochs=epochs,
                         accumulate=accumulate, to_device=to_device, start_iteration=start_iteration)
-    return _progress.wrap(steps, total=_one_step.total(batches, epochs, accumulate), desc="train", progress=progress)
+    return wrap(steps, total=_one_step.total(batches, epochs, accumulate), desc="train", progress=progress)
 
 
 def evaluate(
@@ -260,7 +260,7 @@ def evaluate(
         raise LoopError(f"evaluate: `step` is a function `step(model, batch)`, got {step!r}. Pass a function.")
     recorder = Recorder(model, specs, (), None, "evaluate")
     steps = _evaluate(model, batches, loss_fn, step, recorder, to_device)
-    return _progress.wrap(steps, total=_one_step.total(batches, 1), desc="evaluate", progress=progress)
+    return wrap(steps, total=_one_step.total(batches, 1), desc="evaluate", progress=progress)
 
 
 def _evaluate(model: nn.Module, batches: Iterable[object], loss_fn: LossFn | None, step: StepFn | None,

@@ -18,17 +18,17 @@ from typing import TypeVar
 
 from funhooks.errors import ExtraError
 
-__all__ = ["is_enabled", "wrap"]
+__all__ = ["wrap"]
 
 T = TypeVar("T")
 
-CI_VARIABLE = "CI"
+_CI_VARIABLE = "CI"
 """Setting this environment variable (to anything but ``""`` / ``"0"`` / ``"false"``) turns the default bar off."""
 
 _FALSY = ("", "0", "false", "no")
 
 
-def is_enabled(progress: bool | None) -> bool:
+def _is_enabled(progress: bool | None) -> bool:
     """Whether a loop shows a bar: `progress` if given, else "a terminal, not CI, tqdm installed".
 
     Args:
@@ -42,7 +42,7 @@ def is_enabled(progress: bool | None) -> bool:
 
     Example:
         >>> from funhooks import progress
-        >>> progress.is_enabled(False)
+        >>> progress._is_enabled(False)
         False
     """
     if progress is False:
@@ -55,7 +55,7 @@ def is_enabled(progress: bool | None) -> bool:
                 "Install the extra: pip install 'funhooks[progress]'."
             )
         return True
-    in_ci = os.environ.get(CI_VARIABLE, "").strip().lower() not in _FALSY
+    in_ci = os.environ.get(_CI_VARIABLE, "").strip().lower() not in _FALSY
     return installed and not in_ci and sys.stderr is not None and sys.stderr.isatty()
 
 
@@ -79,7 +79,7 @@ def wrap(steps: Generator[T, None, None], *, total: int | None, desc: str, progr
         >>> progress.wrap(gen, total=3, desc="train", progress=False) is gen
         True
     """
-    if not is_enabled(progress):
+    if not _is_enabled(progress):
         return steps
     return _with_bar(steps, total, desc)
 

@@ -50,11 +50,11 @@ from ._one_step import Optimizers
 from .step import EMPTY_RECORD
 from .watch import OptimizerWatch, Stored, Watching, as_watches, optimizers
 
-__all__ = ["Kept", "Learned", "Phase", "Recorder", "learned"]
+__all__ = ["Learned", "Phase", "Recorder", "learned"]
 
 T = TypeVar("T")
 
-Kept: TypeAlias = tuple[torch.Tensor, int, nn.Module, bool]
+_Kept: TypeAlias = tuple[torch.Tensor, int, nn.Module, bool]
 """What a spec function notes of an output it keeps (:meth:`Learned.note`): the output, its
 version counter when noted, its module, and whether this is the module's first noted step
 (it learns) or the module is known to keep its output unchanged (it is checked)."""
@@ -79,7 +79,7 @@ class Learned:
         self.modules = walked()
         self.changed: dict[nn.Module, bool] = {}
         """Per module, whether a later op changed its output in place (absent: not known yet)."""
-        self.kept: list[Kept] = []
+        self.kept: list[_Kept] = []
         """The notes of the step being recorded."""
         self.checked = True
         """Whether the structure was compared with the last step's for the step being recorded."""

@@ -91,21 +91,21 @@ class Step:
         return (Step, (self.epoch, self.iteration, self.loss, self.record, self.training, dict(self.metrics)))
 
 
-Context: TypeAlias = tuple[int, int, bool]
+_Context: TypeAlias = tuple[int, int, bool]
 """A Step's pytree context: ``(epoch, iteration, training)``."""
 
 
-def _flatten(step: Step) -> tuple[list[object], Context]:
+def _flatten(step: Step) -> tuple[list[object], _Context]:
     return [step.loss, step.record, dict(step.metrics)], (step.epoch, step.iteration, step.training)
 
 
-def _unflatten(children: Iterable[Any], context: Context) -> Step:
+def _unflatten(children: Iterable[Any], context: _Context) -> Step:
     loss, record, metrics = children
     epoch, iteration, training = context
     return Step(epoch, iteration, loss, record, training, metrics)
 
 
-def _flatten_with_keys(step: Step) -> tuple[list[tuple[_torch.pytree.GetAttrKey, object]], Context]:
+def _flatten_with_keys(step: Step) -> tuple[list[tuple[_torch.pytree.GetAttrKey, object]], _Context]:
     children, context = _flatten(step)
     keys = [_torch.pytree.GetAttrKey(name) for name in ("loss", "record", "metrics")]
     return list(zip(keys, children)), context

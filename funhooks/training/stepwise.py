@@ -33,15 +33,15 @@ from .step import EMPTY_RECORD, Metrics, Step
 
 __all__ = ["Results", "Stepwise", "misplaced"]
 
-TRAINERS = {"hf": ("transformers.Trainer", "Hugging Face"), "lightning": ("lightning.Trainer", "Lightning")}
+_TRAINERS = {"hf": ("transformers.Trainer", "Hugging Face"), "lightning": ("lightning.Trainer", "Lightning")}
 """Each callback module's trainer: its class and the name its docs give it."""
 
 
 def misplaced(ours: str, theirs: str) -> LoopError:
     """The error for ``fh.<ours>.FoldCallback`` called by the trainer of ``fh.<theirs>``."""
     return LoopError(
-        f"FoldCallback: `fh.{ours}.FoldCallback` is a callback of `{TRAINERS[ours][0]}`, got it in a "
-        f"`{TRAINERS[theirs][0]}`. Pass `fh.{theirs}.FoldCallback(reducers)` to the {TRAINERS[theirs][1]} Trainer."
+        f"FoldCallback: `fh.{ours}.FoldCallback` is a callback of `{_TRAINERS[ours][0]}`, got it in a "
+        f"`{_TRAINERS[theirs][0]}`. Pass `fh.{theirs}.FoldCallback(reducers)` to the {_TRAINERS[theirs][1]} Trainer."
     )
 
 

@@ -41,7 +41,7 @@ from funhooks.specs.selector import Selector, resolve, select
 
 from ._one_step import Optimizers
 
-__all__ = ["Layers", "OptimizerWatch", "Seen", "Watching", "optimizers"]
+__all__ = ["Layers", "OptimizerWatch", "Stored", "Watching", "as_watches", "optimizers"]
 
 T = TypeVar("T")
 
@@ -164,7 +164,7 @@ class Watching:
         self.caller, self.watches, self.opts, self.manual, self.model = caller, watches, opts, manual_before, model
         self.wheres = tuple(dict.fromkeys(w.where for w in watches))
         self.resolved = _Resolved.get(model, self.wheres, caller, watches)
-        self.seen = Seen.of(model, opts)
+        self.seen = _Seen.of(model, opts)
         for watch in watches:
             if opts and all(self.resolved.layers(opt, watch.where) is None for opt in opts):
                 raise LoopError(
@@ -188,7 +188,7 @@ class Watching:
         self.owner = threading.get_ident()
         if not (self.seen.groups == _groups(self.opts) if same else self.seen.holds(self.opts)):  # something added or removed
             self.resolved = _Resolved.get(self.model, self.wheres, self.caller, self.watches, strict=False)
-            self.seen = Seen.of(self.model, self.opts)
+            self.seen = _Seen.of(self.model, self.opts)
             self.current = {}
         if not self.current:  # else the last step's layers: nothing they depend on changed
             self.current = {id(opt): self._layers(opt) for opt in self.opts}
@@ -277,7 +277,7 @@ class Watching:
         return data
 
 
-Found: TypeAlias = tuple[tuple[str, ...], tuple[tuple[torch.Tensor, ...], ...], dict[Hashable, Any]]
+_Found: TypeAlias = tuple[tuple[str, ...], tuple[tuple[torch.Tensor, ...], ...], dict[Hashable, Any]]
 """A :class:`Layers` but its optimizer: the paths, their parameters and the cache."""
 
 
@@ -286,7 +286,7 @@ class _Known(NamedTuple):
 
     opt: weakref.ref[torch.optim.Optimizer]
     groups: tuple[tuple[int, int], ...]
-    found: Found | None
+    found: _Found | None
 
 
 class _Resolved:
@@ -349,7 +349,7 @@ class _Resolved:
             ids = {id(q) for g in opt.param_groups for q in g["params"]}
             kept = [(p, tuple(q for q in ps if id(q) in ids)) for p, ps in self.found[where]]
             kept = [(p, ps) for p, ps in kept if ps]
-            layers: Found = (tuple(p for p, _ in kept), tuple(ps for _, ps in kept), {})
+            layers: _Found = (tuple(p for p, _ in kept), tuple(ps for _, ps in kept), {})
             known = _Known(weakref.ref(opt), groups, layers if kept else None)
             self.by_opt = {k: v for k, v in self.by_opt.items() if v.opt() is not None}
             self.by_opt[id(opt), where] = known
@@ -357,7 +357,7 @@ class _Resolved:
         return None if found is None else Layers(opt, *found)
 
 
-class Seen(NamedTuple):
+class _Seen(NamedTuple):
     """What a step checks before reusing the watches' layers: every module's table of children
     and the optimizers' param groups. Tables are compared as copies, in one list comparison (C
     speed: a few µs for a hundred modules), where finding the layers again walks every
@@ -368,7 +368,7 @@ class Seen(NamedTuple):
     groups: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, model: nn.Module, opts: tuple[torch.optim.Optimizer, ...]) -> Seen:
+    def of(cls, model: nn.Module, opts: tuple[torch.optim.Optimizer, ...]) -> _Seen:
         tables = [_torch.children(m) for m in _torch.walk(model)]
         return cls(tables, [dict(t) for t in tables], _groups(opts))
 

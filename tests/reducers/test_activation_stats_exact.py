@@ -144,8 +144,8 @@ def test_std_near_a_float32_rounding_boundary_is_still_torchs() -> None:
     x = torch.randn(4096, 64, generator=g) * 3 + 1
     d = x.double() - x.mean(1).double()[:, None]
     approx = torch.linalg.vector_norm(d, dim=1) / math.sqrt(63)
-    near_boundary = (approx * (1 - _exact.SUM_ORDER_SLACK)).float() != (approx * (1 + _exact.SUM_ORDER_SLACK)).float()
+    near_boundary = (approx * (1 - _exact._SUM_ORDER_SLACK)).float() != (approx * (1 + _exact._SUM_ORDER_SLACK)).float()
     assert near_boundary.sum() >= 1
-    rows = _exact.row_stats(x, 0.05)
+    rows = _exact._row_stats(x, 0.05)
     assert torch.equal(rows[:, 1], torch.stack([row.std() for row in x]))
     assert torch.equal(rows[:, 0], torch.stack([row.mean() for row in x]))

@@ -27,8 +27,8 @@ def _literal(hint: object) -> tuple[object, ...]:
 def test_event_role_and_hook_are_literals_of_their_values() -> None:
     hints = typing.get_type_hints(fh.Spec)
     assert _literal(hints["event"]) == spec.EVENTS == ("forward_pre", "forward", "backward_pre", "backward", "param_grad")
-    assert _literal(hints["role"]) == spec.ROLES
-    assert _literal(hints["hook"]) == spec.HOOKS
+    assert _literal(hints["role"]) == spec._ROLES
+    assert _literal(hints["hook"]) == spec._HOOKS
     assert hints["labels"] == tuple[tuple[str, str], ...]
     assert hints["shown"] == typing.Optional[str]
 

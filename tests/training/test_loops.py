@@ -223,12 +223,12 @@ def test_evaluate_without_loss_accepts_inputs_alone() -> None:
 def test_progress_is_off_outside_a_terminal_and_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default bar needs a terminal and no CI variable; True without tqdm names the extra."""
     monkeypatch.setenv("CI", "true")
-    assert progress.is_enabled(None) is False
+    assert progress._is_enabled(None) is False
     monkeypatch.delenv("CI")
-    assert progress.is_enabled(None) is sys.stderr.isatty()
+    assert progress._is_enabled(None) is sys.stderr.isatty()
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with pytest.raises(fh.ExtraError) as err:
-        progress.is_enabled(True)
+        progress._is_enabled(True)
     assert str(err.value) == (
         "progress: a progress bar needs tqdm, got `progress=True` without it installed. "
         "Install the extra: pip install 'funhooks[progress]'."
