@@ -57,7 +57,7 @@ _EVOLVE_HINT = "Build a new one with `attrs.evolve(value, {key}=...)`."
 
 def frozen(cls: T) -> T:
     """Give an attrs frozen class Frozen's refusals (FrozenError, with the class's ``_hint``,
-    by default :data:`EVOLVE_HINT`). Every frozen attrs class of funhooks wears it, so every
+    by default :data:`_EVOLVE_HINT`). Every frozen attrs class of funhooks wears it, so every
     funhooks value refuses change the same way.
 
     Example:

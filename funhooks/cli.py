@@ -30,7 +30,7 @@ _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64")
 
 
 class _CommandError(Exception):
-    """A failure to report as one line and exit status :data:`EXIT_FAILED`."""
+    """A failure to report as one line and exit status :data:`_EXIT_FAILED`."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -206,7 +206,7 @@ def run(
 ) -> _DemoResult:
     """Train :func:`digits_cnn` on the digits, fold statistics, write the plots into `out`.
 
-    Seeds torch's global generator with :data:`SEED`, so every run trains the same model.
+    Seeds torch's global generator with :data:`_SEED`, so every run trains the same model.
 
     Args:
         out: the directory for the PNG files (created if missing).
@@ -216,7 +216,7 @@ def run(
         echo: where the report lines go.
 
     Returns:
-        A :class:`DemoResult`.
+        A :class:`_DemoResult`.
 
     Raises:
         ExtraError: without scikit-learn or matplotlib (install ``funhooks[demo]``).
@@ -262,7 +262,7 @@ def run(
     grads, update, dead = results["gradients"], results["update_ratio"], results["dead_units"]
     _report(echo, model, results, accuracy, folder, files)
     return _DemoResult(files=files, losses=losses, stats=stats, accuracy=accuracy, summary=summary,
-                      gradients=grads, update_ratio=update, dead_units=dead)
+                       gradients=grads, update_ratio=update, dead_units=dead)
 
 
 def _report(echo: Callable[[str], None], model: nn.Module, results: dict, accuracy: float, folder: Path,

@@ -5,7 +5,7 @@ and ``o.histc(bins, low, high)`` of each output, a handful of kernels per module
 host syncs. Here a step's small activations are stacked and reduced together, with results
 equal to those per-tensor calls bit for bit: ``x.mean(1)`` sums each row as ``row.mean()``
 does, the std is summed in double like torch's and redone in torch's order for the rare row
-near a float32 rounding boundary (:func:`round_std`), the near-zero count is an exact float
+near a float32 rounding boundary (:func:`_round_std`), the near-zero count is an exact float
 sum of 0/1 and the histogram repeats histc's own float32 arithmetic.
 
 Two steps of one iteration (two ranks' halves of a batch) combine exactly by module path
@@ -144,7 +144,7 @@ def _round_std(d: Tensor) -> Tensor:
 
     torch adds the squares one after the other, in double, then rounds ``sqrt(sum / (n - 1))``
     to float32. A vectorised sum adds them in another order and may differ in the last bits
-    of the double; rounded to float32 it is the same except within :data:`SUM_ORDER_SLACK`
+    of the double; rounded to float32 it is the same except within :data:`_SUM_ORDER_SLACK`
     of a rounding boundary, where (a row in a thousand or so) the sum is redone in torch's
     order with a running sum (``cumsum``, sequential like torch's loop).
     """
@@ -164,7 +164,7 @@ def _row_stats(x: Tensor, near_zero: float) -> Tensor:
     bit those of ``row.mean()``, ``row.std()`` and ``(row <= near_zero).sum()``.
 
     ``x.mean(1)`` sums each row as ``row.sum()`` does (verified over many sizes; ``x.std(1)``
-    is Welford's and differs in the last bit now and then, see :func:`round_std`). The
+    is Welford's and differs in the last bit now and then, see :func:`_round_std`). The
     comparison writes floats so that it runs as a vectorised kernel (bool outputs do not);
     float sums of 0/1 are exact below ``2**24``.
     """
@@ -199,7 +199,7 @@ class _Settled(NamedTuple):
 
 
 class Kept(NamedTuple):
-    """An :class:`Entry` as a CPU state keeps it: rows and histograms as :class:`Settled`."""
+    """An :class:`Entry` as a CPU state keeps it: rows and histograms as :class:`_Settled`."""
 
     iteration: int
     paths: tuple[str, ...]
@@ -210,7 +210,7 @@ class Kept(NamedTuple):
 
 
 def keep(entry: Entry) -> Entry | Kept:
-    """`entry` as a state keeps it: on the CPU its rows and histograms as :class:`Settled`
+    """`entry` as a state keeps it: on the CPU its rows and histograms as :class:`_Settled`
     (read there with no sync); on another device unchanged (nothing read)."""
     if entry.rows.device.type != "cpu":
         return entry
@@ -305,7 +305,7 @@ def reduce_calls(calls: dict[str, tuple[Tensor | _Reduced, ...]], snap: Snapshot
     """The Entry of one step from every call's hook value, by path (module order): the calls
     of a module on one step (micro-batches, several forwards before a mark) are one batch.
 
-    With one call per module, its statistics are :func:`reduce_step`'s (fastai's, to the
+    With one call per module, its statistics are :func:`_reduce_step`'s (fastai's, to the
     bit); each further round of calls is reduced the same way and added by :func:`combine`
     (Chan's exact merge, as two ranks' parts of one step).
     """

@@ -1,7 +1,7 @@
 """What the per-layer reducers share: a step's rows of statistics keyed by layer path, states
 that merge by iteration, and results read to the host once.
 
-An :class:`Entry` is one recorded step: the paths of the layers that had values (module
+An :class:`_Entry` is one recorded step: the paths of the layers that had values (module
 order) and one row per layer, a tensor on the device the values were computed on. States are
 cons lists of entries (see :mod:`funhooks.reducers._shared`). :func:`_merge` puts the entries of
 disjoint chunks of steps in iteration order and hands two entries of one iteration (two
@@ -39,7 +39,7 @@ class _Entry(NamedTuple):
 
 
 State: TypeAlias = "_shared.Cons[_Entry]"
-"""One :class:`Entry` per recorded step, newest on top."""
+"""One :class:`_Entry` per recorded step, newest on top."""
 
 
 def _add_step(state: State, step: Step, every: int | None, name: str) -> State:
@@ -98,7 +98,7 @@ def _keep_first(a: _Entry, b: _Entry) -> _Entry:
     rows.update((b.paths[i], b.rows[i]) for i in extra)
     if isinstance(a.rows, torch.Tensor):
         return _Entry(a.iteration, paths,
-                     torch.stack([_shared.as_tensor(rows[p], a.rows.device, a.rows.dtype) for p in paths]))
+                      torch.stack([_shared.as_tensor(rows[p], a.rows.device, a.rows.dtype) for p in paths]))
     return _Entry(a.iteration, paths, [r.tolist() if isinstance(r, torch.Tensor) else r for r in (rows[p] for p in paths)])
 
 
@@ -116,7 +116,7 @@ def index(paths: Sequence[str], idx: int | str, caller: str) -> int:
 
 class Reducer:
     """What the per-layer reducers over optimizer watches share: no specs, the ``every`` rule,
-    cons-list states of one :class:`Entry` per recorded step (the rows their watch stored
+    cons-list states of one :class:`_Entry` per recorded step (the rows their watch stored
     under ``NAME``), merged by iteration keeping the first rank's."""
 
     __slots__ = ()

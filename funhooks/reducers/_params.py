@@ -4,7 +4,7 @@ A layer owns a few tensors (a weight and a bias; their gradients); a model has m
 whose tensors often share shapes. :class:`Groups` stacks the tensors of one shape, dtype and
 device together, so each group costs a handful of kernels whatever the number of layers, and
 :meth:`Groups.by_layer` adds per-tensor sums into per-layer ones with one ``index_add``, all
-without a host sync. A :class:`Plan` keeps the flat tensor list and its groups for a
+without a host sync. A :class:`_Plan` keeps the flat tensor list and its groups for a
 :class:`~funhooks.training.Layers` between steps.
 
 Cost: per group, one stack (a copy of the tensors) and a few reductions over it; per call,
@@ -134,7 +134,7 @@ class _Plan:
 
 
 def plan(cache: dict, params: Sequence[Sequence[torch.Tensor]]) -> _Plan:
-    """The :class:`Plan` of `params`, kept in a Layers' `cache`."""
+    """The :class:`_Plan` of `params`, kept in a Layers' `cache`."""
     found = cache.get("plan")
     if found is None:
         found = cache["plan"] = _Plan(params)

@@ -178,7 +178,7 @@ def newest(state: Cons[K], since: int) -> Cons[K]:
 
 def layer_scalars(rows: dict[str, list[float]], columns: Sequence[str]) -> dict[str, float]:
     """``{"<layer>/<column>": value}`` of one step's rows (``{path: values in column order}``),
-    the names ``scalars`` gives (the model itself named :data:`ROOT`)."""
+    the names ``scalars`` gives (the model itself named :data:`_ROOT`)."""
     return {f"{path or _ROOT}/{column}": value for path, row in rows.items() for column, value in zip(columns, row)}
 
 
@@ -207,7 +207,7 @@ def module_order(orders: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
 
     Each of `orders` lists some paths in module order (the modules that ran on one step), so
     together they say which of two paths comes first wherever a step ran both; paths no step
-    orders (never run together) are put by :func:`path_key`. The answer depends on the set
+    orders (never run together) are put by :func:`_path_key`. The answer depends on the set
     of orders only, not on their sequence, so merging states in any order gives the same.
     """
     distinct = set(orders)

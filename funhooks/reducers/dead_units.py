@@ -47,14 +47,14 @@ _ACTIVATIONS: tuple[type[nn.Module], ...] = (
     nn.Hardswish, nn.Hardtanh, nn.Softplus,
 )
 """PyTorch's activation modules, where units die (with Hugging Face's, the default layers; see
-:func:`is_activation`)."""
+:func:`_is_activation`)."""
 
 _HF_ACTIVATIONS = "transformers.activations"
 _HF_IDENTITY = "LinearActivation"
 
 
 def _is_activation(path: str, module: nn.Module) -> bool:
-    """Whether `module` is an activation: one of :data:`ACTIVATIONS`, or one of Hugging Face's
+    """Whether `module` is an activation: one of :data:`_ACTIVATIONS`, or one of Hugging Face's
     own activation modules (the classes of ``transformers.activations``, such as GPT-2's
     ``NewGELUActivation`` and BERT's ``GELUActivation``; not its identity, ``LinearActivation``).
 
@@ -163,10 +163,10 @@ class DeadUnits:
     """The fraction of dead units per layer at every recorded train step, and throughout.
 
     Args:
-        modules: the layers (a selector); None: the activation modules (:func:`is_activation`:
+        modules: the layers (a selector); None: the activation modules (:func:`_is_activation`:
             PyTorch's and Hugging Face's).
         every: record train iterations with ``iteration % every == 0``; None: all.
-        near_zero: a magnitude at or below this counts as zero (:data:`NEAR_ZERO`).
+        near_zero: a magnitude at or below this counts as zero (:data:`_NEAR_ZERO`).
 
     Result: a :class:`DeadUnitsResult`. States merge exactly (``merge``): chunks of steps
     concatenate; two ranks' states of one iteration (halves of one batch) combine by path: a

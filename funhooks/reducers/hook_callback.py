@@ -41,7 +41,7 @@ class _Entry(NamedTuple):
 
 
 _State: TypeAlias = "_shared.Cons[_Entry]"
-"""One :class:`Entry` per recorded step, newest on top."""
+"""One :class:`_Entry` per recorded step, newest on top."""
 
 
 def _check_hook(instance: object, attribute: attrs.Attribute[T], hook: T) -> None:

@@ -58,7 +58,7 @@ class LossCurve:
     """The loss of every train step and its debiased exponential moving average.
 
     Args:
-        beta: the smoothing (:data:`BETA`, fastai's); 0: no smoothing.
+        beta: the smoothing (:data:`_BETA`, fastai's); 0: no smoothing.
 
     Result: a :class:`LossCurveResult`. States merge (``merge``): chunks of steps
     concatenate; two ranks' losses of one iteration average.

@@ -49,7 +49,7 @@ _COLUMNS = ("norm", "mean", "std", "zeros")
 @attrs.frozen
 class _GradientRows:
     """The watch's function: ``{path: (count, sum, sum of squares, zeros)}`` of each layer's
-    gradients (what :func:`finish` turns into statistics when a result is read)."""
+    gradients (what :func:`_finish` turns into statistics when a result is read)."""
 
     def __call__(self, layers: Layers) -> dict[str, torch.Tensor]:
         plan = _params.plan(layers.cache, layers.params)

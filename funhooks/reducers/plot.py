@@ -185,7 +185,7 @@ _MAX_LEGEND = 12
 """Layers named in a legend; more lines than this are left unnamed (colour only)."""
 
 _GRADIENT_PANELS = (("norm", "gradient norm", True), ("mean", "mean", False), ("std", "std", True),
-                   ("zeros", "% zeros", False))
+                    ("zeros", "% zeros", False))
 
 
 def _labels(paths: tuple[str, ...], model: nn.Module | None) -> list[str]:

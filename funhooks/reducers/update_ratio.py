@@ -59,7 +59,7 @@ class _Before:
 @attrs.frozen
 class _After:
     """The watch's second function: ``{path: (‖update‖², ‖parameters before‖²)}`` from the copy
-    and the parameters now (what :func:`finish` turns into ratios when a result is read)."""
+    and the parameters now (what :func:`_finish` turns into ratios when a result is read)."""
 
     def __call__(self, layers: Layers, before: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = _params.plan(layers.cache, layers.params)

@@ -131,7 +131,7 @@ class Spec:
     """What an intervention or op spec does (``role`` ``intervene``: an ``Intervention``;
     ``op``: an ``OpAction``); None for the others."""
     hook: Hook = attrs.field(init=False)
-    """How a run reaches this spec (see :data:`HOOKS`), derived from `event` and `role`."""
+    """How a run reaches this spec (see :data:`_HOOKS`), derived from `event` and `role`."""
 
     @hook.default
     def _hook(self) -> Hook:

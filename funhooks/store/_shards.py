@@ -15,7 +15,7 @@ layout, and the tests read them with ``safetensors.torch.load_file`` too.
 
 Costs: per batch one ``seek`` and ``write`` per column; the last, shorter shard of a run is
 compacted once, moving its columns to close the space left for rows that never came (at
-most one shard's bytes, copied ``COPY_CHUNK_BYTES`` at a time). Checksums are never read
+most one shard's bytes, copied ``_COPY_CHUNK_BYTES`` at a time). Checksums are never read
 back: each column's region keeps a running CRC-32 of the bytes written into it
 (``zlib.crc32`` on the batch's own buffer, at gigabytes per second, the GIL released),
 and the header's is taken when it is written at the end. Compaction moves a region
@@ -131,7 +131,7 @@ class _Finished(NamedTuple):
 
 def crc32_of(f: io.BufferedIOBase, size: int | None = None) -> int:
     """The CRC-32 of the next `size` bytes of `f` (all that is left if None; fewer if
-    the file ends first), read ``COPY_CHUNK_BYTES`` at a time."""
+    the file ends first), read ``_COPY_CHUNK_BYTES`` at a time."""
     crc, buffer = 0, memoryview(bytearray(_COPY_CHUNK_BYTES))
     while size is None or size > 0:
         got = f.readinto(buffer if size is None else buffer[:min(size, _COPY_CHUNK_BYTES)])
@@ -239,7 +239,7 @@ class ShardFile:
             os.fsync(self._file.fileno())
         self._file.close()
         return _Finished(self._data + sum(self.rows * c.row_bytes for c in self.columns),
-                        {HEADER: zlib.crc32(self._head), **self._crc32s})
+                         {HEADER: zlib.crc32(self._head), **self._crc32s})
 
     def _compact(self) -> None:
         header = _header(self.columns, self.rows, self._meta, reserve=self._reserve)

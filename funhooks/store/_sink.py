@@ -12,7 +12,7 @@ its temporary and releases its lock when it is garbage collected.
 
 Costs: memory holds no rows (they go from the activation to the file) beyond the
 statistics' buffers (``stats.Buffers``: a chunk per floating-point column, one working
-chunk) and what the worker thread has yet to finish: at most ``MAX_PENDING`` tasks, of
+chunk) and what the worker thread has yet to finish: at most ``_MAX_PENDING`` tasks, of
 which one digest of written rows. So while the caller makes batch ``i + 1``, the worker
 holds batch ``i``'s rows at most (and, under ``collect``, batch ``i + 1``'s inputs, which
 the caller holds anyway): two batches and a constant, however slow the worker and however
@@ -85,7 +85,7 @@ class Sink:
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_pid = 0
         self._pending: collections.deque[concurrent.futures.Future[object]] = collections.deque()
-        """The worker's tasks not known to be done, oldest first (at most ``MAX_PENDING``)."""
+        """The worker's tasks not known to be done, oldest first (at most ``_MAX_PENDING``)."""
         self._digest: concurrent.futures.Future[object] | None = None
         """The last digest (checksums and statistics of written rows) handed to the worker."""
         self._reuse = stats.Buffers()
@@ -170,7 +170,7 @@ class Sink:
     def background(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
         """``fn(*args)`` on the sink's worker thread, after everything submitted before it (the
         shards' checksums and statistics, ``collect``'s input fingerprints). Waits first until
-        fewer than ``MAX_PENDING`` tasks are unfinished, so the worker holds few arguments;
+        fewer than ``_MAX_PENDING`` tasks are unfinished, so the worker holds few arguments;
         an error of a task waited for raises here."""
         if self._worker is None or self._worker_pid != os.getpid():  # a forked child has no thread of it
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-store")

@@ -228,7 +228,7 @@ def collect(writer: ActivationWriter, inputs: Iterable[_Batch], *, mask: str | _
     model = writer.model
     total = len(inputs) - first if isinstance(inputs, Sized) else None
     batches = wrap((b for b in _remaining(inputs, first)), total=total, desc="collect",
-                             progress=progress)
+                   progress=progress)
     track = sink.committed_inputs is not None or not sink.rows  # a store written without a record keeps none
     try:
         with in_mode(model, False), torch.no_grad():

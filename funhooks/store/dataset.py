@@ -339,7 +339,7 @@ class ActivationDataset(torch.utils.data.Dataset):
                 found = shard_moments(lambda name, a, b: tensors[name][a:b], columns, listed.rows)
             else:
                 found = {c.name: from_json(listed.stats.get(c.name), c, listed.rows, self._where(listed),
-                                                        _CALLER) for c in columns}
+                                           _CALLER) for c in columns}
             totals = {c.name: merge(totals[c.name], found[c.name]) if c.name in totals else found[c.name]
                       for c in columns}
         empty = Moments(0, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0.0)

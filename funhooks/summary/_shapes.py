@@ -5,8 +5,8 @@ FLOPs ``torch.utils.flop_counter``'s formulas give per module (the rules are in
 
 Which pass: a small one runs for real under ``torch.no_grad()`` (the meta device runs most
 kernels as Python reference code, about a hundred times a real small kernel's cost), watched
-by a budget: once it has done more than :data:`REAL_FLOPS` FLOPs or made a tensor of more
-than :data:`REAL_BYTES` bytes it is stopped and the pass is redone on the meta device. A
+by a budget: once it has done more than :data:`_REAL_FLOPS` FLOPs or made a tensor of more
+than :data:`_REAL_BYTES` bytes it is stopped and the pass is redone on the meta device. A
 model the meta device cannot run gets a real pass without a budget, as does a lazy or sharded
 one; inputs already on the meta device go to the meta device at once.
 
@@ -122,7 +122,7 @@ class _Counter(_torch.TorchDispatchMode):
     """Counts FLOPs with ``torch.utils.flop_counter``'s formulas and rules (an op without a
     formula is decomposed where PyTorch can, a higher-order op is left alone), plus the CPU's
     fused attention; with `budget`, stops the pass (:class:`_OverBudget`) once it has done more
-    than ``REAL_FLOPS`` FLOPs or made a tensor of more than ``REAL_BYTES`` bytes.
+    than ``_REAL_FLOPS`` FLOPs or made a tensor of more than ``_REAL_BYTES`` bytes.
 
     A formula is a function of shapes: its result is kept per op and shapes for this pass, so a
     model's repeated layers cost one call of it."""

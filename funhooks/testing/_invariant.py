@@ -68,7 +68,7 @@ def hypothesis() -> ModuleType:
 
 def _settings_for(settings: hyp.settings | None) -> hyp.settings:
     """The Hypothesis settings of a check: the user's, or the loaded profile with at most
-    :data:`EXAMPLES` examples, no deadline and no example database (each check's draws are
+    :data:`_EXAMPLES` examples, no deadline and no example database (each check's draws are
     its own). Either way without the explain phase and with one bug reported: the check
     explains its failure itself."""
     hyp = hypothesis()
@@ -133,7 +133,7 @@ def as_strategy(inputs: Inputs, caller: str, *, normal: bool = False) -> SearchS
     """`inputs` if it is a strategy; else inputs like the example tensor (or tuple of them).
 
     Example floats are drawn in ``[-3, 3]`` element by element (standard normal from a seed
-    with `normal`, or above :data:`DRAWN_ELEMENTS` elements); integers within the example's
+    with `normal`, or above :data:`_DRAWN_ELEMENTS` elements); integers within the example's
     range of values; a mask (bools, or integers all 0 or 1) stays the example's.
     """
     st = hypothesis().strategies

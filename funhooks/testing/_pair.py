@@ -3,7 +3,7 @@
 An invariant of this kind says how two runs must relate (the same output for the other
 examples when one example changes; the same output twice in eval mode). :func:`compare`
 draws inputs, runs the model twice per draw without hooks, and on the shrunk failing draw
-runs it twice more with every module's inputs and outputs recorded. :func:`introducer`
+runs it twice more with every module's inputs and outputs recorded. :func:`_introducer`
 then walks the two Records in module order and names the innermost module whose inputs
 still keep the invariant but whose output breaks it: the module that introduces the break.
 
@@ -54,7 +54,7 @@ _Draw = TypeVar("_Draw")
 
 
 def _seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
-                mode: bool | None = None) -> object:
+                 mode: bool | None = None) -> object:
     """``model(*args)`` from the saved buffers and random seed `seed`, without gradients;
     in train (`mode` True) or eval (False) mode, or as it is (None)."""
     reset()
@@ -66,8 +66,8 @@ def _seeded_call(model: nn.Module, reset: Callable[[], None], args: tuple, seed:
 
 
 def _recorded(model: nn.Module, reset: Callable[[], None], args: tuple, seed: int,
-             mode: bool | None = None) -> tuple[object, Record]:
-    """:func:`seeded_call` with every module's inputs and outputs recorded (copies)."""
+              mode: bool | None = None) -> tuple[object, Record]:
+    """:func:`_seeded_call` with every module's inputs and outputs recorded (copies)."""
     with with_hooks(model, [outputs(_invariant.EVERY, clone=True), inputs(_invariant.EVERY, clone=True)]) as run:
         out = _seeded_call(model, reset, args, seed, mode)
     return out, run.record

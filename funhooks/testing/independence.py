@@ -134,8 +134,8 @@ def check_batch_independence(model: nn.Module, inputs: _invariant.Inputs, *, bat
         return f"input: {_invariant.show(draw.first)}\nexample {j} changed to: {_invariant.show(rows if len(rows) > 1 else rows[0])}"
 
     _pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
-                 rule="the output for one example depends only on that example",
-                 fix="Look for a reshape or transpose across the batch dimension, or statistics over the batch")
+                  rule="the output for one example depends only on that example",
+                  fix="Look for a reshape or transpose across the batch dimension, or statistics over the batch")
 
 
 def check_causality(model: nn.Module, inputs: _invariant.Inputs, *, dim: int = 1, rtol: float = _pair.RTOL,
@@ -199,5 +199,5 @@ def check_causality(model: nn.Module, inputs: _invariant.Inputs, *, dim: int = 1
                 f"{_invariant.show(changed if len(changed) > 1 else changed[0])}\nthe output at positions 0..{t} changed")
 
     _pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
-                 rule=f"the output at position t along dim {dim} depends only on inputs at positions <= t",
-                 fix="Mask the future: a causal attention mask, left-only padding")
+                  rule=f"the output at position t along dim {dim} depends only on inputs at positions <= t",
+                  fix="Mask the future: a causal attention mask, left-only padding")

@@ -96,8 +96,8 @@ def check_equivariance(model: nn.Module, inputs: _invariant.Inputs, transform: C
         return any(_pair.close(o, b, rtol, atol) for o in options) if options else None
 
     _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, breaks=breaks,
-                 settings=settings, seed=seed, rule="model(transform(x)) equals output_transform(model(x))",
-                 fix="Look for positions the module treats differently (position embeddings, zero padding, flattening)")
+                  settings=settings, seed=seed, rule="model(transform(x)) equals output_transform(model(x))",
+                  fix="Look for positions the module treats differently (position embeddings, zero padding, flattening)")
 
 
 def check_determinism(model: nn.Module, inputs: _invariant.Inputs, *, rtol: float = 0.0, atol: float = 0.0,
@@ -137,8 +137,8 @@ def check_determinism(model: nn.Module, inputs: _invariant.Inputs, *, rtol: floa
         return _pair.close(a, b, rtol, atol)
 
     _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
-                 rule="two runs in eval mode on the same input give the same output",
-                 fix="Remove randomness from eval mode (dropout with `training=True`, `torch.rand`, sampling)")
+                  rule="two runs in eval mode on the same input give the same output",
+                  fix="Remove randomness from eval mode (dropout with `training=True`, `torch.rand`, sampling)")
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -198,5 +198,5 @@ def check_train_eval_consistency(model: nn.Module, inputs: _invariant.Inputs, *,
         return _pair.close(a, b, rtol, atol)
 
     _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
-                 rule="a model without dropout or batch norm gives the same output in train and eval mode",
-                 fix="Look for a `self.training` branch")
+                  rule="a model without dropout or batch norm gives the same output in train and eval mode",
+                  fix="Look for a `self.training` branch")

@@ -174,14 +174,14 @@ class Logged:
     step is not written there: one recording with the same ``every`` (or a divisor of it) is
     written at each of the logger's steps. Nothing is read in between: on CUDA, one host sync
     per write, none per step. The writer is flushed after each write; a log directory gets an
-    :class:`EventFile`, which holds nothing open between writes.
+    :class:`_EventFile`, which holds nothing open between writes.
 
     Args:
         reducers: a dict or a list of reducers (a single reducer gives its result).
-        to: a log directory (an :class:`EventFile` is written there; the ``tensorboard``
+        to: a log directory (an :class:`_EventFile` is written there; the ``tensorboard``
             extra), or a writer with ``add_scalar(tag, value, global_step)`` (a
             ``SummaryWriter``, yours to close).
-        every: write every that many steps (:data:`LOG_EVERY`).
+        every: write every that many steps (:data:`_LOG_EVERY`).
 
     Raises:
         ReducerError: for an entry without the reducer protocol, or a `to` that is neither.

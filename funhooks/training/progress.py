@@ -68,7 +68,7 @@ def wrap(steps: Generator[T, None, None], *, total: int | None, desc: str, progr
         steps: a generator of Steps.
         total: the number of steps, when known.
         desc: the bar's label.
-        progress: as for :func:`is_enabled`.
+        progress: as for :func:`_is_enabled`.
 
     Returns:
         An iterator over the same steps.
