@@ -129,7 +129,8 @@ def check_finite(model: nn.Module, inputs: _invariant.Inputs, *, loss_fn: _probe
                       "inputs, from finite gradients at its output"), _FINITE_FIX
     else:
         found, fix = "a non-finite gradient of the model's output", "Check the backward of `loss_fn`"
-    raise AssertionError(f"{caller}: every activation and gradient is finite, got {found}. {fix}.\ninput: {_invariant.show(draw)}")
+    raise AssertionError(f"{caller}: every activation and gradient is finite, got {found}. {fix}.\n"
+                         f"input: {_invariant.show(draw)}")
 
 
 _NON_FINITE = "a non-finite gradient"
@@ -161,7 +162,8 @@ def _cut(flow: _probe.Flow, path: str) -> tuple[str, str]:
                       "(`torch.no_grad()`, `.detach()` or `.data` inside its forward)")
     reached = next((a for a in _probe.ancestors(path) if flow.reached(a, 0)), "")
     stops = [p for p, call in flow.order[first_call + 1:]
-             if _invariant.is_inside(p, reached) and not _invariant.is_inside(p, path) and not _invariant.is_inside(path, p)
+             if _invariant.is_inside(p, reached) and not _invariant.is_inside(p, path)
+             and not _invariant.is_inside(path, p)
              and flow.reached(p, call) and flow.passes_back(p, call) is False]
     stop = _invariant.innermost(stops)
     if stop is not None:

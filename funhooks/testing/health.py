@@ -135,12 +135,14 @@ def check_init_scale(model: nn.Module, inputs: _invariant.Inputs, *, where: Wher
                         break
             return rows
 
-        draw = _invariant.search(_invariant.as_strategy(inputs, caller, normal=True), lambda d: bool(outside(d)), settings, seed)
+        draw = _invariant.search(_invariant.as_strategy(inputs, caller, normal=True), lambda d: bool(outside(d)),
+                                 settings, seed)
         if draw is None:
             return
         rows = outside(draw)
     path, _, std = rows[0]
-    table = _table(("layer", "mean", "std"), [(_invariant.module_name(model, p), f"{m:.3g}", f"{s:.3g}") for p, m, s in rows])
+    table = _table(("layer", "mean", "std"),
+                   [(_invariant.module_name(model, p), f"{m:.3g}", f"{s:.3g}") for p, m, s in rows])
     raise AssertionError(
         f"{caller}: every layer's activation std at init is within [{low:g}, {high:g}], got "
         f"{len(rows)} layer(s) outside it, first {_invariant.module_name(model, path)} with std {std:.3g}. "
@@ -149,8 +151,8 @@ def check_init_scale(model: nn.Module, inputs: _invariant.Inputs, *, where: Wher
     )
 
 
-def check_dead_units(model: nn.Module, inputs: _invariant.Inputs, *, where: Where = _is_leaf, near_zero: float = _NEAR_ZERO,
-                     max_dead: float = _MAX_DEAD, settings: hypothesis.settings | None = None,
+def check_dead_units(model: nn.Module, inputs: _invariant.Inputs, *, where: Where = _is_leaf,
+                     near_zero: float = _NEAR_ZERO, max_dead: float = _MAX_DEAD, settings: hypothesis.settings | None = None,
                      seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that no layer has more than `max_dead` of its units near zero on every drawn input.
 

@@ -71,8 +71,8 @@ def _spliced(args: tuple, other: tuple, dim: int, size: int, index: slice) -> tu
     return tuple(out)
 
 
-def check_batch_independence(model: nn.Module, inputs: _invariant.Inputs, *, batch_dim: int = 0, rtol: float = _pair.RTOL,
-                             atol: float = _pair.ATOL, settings: hypothesis.settings | None = None,
+def check_batch_independence(model: nn.Module, inputs: _invariant.Inputs, *, batch_dim: int = 0,
+                             rtol: float = _pair.RTOL, atol: float = _pair.ATOL, settings: hypothesis.settings | None = None,
                              seed: int | None = _invariant.DRAW_SEED) -> None:
     """Check that the output for one example does not depend on the other examples.
 
@@ -125,13 +125,15 @@ def check_batch_independence(model: nn.Module, inputs: _invariant.Inputs, *, bat
             if not _has_dim(a, batch_dim) or a.shape != b.shape or a.shape[batch_dim] != size:
                 return None
             rows = torch.tensor(keep, device=a.device)
-            return _pair.close(a.index_select(batch_dim, rows), b.index_select(batch_dim, rows.to(b.device)), rtol, atol)
+            return _pair.close(a.index_select(batch_dim, rows), b.index_select(batch_dim, rows.to(b.device)),
+                               rtol, atol)
         return same
 
     def describe(draw: _Draw) -> str:
         args, other, size, j = layout(draw)
         rows = tuple(b.select(batch_dim, j) for a, b in zip(args, other) if _has_dim(a, batch_dim) and a.shape[batch_dim] == size)
-        return f"input: {_invariant.show(draw.first)}\nexample {j} changed to: {_invariant.show(rows if len(rows) > 1 else rows[0])}"
+        return (f"input: {_invariant.show(draw.first)}\n"
+                f"example {j} changed to: {_invariant.show(rows if len(rows) > 1 else rows[0])}")
 
     _pair.compare(caller, model, pairs, runs, same_for, describe=describe, settings=settings, seed=seed,
                   rule="the output for one example depends only on that example",

@@ -136,8 +136,8 @@ def check_determinism(model: nn.Module, inputs: _invariant.Inputs, *, rtol: floa
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return _pair.close(a, b, rtol, atol)
 
-    _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
-                  rule="two runs in eval mode on the same input give the same output",
+    _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings,
+                  seed=seed, rule="two runs in eval mode on the same input give the same output",
                   fix="Remove randomness from eval mode (dropout with `training=True`, `torch.rand`, sampling)")
 
 
@@ -197,6 +197,6 @@ def check_train_eval_consistency(model: nn.Module, inputs: _invariant.Inputs, *,
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return _pair.close(a, b, rtol, atol)
 
-    _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings, seed=seed,
-                  rule="a model without dropout or batch norm gives the same output in train and eval mode",
+    _pair.compare(caller, model, _invariant.as_strategy(inputs, caller), runs, lambda draw: same, settings=settings,
+                  seed=seed, rule="a model without dropout or batch norm gives the same output in train and eval mode",
                   fix="Look for a `self.training` branch")
