@@ -1,6 +1,6 @@
 """Privacy per package: what a module offers is listed, and nothing else looks public.
 
-The rules (docs/architecture.md, "The underscore means private"):
+The rules (docs/architecture.md, "`__all__` says what a module offers"):
 
 1. Every name a module defines at its top level (a function, class, constant or type alias,
    not an imported name) is in the module's ``__all__`` or starts with ``_``. A name in
@@ -23,7 +23,7 @@ import ast
 import re
 from pathlib import Path
 
-from test_layout import ROOT, _docs, _is_private, _modules, _package, _unit
+from test_layout import ROOT, _docs, _modules, _package, _unit
 
 # Packages whose privacy pass lands on other branches this round: the run core rebuild renames
 # runs/, and transformer/ gains new code. The lead shrinks this list at merge time.
@@ -38,8 +38,8 @@ def _exempt(module: str) -> bool:
     return any(module == e or module.startswith(e + ".") for e in EXEMPT)
 
 
-def _is_alias(value: ast.expr, name: str) -> bool:
-    """`value` is `name` itself read off a module (``Tensor = torch.Tensor``) or a type parameter."""
+def _not_offered(value: ast.expr, name: str) -> bool:
+    """`value`, bound to `name`, is `name` read off a module (``Tensor = torch.Tensor``) or a TypeVar."""
     if isinstance(value, ast.Attribute) and value.attr == name:
         return True
     return (isinstance(value, ast.Call) and isinstance(value.func, (ast.Name, ast.Attribute))
@@ -57,10 +57,10 @@ def _defined(tree: ast.Module) -> dict[str, int]:
             elif isinstance(node, ast.Assign):
                 for target in node.targets:
                     for t in target.elts if isinstance(target, ast.Tuple) else [target]:
-                        if isinstance(t, ast.Name) and not _is_alias(node.value, t.id):
+                        if isinstance(t, ast.Name) and not _not_offered(node.value, t.id):
                             found[t.id] = node.lineno
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if node.value is None or not _is_alias(node.value, node.target.id):
+                if node.value is None or not _not_offered(node.value, node.target.id):
                     found[node.target.id] = node.lineno
             elif isinstance(node, ast.If):
                 visit(node.body)
