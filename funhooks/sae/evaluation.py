@@ -222,8 +222,8 @@ def evaluate(sae: Any, data: Iterable[Any], *, model: nn.Module | None = None, w
 
     Args:
         sae: an object with ``encode``/``decode`` (see ``protocol``).
-        data: an iterable of batches: of activations ``(..., d_in)`` (tensors, or dicts of
-            columns with `column`, as a many-column ``fh.ActivationStream`` gives), or with
+        data: an iterable of batches: of activations ``(..., d_in)`` (tensors, or the dicts of
+            columns an ``fh.ActivationStream`` gives: its only column, or `column`), or with
             `model` of token ids ``(batch, position)`` (tensors, or dicts of the model's keyword
             arguments holding ``input_ids`` and perhaps ``attention_mask``).
         model: a language model returning logits; with `where`, the SAE is evaluated at that
@@ -263,7 +263,9 @@ def evaluate(sae: Any, data: Iterable[Any], *, model: nn.Module | None = None, w
     with torch.no_grad():
         if model is None:
             for batch in data:
-                x = batch[column] if isinstance(batch, Mapping) and column is not None else batch
+                x = batch
+                if isinstance(batch, Mapping):  # a store's rows: the named column, or the only one
+                    x = batch[column] if column is not None else next(iter(batch.values())) if len(batch) == 1 else None
                 if not isinstance(x, Tensor):
                     raise SpecError(f"{CALLER}: a batch of activations is a tensor (or a dict with `column=`), got "
                                     f"a {type(batch).__name__}. Pass tensors, or name the column.")
