@@ -122,7 +122,10 @@ class _Run:
         """The recorder: the features of the value it sees (handed over by the editor)."""
         x = _first(value)
         handed = self.handed.take(x)
-        return (handed if handed is not None else self.encode(x)[1]).detach()
+        if handed is not None:
+            return handed.detach()
+        with torch.no_grad():  # stored detached: no graph to build
+            return self.encode(x)[1]
 
 
 class _Recorder:
