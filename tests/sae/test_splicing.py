@@ -174,3 +174,33 @@ def test_bad_input_is_refused_with_the_fix() -> None:
         fh.capture(model, fh.sae.splice(pts.resid_post[1], SAE(48, 8)))(IDS)
     assert isinstance(err.value.__cause__, fh.SpecError)
     fh.testing.assert_no_hooks(model)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_an_saelens_sae_splices_as_it_is() -> None:
+    """SAELens' ``SAE`` follows the protocol: its widths come from ``cfg``, its features are its
+    own ``encode``, an ablation is its own ``decode`` of the edited features plus the error term."""
+    sae_lens = pytest.importorskip("sae_lens", reason="sae_lens is not installed (it installs into a venv of its "
+                                   "own: pip install sae-lens)")
+    sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64))
+    with torch.no_grad():
+        for p in sae.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    assert fh.sae.shape_of(sae, "test") == fh.sae.Shape(32, 64, torch.device("cpu"), torch.float32)
+    model = gpt2()
+    pts = fh.transformer.points(model)
+    out, rec = fh.capture(model, fh.sae.splice(pts.resid_post[0], sae))(IDS)
+    assert torch.equal(out.logits, model(IDS).logits)
+    x = fh.capture(model, fh.outputs(pts.resid_post[0]))(IDS)[1]["blocks.0.resid_post"]["output"]
+    assert torch.equal(rec["blocks.0.resid_post.sae"]["features"], sae.encode(x))
+    out, rec = fh.capture(model, fh.sae.splice(pts.resid_post[0], sae, edit=fh.sae.ablate([1, 2])))(IDS)
+
+    def by_hand(h: torch.Tensor) -> torch.Tensor:
+        f = sae.encode(h)
+        g = f.clone()
+        g[..., [1, 2]] = 0
+        return h + (sae.decode(g) - sae.decode(f))
+
+    assert torch.equal(out.logits, _hand(model, model.transformer.h[0], by_hand, IDS).logits)
+    with pytest.raises(fh.HookError, match="d_in=32, got values of width 128"):
+        fh.capture(model, fh.sae.splice(pts.mlp_post[0], sae))(IDS)
