@@ -46,19 +46,32 @@ FEATURES = "features"
 CALLER = "sae.splice"
 
 
+def _where_held(t: Tensor) -> tuple[object, ...]:
+    """What identifies `t`'s values while `t` lives: its memory and layout, which a detached
+    alias (what a recorder sees under autograd) shares; its id where there is no memory to
+    read (a tensor batched by ``vmap``)."""
+    try:
+        return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+    except RuntimeError:
+        return (id(t),)
+
+
 class _Handed(dict):
-    """The features an editor computed, by the id of the value it returned, for the recorder
-    that sees that value next. Entries leave when read; copies and pickles start empty."""
+    """The features an editor computed, by the value it returned, for the recorder that sees
+    that value next (or a detached alias of it). Entries leave when read; copies and pickles
+    start empty."""
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return _Handed, ()
 
     def give(self, value: Tensor, features: Tensor) -> None:
-        self[id(value)] = (weakref.ref(value), features)
+        for key in [key for key, (ref, _) in self.items() if ref() is None]:  # values no recorder saw (a replay)
+            del self[key]
+        self[_where_held(value)] = (weakref.ref(value), features)
 
     def take(self, value: Tensor) -> Tensor | None:
-        held = self.pop(id(value), None)
-        return held[1] if held is not None and held[0]() is value else None
+        held = self.pop(_where_held(value), None)
+        return held[1] if held is not None and held[0]() is not None else None
 
 
 def _first(value: Any) -> Tensor:
@@ -235,7 +248,7 @@ def splice(where: Point | str, sae: Any, *, edit: Edit | None = None, error: boo
         made = edit_spec(where, run)
         specs.append(attrs.evolve(made, label=CALLER))
     if record:
-        made = observe(where, _Recorder(run), name=FEATURES, detach=False)  # the recorder detaches
+        made = observe(where, _Recorder(run), name=FEATURES)
         specs.append(attrs.evolve(made, label=CALLER, labels=labels))
     if not specs:
         raise SpecError(f"{CALLER}: with no edit, the error term kept and nothing recorded the SAE does nothing, got "
