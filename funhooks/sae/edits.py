@@ -58,6 +58,7 @@ class FeatureEdit:
     features: tuple[int, ...] | None
     value: Tensor | float = 0.0
     positions: tuple[int, ...] | None = None
+    _kept: _Kept = attrs.field(factory=lambda: _Kept(), init=False)
 
     def __repr__(self) -> str:
         parts = [] if self.features is None else [repr(list(self.features))]
@@ -70,19 +71,7 @@ class FeatureEdit:
 
     def __call__(self, f: Tensor) -> Tensor:
         """The edited features: a new tensor of `f`'s shape and dtype."""
-        n = f.shape[-1]
-        mask = torch.ones(n, dtype=torch.bool, device=f.device)
-        value = self.value if not isinstance(self.value, Tensor) else self.value.to(f.device, f.dtype)
-        if self.features is not None:
-            ids = torch.tensor(self.features, device=f.device)
-            mask = torch.zeros(n, dtype=torch.bool, device=f.device).index_fill(0, ids % n, True)
-            if isinstance(value, Tensor) and value.ndim and value.shape[-1] == len(self.features) != n:
-                value = torch.zeros(n, dtype=f.dtype, device=f.device).index_copy(0, ids % n, value.reshape(-1))
-        if self.positions is not None and f.ndim >= 2:
-            size = f.shape[-2]
-            at = torch.zeros(size, dtype=torch.bool, device=f.device).index_fill(
-                0, torch.tensor(self.positions, device=f.device) % size, True)
-            mask = at[:, None] & mask
+        mask, value = self._made(f)
         if self.kind == "ablate":
             new = torch.zeros((), dtype=f.dtype, device=f.device)
         elif self.kind == "steer":
@@ -90,8 +79,39 @@ class FeatureEdit:
         elif self.kind == "scale":
             new = f * value
         else:
-            new = torch.as_tensor(value, dtype=f.dtype, device=f.device)
+            new = value if isinstance(value, Tensor) else torch.tensor(value, dtype=f.dtype, device=f.device)
         return torch.where(mask, new, f).to(f.dtype)
+
+    def _made(self, f: Tensor) -> tuple[Tensor, Tensor | float]:
+        """The mask of the edited entries (features, positions) and the value on `f`'s device,
+        made once per width, number of positions, device and dtype (kept, outside transforms)."""
+        size = f.shape[-2] if self.positions is not None and f.ndim >= 2 else 0
+        key = (f.shape[-1], size, f.device, f.dtype)
+        made = self._kept.get(key)
+        if made is None:
+            made = self._kept[key] = self._make(f.shape[-1], size, f.device, f.dtype)
+        return made
+
+    def _make(self, n: int, size: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor | float]:
+        mask = torch.ones(n, dtype=torch.bool, device=device)
+        value = self.value if not isinstance(self.value, Tensor) else self.value.to(device, dtype)
+        if self.features is not None:
+            ids = torch.tensor(self.features, device=device) % n
+            mask = torch.zeros(n, dtype=torch.bool, device=device).index_fill(0, ids, True)
+            if isinstance(value, Tensor) and value.ndim and value.shape[-1] == len(self.features) != n:
+                value = torch.zeros(n, dtype=dtype, device=device).index_copy(0, ids, value.reshape(-1))
+        if size:
+            at = torch.zeros(size, dtype=torch.bool, device=device).index_fill(
+                0, torch.tensor(self.positions, device=device) % size, True)
+            mask = at[:, None] & mask
+        return mask, value
+
+
+class _Kept(dict):
+    """A feature edit's masks, by width, positions, device and dtype; copies and pickles start empty."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _Kept, ()
 
 
 def ablate(features: _Ids = None, *, positions: _Ids = None) -> FeatureEdit:

@@ -137,6 +137,8 @@ class _Run:
         handed = self.handed.take(x)
         if handed is not None:
             return handed.detach()
+        if not torch.is_grad_enabled():
+            return self.encode(x)[1]
         with torch.no_grad():  # stored detached: no graph to build
             return self.encode(x)[1]
 
@@ -248,7 +250,7 @@ def splice(where: Point | str, sae: Any, *, edit: Edit | None = None, error: boo
         made = edit_spec(where, run)
         specs.append(attrs.evolve(made, label=CALLER))
     if record:
-        made = observe(where, _Recorder(run), name=FEATURES)
+        made = observe(where, _Recorder(run), name=FEATURES, detach=False)  # no walk of the hook's args: it stores its own detached features
         specs.append(attrs.evolve(made, label=CALLER, labels=labels))
     if not specs:
         raise SpecError(f"{CALLER}: with no edit, the error term kept and nothing recorded the SAE does nothing, got "
