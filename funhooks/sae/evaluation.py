@@ -149,6 +149,8 @@ class _Sums:
 
 def _rows(sae: Any, shape: Shape, x: Tensor, keep: Tensor | None, sums: _Sums) -> None:
     """Encode and decode `x` (rows: its leading dims, or those of `keep`) into `sums`."""
+    if shape.d_in and x.ndim >= 2 and x.shape[-1] != shape.d_in and x.shape[-2] * x.shape[-1] == shape.d_in:
+        x = x.flatten(-2)  # heads, for an SAE as wide as all of them
     if shape.d_in and x.shape[-1] != shape.d_in:
         raise SpecError(f"{CALLER}: the SAE reads vectors of its width d_in={shape.d_in}, got activations of "
                         f"width {x.shape[-1]} (shape {tuple(x.shape)}) for the {type(sae).__name__}. Evaluate it on "

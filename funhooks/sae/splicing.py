@@ -90,8 +90,11 @@ class _Run:
         self.__name__ = FEATURES
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """`x` in the SAE's place, and its features."""
+        """`x` in the SAE's place (its heads flattened for an SAE as wide as all of them, as
+        SAELens' ``hook_z`` SAEs are), and its features."""
         d = self.shape.d_in
+        if d and x.ndim >= 2 and x.shape[-1] != d and x.shape[-2] * x.shape[-1] == d:
+            x = x.flatten(-2)
         if d and x.shape[-1] != d:
             raise SpecError(
                 f"{CALLER}: the SAE reads vectors of its width d_in={d}, got values of width {x.shape[-1]} "
@@ -125,7 +128,7 @@ class _Run:
         out = self.sae.decode(new_f)
         if self.error:
             out = out - self.sae.decode(f)
-        out = out.to(device=x.device, dtype=x.dtype)
+        out = out.to(device=x.device, dtype=x.dtype).reshape(x.shape)
         new = x + out if self.error else out
         if self.records:
             self.handed.give(new, new_f)

@@ -204,3 +204,45 @@ def test_an_saelens_sae_splices_as_it_is() -> None:
     assert torch.equal(out.logits, _hand(model, model.transformer.h[0], by_hand, IDS).logits)
     with pytest.raises(fh.HookError, match="d_in=32, got values of width 128"):
         fh.capture(model, fh.sae.splice(pts.mlp_post[0], sae))(IDS)
+
+
+def test_an_sae_on_z_reads_the_heads_flattened_and_writes_them_back() -> None:
+    """An SAE as wide as all heads (SAELens' ``hook_z`` convention) at ``pts.z``: it sees
+    ``(batch, position, heads * d_head)``; the edit reaches the output projection's input."""
+    model, sae = gpt2(), SAE(32, 48)
+    pts = fh.transformer.points(model)
+    out, rec = fh.capture(model, fh.sae.splice(pts.z[1], sae, edit=fh.sae.ablate([0, 5])))(IDS)
+
+    def by_hand(module: nn.Module, args: tuple) -> tuple:
+        z = args[0]
+        f = sae.encode(z)
+        g = f.clone()
+        g[..., [0, 5]] = 0
+        return (z + (sae.decode(g) - sae.decode(f)),)
+
+    handle = model.transformer.h[1].attn.c_proj.register_forward_pre_hook(by_hand)
+    try:
+        want = model(IDS).logits
+    finally:
+        handle.remove()
+    assert torch.equal(out.logits, want)
+    assert rec["blocks.1.z.sae"]["features"].shape == (2, 6, 48)
+
+
+def test_patching_a_clean_runs_features_into_a_corrupted_run() -> None:
+    model, sae = gpt2(), SAE()
+    pts = fh.transformer.points(model)
+    clean, corrupt = IDS, IDS.flip(1)
+    _, rec = fh.capture(model, fh.sae.splice(pts.resid_post[0], sae))(clean)
+    features = rec["blocks.0.resid_post.sae"]["features"]
+    patch = fh.sae.splice(pts.resid_post[0], sae, edit=fh.sae.patch(None, features, positions=[-1]))
+    out, rec2 = fh.capture(model, patch)(corrupt)
+    assert torch.equal(rec2["blocks.0.resid_post.sae"]["features"][:, -1], features[:, -1])
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        f = sae.encode(x)
+        g = f.clone()
+        g[:, -1] = features[:, -1]
+        return x + (sae.decode(g) - sae.decode(f))
+
+    assert torch.equal(out.logits, _hand(model, model.transformer.h[0], by_hand, corrupt).logits)
