@@ -197,5 +197,5 @@ def test_sae_smoke(tmp_path: pathlib.Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert_common_keys(result, "sae")
     assert result["correct"] is True
-    assert set(result["results"]["splice_to_hand"]) == {"record", "ablate", "reconstruction"}
+    assert set(result["results"]["splice_to_hand"]) == {"record", "ablate", "reconstruction", "output"}
     assert all(r > 0 for r in result["results"]["splice_to_hand"].values())
