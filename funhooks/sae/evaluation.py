@@ -44,7 +44,7 @@ from .splicing import splice
 
 __all__ = ["Evaluation", "Reconstruction", "evaluate"]
 
-CALLER = "sae.evaluate"
+_CALLER = "sae.evaluate"
 
 
 @_frozen.frozen
@@ -137,7 +137,7 @@ class _Sums:
 
     def fields(self) -> dict[str, Any]:
         if not self.rows or self.total is None or self.active is None:
-            raise SpecError(f"{CALLER}: the data holds no rows to evaluate the SAE on, got none. Pass a non-empty "
+            raise SpecError(f"{_CALLER}: the data holds no rows to evaluate the SAE on, got none. Pass a non-empty "
                             "iterable of batches.")
         n = self.rows
         mse = self.resid / n
@@ -152,7 +152,7 @@ def _rows(sae: Any, shape: Shape, x: Tensor, keep: Tensor | None, sums: _Sums) -
     if shape.d_in and x.ndim >= 2 and x.shape[-1] != shape.d_in and x.shape[-2] * x.shape[-1] == shape.d_in:
         x = x.flatten(-2)  # heads, for an SAE as wide as all of them
     if shape.d_in and x.shape[-1] != shape.d_in:
-        raise SpecError(f"{CALLER}: the SAE reads vectors of its width d_in={shape.d_in}, got activations of "
+        raise SpecError(f"{_CALLER}: the SAE reads vectors of its width d_in={shape.d_in}, got activations of "
                         f"width {x.shape[-1]} (shape {tuple(x.shape)}) for the {type(sae).__name__}. Evaluate it on "
                         "the activations of the point it was trained on.")
     xs = x if shape.device is None and shape.dtype is None else x.to(device=shape.device, dtype=shape.dtype)
@@ -175,7 +175,7 @@ def _logits(out: Any) -> Tensor:
         return logits
     if isinstance(out, (tuple, list)) and isinstance(out[0], Tensor):
         return out[0]
-    raise SpecError(f"{CALLER}: the model returns logits (a tensor, or an output with `.logits`), got a "
+    raise SpecError(f"{_CALLER}: the model returns logits (a tensor, or an output with `.logits`), got a "
                     f"{type(out).__name__}. Pass a language model with its head.")
 
 
@@ -209,12 +209,12 @@ class _Downstream:
 def _key(where: object) -> str:
     if isinstance(where, Point):
         if len(where.keys) != 1:
-            raise SpecError(f"{CALLER}: an SAE is evaluated at one place, got `{where!r}` holding {len(where.keys)} "
+            raise SpecError(f"{_CALLER}: an SAE is evaluated at one place, got `{where!r}` holding {len(where.keys)} "
                             f"layers. Index the point: `pts.{where.name}[3]`.")
         return where.keys[0]
     if isinstance(where, str) and where and "*" not in where:
         return where
-    raise SpecError(f"{CALLER}: `where` is a standard point of one layer (`pts.resid_post[3]`) or a module path "
+    raise SpecError(f"{_CALLER}: `where` is a standard point of one layer (`pts.resid_post[3]`) or a module path "
                     f"without wildcards, got {where!r}. Pass one of those.")
 
 
@@ -252,14 +252,14 @@ def evaluate(sae: Any, data: Iterable[Any], *, model: nn.Module | None = None, w
         >>> result.rows, result.mse, result.explained_variance, result.l0
         (16, 0.0, 1.0, 4.0)
     """
-    shape = shape_of(sae, CALLER)
+    shape = shape_of(sae, _CALLER)
     if (model is None) != (where is None):
-        raise SpecError(f"{CALLER}: `model` and `where` come together (the point of the model to splice the SAE "
+        raise SpecError(f"{_CALLER}: `model` and `where` come together (the point of the model to splice the SAE "
                         f"at), got only {'model' if where is None else 'where'}. Pass both, or neither to evaluate "
                         "on activations.")
     for name, value in (("dead_below", dead_below), ("dense_above", dense_above)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise SpecError(f"{CALLER}: `{name}` is a density in [0, 1], got {value!r}. Pass a fraction of rows.")
+            raise SpecError(f"{_CALLER}: `{name}` is a density in [0, 1], got {value!r}. Pass a fraction of rows.")
     sums = _Sums()
     thresholds: dict[str, Any] = {"dead_below": float(dead_below), "dense_above": float(dense_above)}
     with torch.no_grad():
@@ -269,7 +269,7 @@ def evaluate(sae: Any, data: Iterable[Any], *, model: nn.Module | None = None, w
                 if isinstance(batch, Mapping):  # a store's rows: the named column, or the only one
                     x = batch[column] if column is not None else next(iter(batch.values())) if len(batch) == 1 else None
                 if not isinstance(x, Tensor):
-                    raise SpecError(f"{CALLER}: a batch of activations is a tensor (or a dict with `column=`), got "
+                    raise SpecError(f"{_CALLER}: a batch of activations is a tensor (or a dict with `column=`), got "
                                     f"a {type(batch).__name__}. Pass tensors, or name the column.")
                 _rows(sae, shape, x, None, sums)
             return Reconstruction(**sums.fields(), **thresholds)

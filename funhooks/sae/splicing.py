@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from funhooks.errors import SpecError
-from funhooks.specs.spec import Spec, edit as edit_spec, observe
+from funhooks.specs import Spec, edit, observe
 from funhooks.transformer import Point
 
 from .edits import Edit
@@ -43,7 +43,7 @@ __all__ = ["FEATURES", "splice"]
 
 FEATURES = "features"
 """The record name of a spliced SAE's feature activations."""
-CALLER = "sae.splice"
+_CALLER = "sae.splice"
 
 
 def _where_held(t: Tensor) -> tuple[object, ...]:
@@ -97,7 +97,7 @@ class _Run:
             x = x.flatten(-2)
         if d and x.shape[-1] != d:
             raise SpecError(
-                f"{CALLER}: the SAE reads vectors of its width d_in={d}, got values of width {x.shape[-1]} "
+                f"{_CALLER}: the SAE reads vectors of its width d_in={d}, got values of width {x.shape[-1]} "
                 f"(shape {tuple(x.shape)}) at `{self.shown}` for the {type(self.sae).__name__}. Splice it at the "
                 f"point it was trained on, or train one of width {x.shape[-1]}."
             )
@@ -111,7 +111,7 @@ class _Run:
         for fn in self.edits:
             new = fn(new)
             if not isinstance(new, Tensor) or new.shape != f.shape:
-                raise SpecError(f"{CALLER}: a feature edit returns a tensor shaped like the features, "
+                raise SpecError(f"{_CALLER}: a feature edit returns a tensor shaped like the features, "
                                 f"{tuple(f.shape)}, got {getattr(new, 'shape', type(new).__name__)} from {fn!r} at "
                                 f"`{self.shown}`. Return the edited features.")
         return new
@@ -164,30 +164,35 @@ def _edits(edit: Edit | None) -> tuple[Callable[[Tensor], Tensor], ...]:
     items = list(edit) if isinstance(edit, Sequence) else [edit]
     for fn in items:
         if not callable(fn):
-            raise SpecError(f"{CALLER}: `edit` is a feature edit (`fh.sae.ablate`, `steer`, `scale`, `patch`), a "
+            raise SpecError(f"{_CALLER}: `edit` is a feature edit (`fh.sae.ablate`, `steer`, `scale`, `patch`), a "
                             f"function `features -> features`, or a list of them, got {fn!r}. Pass one of those.")
         try:
             hash(fn)
         except TypeError:
-            raise SpecError(f"{CALLER}: a feature edit is hashable (a spec is a value), got an unhashable "
+            raise SpecError(f"{_CALLER}: a feature edit is hashable (a spec is a value), got an unhashable "
                             f"{type(fn).__name__}. Pass a function or a frozen value.") from None
     return tuple(items)
+
+
+def _editor(where: Point | str, run: _Run) -> Spec:
+    """The editor's spec (`splice`'s own `edit` is its argument)."""
+    return edit(where, run)
 
 
 def _place(where: object, name: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """How `where` shows, and its ``(module path, Record path of the features)``."""
     if isinstance(where, Point):
         if where.op is not None:
-            raise SpecError(f"{CALLER}: an SAE is spliced at a module's output or input, got `{where!r}`, the value "
+            raise SpecError(f"{_CALLER}: an SAE is spliced at a module's output or input, got `{where!r}`, the value "
                             f"of an op inside a module. Splice it at a point such as `pts.resid_post`, "
                             "`pts.resid_pre`, `pts.mlp_out`, `pts.attn_out` or `pts.z`.")
         if len(where.paths) != 1:
-            raise SpecError(f"{CALLER}: an SAE is trained at one place, got `{where!r}` holding "
+            raise SpecError(f"{_CALLER}: an SAE is trained at one place, got `{where!r}` holding "
                             f"{len(where.paths)} layers. Index the point: `pts.{where.name}[3]`.")
         return repr(where), ((where.paths[0][1], f"{where.keys[0]}.{name}"),)
     if isinstance(where, str) and where and "*" not in where:
         return where, ((where, f"{where}.{name}"),)
-    raise SpecError(f"{CALLER}: `where` is a standard point of one layer (`pts.resid_post[3]`) or a module path "
+    raise SpecError(f"{_CALLER}: `where` is a standard point of one layer (`pts.resid_post[3]`) or a module path "
                     f"without wildcards, got {where!r}. Pass one of those.")
 
 
@@ -238,24 +243,24 @@ def splice(where: Point | str, sae: Any, *, edit: Edit | None = None, error: boo
         >>> torch.equal(out.logits, model(ids).logits)          # the error term keeps the model's output
         True
     """
-    shape = shape_of(sae, CALLER)
+    shape = shape_of(sae, _CALLER)
     if not isinstance(name, str) or not name or "." in name:
-        raise SpecError(f"{CALLER}: `name` is a non-empty str without dots, got {name!r}. Pass e.g. 'sae'.")
+        raise SpecError(f"{_CALLER}: `name` is a non-empty str without dots, got {name!r}. Pass e.g. 'sae'.")
     for flag, value in (("error", error), ("record", record)):
         if not isinstance(value, bool):
-            raise SpecError(f"{CALLER}: `{flag}` is a bool, got {value!r}. Pass True or False.")
+            raise SpecError(f"{_CALLER}: `{flag}` is a bool, got {value!r}. Pass True or False.")
     shown, labels = _place(where, name)
     edits = _edits(edit)
     run = _Run(sae, shape, shown, edits, error, record)
     specs: list[Spec] = []
     if edits or not error:
         run.__name__ = repr(edits[0]) if len(edits) == 1 else f"{len(edits)} edits" if edits else "reconstruction"
-        made = edit_spec(where, run)
-        specs.append(attrs.evolve(made, label=CALLER))
+        made = _editor(where, run)
+        specs.append(attrs.evolve(made, label=_CALLER))
     if record:
         made = observe(where, _Recorder(run), name=FEATURES, detach=False)  # no walk of the hook's args: it stores its own detached features
-        specs.append(attrs.evolve(made, label=CALLER, labels=labels))
+        specs.append(attrs.evolve(made, label=_CALLER, labels=labels))
     if not specs:
-        raise SpecError(f"{CALLER}: with no edit, the error term kept and nothing recorded the SAE does nothing, got "
+        raise SpecError(f"{_CALLER}: with no edit, the error term kept and nothing recorded the SAE does nothing, got "
                         f"`record=False` at `{shown}`. Record the features, edit them, or pass `error=False`.")
     return tuple(specs)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import funhooks as fh
-from test_splicing import SAE, _hand
+from sae_kit import SAE, hand
 from transformer_models import gpt2
 
 
@@ -67,8 +67,8 @@ def test_on_token_batches_the_downstream_numbers_are_the_hand_math() -> None:
     for b in batches:
         with torch.no_grad():
             clean = model(**b).logits.double()
-            spliced = _hand(model, block, lambda x: sae.decode(sae.encode(x)), **b).logits.double()
-            ablated = _hand(model, block, torch.zeros_like, **b).logits.double()
+            spliced = hand(model, block, lambda x: sae.decode(sae.encode(x)), **b).logits.double()
+            ablated = hand(model, block, torch.zeros_like, **b).logits.double()
             xs.append(model(**b, output_hidden_states=True).hidden_states[1][b["attention_mask"].bool()])
         keep = b["attention_mask"].bool()
         for i, logits in enumerate((clean, spliced, ablated)):

@@ -10,37 +10,10 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import funhooks as fh
+from sae_kit import SAE, hand
 from transformer_models import gpt2, llama
 
 IDS = torch.arange(12).reshape(2, 6) % 50
-
-
-class SAE(nn.Module):
-    """A ReLU SAE of the usual shape: ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_in)``."""
-
-    def __init__(self, d_in: int = 32, d_sae: int = 64, seed: int = 0, scale: float = 0.3) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.W_enc = nn.Parameter(torch.randn(d_in, d_sae, generator=g) * scale)
-        self.b_enc = nn.Parameter(torch.randn(d_sae, generator=g) * 0.1)
-        self.W_dec = nn.Parameter(torch.randn(d_sae, d_in, generator=g) * scale)
-        self.b_dec = nn.Parameter(torch.randn(d_in, generator=g) * 0.1)
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu((x - self.b_dec) @ self.W_enc + self.b_enc)
-
-    def decode(self, f: torch.Tensor) -> torch.Tensor:
-        return f @ self.W_dec + self.b_dec
-
-
-def _hand(model: nn.Module, block: nn.Module, fn, *args, **kwargs):
-    """The model run with a hand-written forward hook replacing `block`'s output by ``fn(x)``."""
-    handle = block.register_forward_hook(lambda m, a, out: fn(out) if isinstance(out, torch.Tensor)
-                                         else (fn(out[0]), *out[1:]))
-    try:
-        return model(*args, **kwargs)
-    finally:
-        handle.remove()
 
 
 def test_without_an_edit_the_output_is_the_models_bit_for_bit_and_the_features_are_encode(device: torch.device) -> None:
@@ -88,7 +61,7 @@ def test_an_ablation_is_the_hand_written_hook_and_the_recorded_features_are_the_
         g[..., [3, 7]] = 0
         return x + (sae.decode(g) - sae.decode(f))
 
-    want = _hand(model, model.model.layers[1], by_hand, IDS).logits
+    want = hand(model, model.model.layers[1], by_hand, IDS).logits
     torch.testing.assert_close(out.logits, want, rtol=0, atol=0)
     features = rec["blocks.1.resid_post.sae"]["features"]
     assert features[..., [3, 7]].abs().max() == 0 and features.abs().max() > 0
@@ -99,7 +72,7 @@ def test_without_the_error_term_the_model_runs_on_the_reconstruction() -> None:
     model, sae = gpt2(), SAE()
     pts = fh.transformer.points(model)
     out, _ = fh.capture(model, fh.sae.splice(pts.resid_post[0], sae, error=False, record=False))(IDS)
-    want = _hand(model, model.transformer.h[0], lambda x: sae.decode(sae.encode(x)), IDS).logits
+    want = hand(model, model.transformer.h[0], lambda x: sae.decode(sae.encode(x)), IDS).logits
     assert torch.equal(out.logits, want)
 
 
@@ -201,7 +174,7 @@ def test_an_saelens_sae_splices_as_it_is() -> None:
         g[..., [1, 2]] = 0
         return h + (sae.decode(g) - sae.decode(f))
 
-    assert torch.equal(out.logits, _hand(model, model.transformer.h[0], by_hand, IDS).logits)
+    assert torch.equal(out.logits, hand(model, model.transformer.h[0], by_hand, IDS).logits)
     with pytest.raises(fh.HookError, match="d_in=32, got values of width 128"):
         fh.capture(model, fh.sae.splice(pts.mlp_post[0], sae))(IDS)
 
@@ -245,4 +218,4 @@ def test_patching_a_clean_runs_features_into_a_corrupted_run() -> None:
         g[:, -1] = features[:, -1]
         return x + (sae.decode(g) - sae.decode(f))
 
-    assert torch.equal(out.logits, _hand(model, model.transformer.h[0], by_hand, corrupt).logits)
+    assert torch.equal(out.logits, hand(model, model.transformer.h[0], by_hand, corrupt).logits)
