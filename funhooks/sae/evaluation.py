@@ -98,13 +98,14 @@ class Evaluation(Reconstruction):
     @property
     def ce_loss_recovered(self) -> float:
         """``(ce_ablated - ce_spliced) / (ce_ablated - ce_clean)``: 1 is the clean model's loss,
-        0 the zero-ablated point's."""
-        return (self.ce_ablated - self.ce_spliced) / (self.ce_ablated - self.ce_clean)
+        0 the zero-ablated point's; NaN where ablating changes no loss."""
+        gap = self.ce_ablated - self.ce_clean
+        return (self.ce_ablated - self.ce_spliced) / gap if gap else float("nan")
 
     @property
     def kl_recovered(self) -> float:
-        """``1 - kl / kl_ablated`` (SAELens' ``kl_div_score``)."""
-        return 1.0 - self.kl / self.kl_ablated
+        """``1 - kl / kl_ablated`` (SAELens' ``kl_div_score``); NaN where ablating changes nothing."""
+        return 1.0 - self.kl / self.kl_ablated if self.kl_ablated else float("nan")
 
     def _lines(self) -> list[str]:
         return super()._lines() + [

@@ -133,3 +133,22 @@ def test_equal_to_saelens_evaluation_functions_on_the_same_sae_and_model() -> No
     with torch.no_grad():
         calc.add_batch(sae.decode(sae.encode(x)), x)
     assert ours.explained_variance == pytest.approx(calc.compute(), rel=1e-5)
+
+
+def test_recovered_is_nan_where_ablating_the_point_changes_nothing() -> None:
+    """A point the logits do not depend on (a module path whose output nothing reads): no gap
+    between clean and ablated, so no fraction of it recovered."""
+    import math
+
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm, self.unused = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 50)), nn.Identity()
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.unused(torch.zeros(*ids.shape, 32))
+            return self.lm(ids)
+
+    result = fh.sae.evaluate(SAE(), [torch.arange(12).reshape(2, 6)], model=Reads(), where="unused")
+    assert result.ce_clean == result.ce_spliced == result.ce_ablated
+    assert math.isnan(result.ce_loss_recovered) and math.isnan(result.kl_recovered)
