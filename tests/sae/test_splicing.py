@@ -219,3 +219,17 @@ def test_patching_a_clean_runs_features_into_a_corrupted_run() -> None:
         return x + (sae.decode(g) - sae.decode(f))
 
     assert torch.equal(out.logits, hand(model, model.transformer.h[0], by_hand, corrupt).logits)
+
+
+def test_under_vmap_each_row_is_its_own_call() -> None:
+    """``torch.func.vmap`` of a capture function with a splice: outputs and recorded (edited)
+    features equal the loop over the rows."""
+    model, sae = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), SAE(8, 16)
+    f = fh.capture(model, fh.sae.splice("0", sae, edit=fh.sae.ablate([1, 2])))
+    xs = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(0))
+    out, rec = torch.func.vmap(f)(xs)
+    loop = [f(x) for x in xs]
+    features = rec["0.sae"]["features"]
+    assert features[..., [1, 2]].abs().max() == 0
+    torch.testing.assert_close(out, torch.stack([o for o, _ in loop]))
+    torch.testing.assert_close(features, torch.stack([r["0.sae"]["features"] for _, r in loop]))
