@@ -14,7 +14,7 @@ Example:
     [(3, 8), (3, 2)]
 """
 
-from . import distributed, testing, transformer
+from . import distributed, sae, testing, transformer
 from ._version import __version__
 from .distributed import merge_across_ranks
 from .errors import (
@@ -219,6 +219,7 @@ __all__ = [
     "Reducer",
     "ReducerError",
     "Run",
+    "sae",
     "running",
     "scale",
     "Scalars",

@@ -188,3 +188,14 @@ def test_points_smoke(tmp_path: pathlib.Path) -> None:
     assert cases["bare"]["ratio"]["median"] == 1.0
     assert set(result["results"]["points_to_paths"]) == {"resid_post", "z"}
     assert all(r > 0 for r in result["results"]["points_to_paths"].values())
+
+
+def test_sae_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_sae's splices give their hand-written hooks' logits and features, and it reports
+    funhooks / hand hook for each pair."""
+    proc, result = run_quick("bench_sae.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "sae")
+    assert result["correct"] is True
+    assert set(result["results"]["splice_to_hand"]) == {"record", "ablate", "reconstruction", "output"}
+    assert all(r > 0 for r in result["results"]["splice_to_hand"].values())
