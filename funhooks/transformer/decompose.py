@@ -254,7 +254,7 @@ def logit_attrs(model: nn.Module, stack: Decomposition, tokens: int | Tensor,
         >>> d = fh.transformer.decompose_resid(model, rec)
         >>> attrs = fh.transformer.logit_attrs(model, d, 7, 9)       # logit of 7 minus logit of 9
         >>> attrs.shape
-        torch.Size([12, 1])
+        torch.Size([14, 1])
         >>> bias = model.transformer.ln_f.bias @ (model.lm_head.weight[7] - model.lm_head.weight[9])
         >>> diff = out.logits[0, -1, 7] - out.logits[0, -1, 9]
         >>> torch.allclose(attrs.sum(0) + bias, diff, atol=1e-4)
