@@ -139,3 +139,17 @@ def test_decompose_names_what_is_missing_or_wrong():
         fh.transformer.logit_attrs(model, fh.transformer.ResidualStack(d.resid, d.labels), 1)
     with pytest.raises(TypeError, match="a token is an id"):
         fh.transformer.logit_attrs(model, fh.transformer.decompose_resid(model, rec), 1.5)
+
+
+def test_logit_attrs_take_one_position_per_example():
+    """`position` as a tensor takes each example's own position (the last real token of a padded
+    prompt): each column equals the attribution at that example's position."""
+    model = _perturbed(FAMILIES["llama"](), "cpu")
+    _, rec = _recorded(model, _inputs("llama", "cpu"))
+    d = fh.transformer.decompose_resid(model, rec)
+    tokens = torch.tensor([3, 4])
+    both = fh.transformer.logit_attrs(model, d, tokens, position=torch.tensor([2, 5]))
+    torch.testing.assert_close(both[:, 0], fh.transformer.logit_attrs(model, d, tokens, position=2)[:, 0])
+    torch.testing.assert_close(both[:, 1], fh.transformer.logit_attrs(model, d, tokens, position=5)[:, 1])
+    with pytest.raises(TypeError, match="one per example"):
+        fh.transformer.logit_attrs(model, d, tokens, position=torch.tensor([1, 2, 3]))
