@@ -153,10 +153,11 @@ def test_interventions_and_grads_on_result_name_the_fix():
         "`W_O`: patching, scaling or zero-ablating z's head does the same to its result), steer `pts.attn_out` (a "
         "vector added to one head's result is added to `attn_out`), or edit the results with "
         "`fh.edit(pts.result, fn)`.")
-    for make in (lambda: fh.patch(pts.result, 0.0), lambda: fh.steer(pts.result, torch.zeros(HIDDEN)),
-                 lambda: fh.scale(pts.result, 2.0)):
+    for make in (lambda: fh.patch(pts.result, 0.0), lambda: fh.scale(pts.result, 2.0)):
         with pytest.raises(fh.SpecError, match="`pts.z` instead"):
             make()
+    with pytest.raises(fh.SpecError, match=r"Steer `pts.attn_out` instead \(a vector added to one head's result"):
+        fh.steer(pts.result, torch.zeros(HIDDEN))
     with pytest.raises(fh.SpecError) as err:
         fh.grads(pts.result)
     assert str(err.value) == (
