@@ -174,3 +174,24 @@ def test_result_spec_reads_like_the_point():
     assert fh.transformer.points(BUILDERS["gpt2"]()).pos_embed.keys == ("pos_embed",)
     with pytest.raises(fh.SpecError, match="learned position embedding"):
         fh.outputs(pts.pos_embed)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_attribution_patching_of_result_equals_that_of_z(name, device):
+    """Node attribution patching on `result` (each head's result probed through `fh.edit`) gives,
+    head by head, the estimate attribution patching on `z` gives: a head's result is its `z` times
+    `W_O[h]`, and its gradient is `attn_out`'s."""
+    model = _perturbed(FAMILIES[name](), device)
+    pts = fh.transformer.points(model)
+    clean = (torch.arange(12).reshape(2, 6) % 50).to(device)
+    corrupt = (clean + 7) % 50
+
+    def metric(out):
+        return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+
+    by_result = fh.attribution_patching(model, pts.result, metric, heads=HEADS)(clean, corrupt)
+    by_z = fh.attribution_patching(model, pts.z, metric, heads=HEADS)(clean, corrupt)
+    assert by_result.points == ("blocks.0.result", "blocks.1.result")
+    assert by_result.table.shape == (LAYERS, 6, HEADS)
+    torch.testing.assert_close(by_result.table, by_z.table)
+    assert by_result.table.abs().max() > 1e-4
