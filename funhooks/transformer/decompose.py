@@ -155,7 +155,8 @@ def decompose_resid(model: nn.Module, record: Record, *, layer: int | None = Non
     upto = _layer("decompose_resid", pts, layer)
     rows, labels = _rows("decompose_resid", model, pts, record, upto, heads)
     stack = torch.stack(rows)
-    return Decomposition(stack, tuple(labels), total=stack.sum(0), layer=upto)
+    total = stack.sum(0, dtype=torch.promote_types(stack.dtype, torch.float32)).to(stack.dtype)  # half: one rounding
+    return Decomposition(stack, tuple(labels), total=total, layer=upto)
 
 
 def stack_head_results(model: nn.Module, record: Record, *, layer: int | None = None) -> Decomposition:
