@@ -142,7 +142,8 @@ def decompose_resid(model: nn.Module, record: Record, *, layer: int | None = Non
         ...     torch.tensor([[1, 2, 3]]))
         >>> d = fh.transformer.decompose_resid(model, rec, layer=1)
         >>> d.labels
-        ('embed', 'pos_embed', 'blocks.0.heads.0', 'blocks.0.heads.1', 'blocks.0.heads.2', 'blocks.0.heads.3', 'blocks.0.attn_bias', 'blocks.0.mlp_out')
+        ('embed', 'pos_embed', 'blocks.0.heads.0', 'blocks.0.heads.1', 'blocks.0.heads.2', 'blocks.0.heads.3',
+         'blocks.0.attn_bias', 'blocks.0.mlp_out')
         >>> torch.allclose(d.resid.sum(0), rec["blocks.1.resid_pre"]["output"], atol=1e-5)
         True
     """

@@ -83,7 +83,7 @@ def test_head_weights_make_q_k_v_and_result_by_hand(name, device):
     w = fh.transformer.head_weights(model, 1)
     for part, W, b in (("q", w.W_Q, w.b_Q), ("k", w.W_K, w.b_K), ("v", w.W_V, w.b_V)):
         expected = torch.einsum("bpm,hmd->bphd", stream, W) + b
-        torch.testing.assert_close(rec[f"blocks.1.{part}"]["output"], expected, msg=lambda m: f"{part}: {m}")
+        torch.testing.assert_close(rec[f"blocks.1.{part}"]["output"], expected, msg=lambda m, part=part: f"{part}: {m}")
     o_proj = model.get_submodule(pts.z.paths[1][1])
     matrix, bias = _projection(o_proj)
     z = rec["blocks.1.z"]["output"]
