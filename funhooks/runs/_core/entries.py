@@ -52,7 +52,6 @@ __all__ = ["BackwardEntry", "Intervene", "PostEntry", "PreEntry", "args_call_ent
 
 Tensor = torch.Tensor
 V = TypeVar("V")
-_tracing = _torch.jit_tracing
 _OWN_ERRORS = (ExtraError, LoopError, RecordError, ReducerError, SelectorError, SpecError, StaleTensorError,
                TransformError)
 """funhooks' own errors, raised by its own spec functions: their message already says what to do."""
@@ -197,38 +196,21 @@ def args_intervene_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PreEn
 # forward: ``(hook, role)`` = ("forward", "output" | "call" | "intervene"), ("output_grad", "grad" | "grad_output")
 
 
-def _is_plain(spec: Spec) -> bool:
-    """Whether an output store keeps the output as is, detached: `detach` and no other flag."""
-    return spec.detach and not (spec.cpu or spec.gather or spec.clone)
-
-
 def output_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PostEntry:
-    """Store the output (`copies`: a private copy, no version to check)."""
+    """Store the output (`copies`: a private copy, no version to check). The plain
+    ``fh.outputs`` store, the common case, is :func:`values.detach_only` and a snapshot."""
     if copies and not spec.gather:
         return copies_of(spec, key, pre=False)
     prep, store = preparer(spec), _storer(copies)
-    if copies or not _is_plain(spec):
+    if prep is None:
 
-        def store_any(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-            frame.buffer.append((key, *store(output if prep is None else prep(output))))
+        def store_as_is(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            frame.buffer.append((key, *store(output)))
 
-        return store_any
+        return store_as_is
 
     def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        # `fh.outputs`, the common case
-        if isinstance(output, Tensor):
-            # without autograd history, detach() would only make an alias. Under `torch.jit.trace`
-            # no op is called here: the tracer names a value after the variable of the frame that
-            # passes it to an op, and its check traces again without gradients, so a detach in
-            # one trace only would make the two graphs differ
-            if output.requires_grad and not _tracing():
-                output = output.detach()
-            try:
-                frame.buffer.append((key, output, output._version))
-            except RuntimeError:  # an inference tensor: no version counter, so a copy
-                frame.buffer.append((key, output.clone(), None))
-        else:
-            frame.buffer.append((key, *snapshot(prep(output))))  # type: ignore[misc]
+        frame.buffer.append((key, *store(prep(output))))
 
     return store_output
 
