@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from funhooks import _torch
 from funhooks.distributed import is_distributed
@@ -22,8 +22,7 @@ from .types import Check, Key
 __all__ = ["COPIES", "Copy", "Prep", "copied_inputs", "copied_output", "copier", "copies_of", "detach_only", "detached",
            "preparer", "snapshot", "unchecked"]
 
-Tensor = torch.Tensor
-V = TypeVar("V")
+_V = TypeVar("_V")
 _SCALARS = (bool, int, float, complex, str)
 _tracing = _torch.jit_tracing
 
@@ -35,7 +34,7 @@ class Prep(Protocol):
     """A spec's per-tensor transform applied to a value: every tensor in it transformed, the
     structure kept (see :func:`preparer`)."""
 
-    def __call__(self, value: V, /) -> V: ...
+    def __call__(self, value: _V, /) -> _V: ...
 
 
 # -- stored values ----------------------------------------------------------------------------
