@@ -91,7 +91,7 @@ class Flags(TypedDict):
 
 class _Memo(weakref.WeakKeyDictionary):
     """A spec's :attr:`Spec.memo`: by model (held weakly), what runs keep of the spec while
-    it lives. Copies and pickles of the spec start empty."""
+    it lives. Deep copies and pickles of the spec start with an empty one."""
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return _Memo, ()
@@ -148,7 +148,8 @@ class Spec:
     memo: weakref.WeakKeyDictionary[Any, Any] = attrs.field(factory=_Memo, init=False, eq=False)
     """What runs keep of this spec, by model (held weakly), for as long as the spec lives: the
     plans of a spec holding a value of the user's (an intervention), which no cache beyond
-    the spec may keep. Never compared, hashed, copied or pickled."""
+    the spec may keep. Never compared or hashed; a deep copy, a pickle and ``attrs.evolve`` of
+    the spec start with an empty one (a shallow copy, equal to the spec, shares it)."""
 
     @hook.default
     def _hook(self) -> Hook:
