@@ -174,7 +174,7 @@ def test_a_probe_outside_the_model_dies_while_the_model_lives() -> None:
     assert weight() is None
 
 
-def _wrapped(model: nn.Module, specs: list[fh.Spec]) -> tuple[object, torch.Tensor]:
+def _wrapped(model: nn.Sequential, specs: list[fh.Spec]) -> tuple[object, torch.Tensor]:
     """The forward a block wraps module `0` with (its plan's own, when the plan is reused), and
     what the model gives inside the block."""
     with fh.with_hooks(model, specs):
