@@ -165,8 +165,8 @@ def detach_only(value: Any) -> Any:
     gradient comes back as is, without a walk or a new tuple."""
     if isinstance(value, Tensor):
         return detached(value)
-    if type(value) is tuple and all(isinstance(x, Tensor) and not x.requires_grad for x in value):
-        return value
+    if type(value) is tuple and all(isinstance(x, Tensor) for x in value):  # the usual `args`
+        return tuple([detached(x) for x in value]) if any(x.requires_grad for x in value) else value
     return _torch.map_tensors(detached, value)
 
 
