@@ -42,6 +42,13 @@ Apart, hooking a few modules (``SPARSE_PATHS``, 3 of the deep-narrow MLP's 97 mo
 ``bare``; ``fh.with_hooks`` (the hooked modules' forwards wrapped); ``fh.capture``;
 hand-written hooks registered and removed per call.
 
+Apart, patching one module (``PATCH_PATH``, the deep-narrow MLP's middle Linear, its output
+replaced by zeros): ``bare`` (nothing patched; the denominator); ``fh.with_hooks, one patch spec
+reused`` (``with fh.with_hooks(model, spec): model(x)`` with the same ``fh.patch`` spec object
+every call, as a sweep's loop holds it: its plan is made once, issue 37); ``hand hook, per
+call`` (a forward hook returning the zeros, registered and removed around each call); the
+two patched cases are checked equal.
+
 Models: the deep-narrow MLP (48 x (Linear(64, 64), ReLU), batch 32) and a small
 ResNet-like CNN (3 x 32 x 32, batch 32), both in eval mode, under ``torch.no_grad()``.
 
@@ -127,6 +134,30 @@ def sparse_cases(model: nn.Module, paths: tuple[str, ...]) -> dict[str, Callable
     return {"bare": _bare(model), "fh.with_hooks": _in_run(model, spec),
             "fh.capture": _common.PerRound(lambda: fh.capture(model, spec)),
             "hand hooks, per call": _baselines.hand_per_call(model, modules)}
+
+
+PATCH_PATH = "48"
+QUICK_PATCH_PATH = "4"
+
+
+def patch_cases(model: nn.Module, path: str, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """Patching the output of the module at `path` with zeros, one reused spec: name -> ``f()``."""
+    module = model.get_submodule(path)
+    zeros = torch.zeros_like(module(torch.zeros(x.shape[0], module.in_features)))
+    spec = fh.patch(path, zeros)
+
+    def reused() -> Any:
+        with fh.with_hooks(model, spec):
+            return model(x)
+
+    def hand() -> Any:
+        handle = module.register_forward_hook(lambda m, args, out: zeros)
+        try:
+            return model(x)
+        finally:
+            handle.remove()
+
+    return {"bare": lambda: model(x), "fh.with_hooks, one patch spec reused": reused, "hand hook, per call": hand}
 
 
 def _as_list(captured: Any, paths: list[str]) -> list[torch.Tensor] | None:
@@ -305,6 +336,18 @@ def main() -> None:
                                                 clock=args.clock, sync=_common.synchronizer(args.device)),
                 }
                 print(_common.format_table("deep-narrow, 3 modules hooked", results["deep-narrow, 3 modules"]["cases"]))
+                patch = patch_cases(model, QUICK_PATCH_PATH if args.quick else PATCH_PATH, x)
+                same = torch.equal(patch["fh.with_hooks, one patch spec reused"](), patch["hand hook, per call"]())
+                checks["deep-narrow, 1 module patched"] = {"fh.with_hooks, one patch spec reused": same}
+                _common.check(same, "the patch spec's run differs from the hand hook's")
+                results["deep-narrow, 1 module patched"] = {
+                    "modules_hooked": 1,
+                    "batch": x.shape[0],
+                    "cases": _common.time_cases(patch, baseline="bare", rounds=args.rounds, warmup=args.warmup,
+                                                inner=args.inner, clock=args.clock,
+                                                sync=_common.synchronizer(args.device)),
+                }
+                print(_common.format_table("deep-narrow, 1 module patched", results["deep-narrow, 1 module patched"]["cases"]))
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "rounds": args.rounds, "warmup": args.warmup,
         "correct": all(all(c.values()) for c in checks.values()), "checks": checks, "results": results,

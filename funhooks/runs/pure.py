@@ -35,10 +35,10 @@ from funhooks.specs.spec import Spec
 from ._core import Attached, Frame, Plan, scope, trace
 from .run import as_specs, check_model
 
-__all__ = ["capture", "functional"]
+__all__ = ["CaptureFunction", "capture", "functional"]
 
-R = TypeVar("R")
-Params = Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
+_R = TypeVar("_R")
+_Params = Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
 """What ``functional``'s `params` may be: a dict of names to tensors, or several such dicts."""
 
 def _backward_error(specs: tuple[Spec, ...], caller: str) -> TransformError | None:
@@ -110,8 +110,8 @@ class CaptureFunction:
             self.plan = Plan.get(self.inner, self.specs, self.caller)
         return self.plan
 
-    def __call__(self, fn: Callable[..., R], args: tuple, kwargs: dict,
-                 values: dict[str, object] | None = None) -> tuple[R, Record]:
+    def __call__(self, fn: Callable[..., _R], args: tuple, kwargs: dict,
+                 values: dict[str, object] | None = None) -> tuple[_R, Record]:
         if self.backward is not None:
             raise self.backward
         if _torch.is_compiling():
@@ -137,8 +137,8 @@ class CaptureFunction:
             _check_leaves(record, self.caller)
         return out, record
 
-    def _traced(self, fn: Callable[..., R], args: tuple, kwargs: dict,
-                values: dict[str, object] | None) -> tuple[R, Record]:
+    def _traced(self, fn: Callable[..., _R], args: tuple, kwargs: dict,
+                values: dict[str, object] | None) -> tuple[_R, Record]:
         frame = Frame(self.plan, self.caller, 0, values)
         out = trace.record(fn, self.inner, self.plan.traced(), [frame], args, kwargs)
         frame.check()
@@ -300,7 +300,7 @@ def functional(model: nn.Module, specs: Spec | Iterable[Spec]) -> Callable[..., 
     def call(params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> object:
         return torch.func.functional_call(recorder.inner, params, args, kwargs, tie_weights=False, strict=False)
 
-    def functionally(params: Params, *args: object, **kwargs: object) -> tuple[Any, Record]:
+    def functionally(params: _Params, *args: object, **kwargs: object) -> tuple[Any, Record]:
         kwargs, values = recorder.split(kwargs)
         merged = _merge_params(params, "functional")
         plan = recorder.current()

@@ -31,9 +31,9 @@ from funhooks.specs.spec import Located, edit
 from .pure import CaptureFunction
 from .run import check_model
 
-__all__ = ["activation_grads"]
+__all__ = ["Probes", "activation_grads"]
 
-V = TypeVar("V")
+_V = TypeVar("_V")
 _CALLER = "activation_grads"
 _NO_TIES = {"strict": False, "tie_weights": False}
 
@@ -120,7 +120,7 @@ def _rebuilt(output: object, tensors: list[torch.Tensor]) -> object:
                                         treespec)
 
 
-def _copies(tree: V) -> V:
+def _copies(tree: _V) -> _V:
     """Tensor arguments copied, so an in-place first layer changes neither the caller's
     tensors nor the second pass's inputs (and ``torch.func.grad`` allows it)."""
     return _torch.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)

@@ -9,6 +9,7 @@ installed once and make natural cache keys; they pickle when their function does
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, TypeAlias, TypedDict, TypeGuard, get_args
 
@@ -90,6 +91,20 @@ class _Flags(TypedDict):
     clone: bool
 
 
+class _Memo(weakref.WeakKeyDictionary):
+    """A spec's :attr:`Spec.memo`: by model (held weakly), what runs keep of the spec while
+    it lives. Deep copies and pickles of the spec start with an empty one."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _Memo, ()
+
+    def __copy__(self) -> _Memo:
+        return _Memo()
+
+    def __deepcopy__(self, memo: object) -> _Memo:
+        return _Memo()
+
+
 @_frozen.frozen
 @attrs.frozen(repr=False, cache_hash=True)  # hashed by every run's plan lookup
 class Spec:
@@ -132,6 +147,11 @@ class Spec:
     ``op``: an ``OpAction``); None for the others."""
     hook: Hook = attrs.field(init=False)
     """How a run reaches this spec (see :data:`_HOOKS`), derived from `event` and `role`."""
+    memo: weakref.WeakKeyDictionary[Any, Any] = attrs.field(factory=_Memo, init=False, eq=False)
+    """What runs keep of this spec, by model (held weakly), for as long as the spec lives: the
+    plans of a spec holding a value of the user's (an intervention), which no cache beyond
+    the spec may keep. Never compared or hashed; a deep copy, a pickle and ``attrs.evolve`` of
+    the spec start with an empty one (a shallow copy, equal to the spec, shares it)."""
 
     @hook.default
     def _hook(self) -> Hook:

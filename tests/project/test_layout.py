@@ -499,12 +499,14 @@ MAX_BODY = 60  # lines of a function's body anywhere in the package ...
 MAX_LONG_BODIES = 2  # ... but for this many
 
 
-def _complexity(fn: ast.AST) -> int:
-    """McCabe complexity as radon counts it; nested functions, lambdas and classes count on their own."""
+def _complexity(fn: ast.AST, closures: bool = False) -> int:
+    """McCabe complexity as radon counts it; nested functions, lambdas and classes count on their
+    own, or (`closures`) as part of the function that makes them: a function returning one of
+    several closures holds all their paths."""
     count, stack = 1, list(ast.iter_child_nodes(fn))
     while stack:
         node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        if not closures and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             continue
         if isinstance(node, (ast.If, ast.IfExp, ast.Assert, ast.match_case)):
             count += 1
@@ -536,9 +538,9 @@ def _functions(root: Path) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctio
 
 def test_the_run_core_has_no_function_too_branched_or_too_long_to_read() -> None:
     """Every module call runs through `runs/_core`: each of its functions fits a screen and a
-    handful of paths (issue 37's targets)."""
-    branched = [f"{name} (complexity {c})" for name, fn in _functions(CORE)
-                if (c := _complexity(fn)) > MAX_CORE_COMPLEXITY]
+    handful of paths, the closures it makes counted in (issue 37's targets)."""
+    branched = [f"{name} (complexity {c}, its closures counted)" for name, fn in _functions(CORE)
+                if (c := _complexity(fn, closures=True)) > MAX_CORE_COMPLEXITY]
     long = [f"{name} ({n} lines)" for name, fn in _functions(CORE) if (n := _body_lines(fn)) > MAX_CORE_BODY]
     assert not branched + long, (
         f"split these run-core functions into their steps (complexity <= {MAX_CORE_COMPLEXITY}, "
@@ -560,3 +562,4 @@ def test_the_complexity_count_agrees_with_mccabe_on_known_shapes() -> None:
     fn = ast.parse(src).body[0]
     # if +1, and +1, comprehension +2, for/else +2, except +1, ternary +1; `inner` counts on its own
     assert _complexity(fn) == 9
+    assert _complexity(fn, closures=True) == 10  # with `inner`'s if

@@ -107,8 +107,8 @@ def test_interventions_run_again_and_again_keep_nothing_and_plain_plans_stay_cac
 
 
 def test_a_kept_intervention_spec_still_works_run_after_run() -> None:
-    """Not caching an intervention's plan changes nothing a run gives: the same spec object
-    run twice edits the same way, and its per-call mask (an `index` tensor) is right each time."""
+    """Reusing an intervention's plan changes nothing a run gives: the same spec object run
+    twice edits the same way, and its per-call mask (an `index` tensor) is right each time."""
     model = _model()
     spec = fh.scale("0", 0.0, index=torch.tensor([0]), dim=0)
     outs = []
@@ -172,3 +172,45 @@ def test_a_probe_outside_the_model_dies_while_the_model_lives() -> None:
     del probe
     gc.collect()
     assert weight() is None
+
+
+def _wrapped(model: nn.Sequential, specs: list[fh.Spec]) -> tuple[object, torch.Tensor]:
+    """The forward a block wraps module `0` with (its plan's own, when the plan is reused), and
+    what the model gives inside the block."""
+    with fh.with_hooks(model, specs):
+        return model[0].__dict__["forward"], model(torch.ones(2, 3))
+
+
+INTERVENTIONS = {kind: make for kind, make in SPECS.items() if "closure" not in kind}
+
+
+@pytest.mark.parametrize("kind", INTERVENTIONS)
+def test_a_reused_intervention_spec_reuses_its_plan(kind: str) -> None:
+    """Issue 37: the same intervention spec object in block after block (a sweep's usual loop)
+    is planned once: each block wraps the module with the very same forward, alone or beside
+    plain specs built afresh each time, and edits the same way; another spec object with the
+    same value is planned for itself."""
+    model, spec = _model(), INTERVENTIONS[kind](torch.full((1, 3), 0.5))
+    first, out = _wrapped(model, [spec])
+    again, out_again = _wrapped(model, [spec])
+    assert again is first and torch.equal(out_again, out)
+    beside, _ = _wrapped(model, [spec, fh.outputs("2")])
+    assert _wrapped(model, [spec, fh.outputs("2")])[0] is beside
+    other, out_other = _wrapped(model, [INTERVENTIONS[kind](torch.full((1, 3), 0.5))])
+    assert other is not first and torch.equal(out_other, out)
+
+
+def test_a_reused_intervention_spec_keeps_no_model_alive() -> None:
+    """What a spec keeps of its runs dies with the model: a model dropped while the spec lives
+    is freed, and so is one a spec beside it closes over (whose plan the spec never keeps)."""
+    spec = fh.patch("0", torch.zeros(1, 3))
+    for closes_over in (False, True):
+        model = _model()
+        ref = weakref.ref(model)
+        seen = fh.observe("2", lambda module, args, output, model=model: output.sum())  # reaches the model
+        specs = [spec, seen] if closes_over else [spec]
+        _wrapped(model, specs)
+        _wrapped(model, specs)
+        del model, seen, specs
+        gc.collect()
+        assert ref() is None, f"a model kept alive by a reused intervention spec (closed over: {closes_over})"

@@ -4,8 +4,9 @@ A **plan** (``plan``) resolves specs against a model once, after one walk of it 
 per hooked module, a ``Hooked`` table (``hooked``) of **entries** (``entries``), the small
 functions that store, observe or edit one spec's values, and of **op entries** (``op_mode``),
 which run during the module's own forward on the torch ops it calls. Plans are cached per
-model and spec tuple while the model's structure holds, except plans holding a value of the
-user's (a tensor, an intervention), which live with their run.
+model and spec tuple while the model's structure holds; a plan holding a value of the
+user's is kept only by the user's own spec (an intervention's ``memo``), or lives with its
+run.
 
 A **frame** (``frame``) is one run's mutable state: the buffer its entries append to, the
 tensor hooks they registered, the ``torch.func`` level it was opened at. The Record is built

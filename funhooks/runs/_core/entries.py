@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from funhooks import _torch
 from funhooks.errors import (
@@ -46,13 +46,11 @@ from .frame import Frame, GradSlot
 from .types import Check, Key
 from .values import copies_of, preparer, snapshot, unchecked
 
-__all__ = ["BackwardEntry", "Intervene", "PostEntry", "PreEntry", "args_call_entry", "args_intervene_entry",
-           "backward_entry", "call_spec", "checked_edit", "grads_entry", "inputs_entry", "intervention",
-           "output_call_entry", "output_entry", "output_intervene_entry", "param_hook"]
+__all__ = ["BackwardEntry", "PostEntry", "PreEntry", "args_call_entry", "args_intervene_entry", "backward_entry",
+           "call_spec", "checked_edit", "grads_entry", "inputs_entry", "intervention", "output_call_entry",
+           "output_entry", "output_intervene_entry", "param_hook"]
 
-Tensor = torch.Tensor
-V = TypeVar("V")
-_tracing = _torch.jit_tracing
+_V = TypeVar("_V")
 _OWN_ERRORS = (ExtraError, LoopError, RecordError, ReducerError, SelectorError, SpecError, StaleTensorError,
                TransformError)
 """funhooks' own errors, raised by its own spec functions: their message already says what to do."""
@@ -103,7 +101,7 @@ def _fits(old: object, new: object) -> bool:
     return all(_fits(x, y) if isinstance(x, Tensor) or isinstance(y, Tensor) else True for x, y in zip(a, b))
 
 
-def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: object, new: V) -> V:
+def checked_edit(frame: Frame, spec: Spec, path: str, what: str, old: object, new: _V) -> _V:
     """`new`, an editor's value for `old`, when it has the structure and shapes of `old` (or is None)."""
     if new is None or _fits(old, new):
         return new
@@ -123,7 +121,7 @@ PostEntry = Callable[[Frame, nn.Module, tuple, dict, object], object]
 or None (the output: whatever the module returned)."""
 BackwardEntry = Callable[[Frame], Callable[..., object]]
 """A backward entry: given a frame, the hook PyTorch's ``BackwardHook`` calls."""
-Intervene = Callable[[Frame, Any], Any]
+_Intervene = Callable[[Frame, Any], Any]
 """An intervention applied to one value: ``(frame, value) -> the new value``."""
 
 
@@ -132,7 +130,7 @@ def _storer(copies: bool) -> Callable[[object], tuple[object, Check]]:
     return unchecked if copies else snapshot
 
 
-def intervention(value: Any, spec: Spec, key: Key, rank: int) -> Intervene:
+def intervention(value: Any, spec: Spec, key: Key, rank: int) -> _Intervene:
     """`spec`'s intervention `value` (``specs.interventions``) on the module at ``key[0]``, the
     `rank`-th its selector matched, applied to one value with the frame's per-call values; it
     counts the calls it applied to in the frame (a Record source holding several calls gives
@@ -197,38 +195,21 @@ def args_intervene_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PreEn
 # forward: ``(hook, role)`` = ("forward", "output" | "call" | "intervene"), ("output_grad", "grad" | "grad_output")
 
 
-def _is_plain(spec: Spec) -> bool:
-    """Whether an output store keeps the output as is, detached: `detach` and no other flag."""
-    return spec.detach and not (spec.cpu or spec.gather or spec.clone)
-
-
 def output_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PostEntry:
-    """Store the output (`copies`: a private copy, no version to check)."""
+    """Store the output (`copies`: a private copy, no version to check). The plain
+    ``fh.outputs`` store, the common case, is :func:`values.detach_only` and a snapshot."""
     if copies and not spec.gather:
         return copies_of(spec, key, pre=False)
     prep, store = preparer(spec), _storer(copies)
-    if copies or not _is_plain(spec):
+    if prep is None:
 
-        def store_any(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-            frame.buffer.append((key, *store(output if prep is None else prep(output))))
+        def store_as_is(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            frame.buffer.append((key, *store(output)))
 
-        return store_any
+        return store_as_is
 
     def store_output(frame: Frame, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        # `fh.outputs`, the common case
-        if isinstance(output, Tensor):
-            # without autograd history, detach() would only make an alias. Under `torch.jit.trace`
-            # no op is called here: the tracer names a value after the variable of the frame that
-            # passes it to an op, and its check traces again without gradients, so a detach in
-            # one trace only would make the two graphs differ
-            if output.requires_grad and not _tracing():
-                output = output.detach()
-            try:
-                frame.buffer.append((key, output, output._version))
-            except RuntimeError:  # an inference tensor: no version counter, so a copy
-                frame.buffer.append((key, output.clone(), None))
-        else:
-            frame.buffer.append((key, *snapshot(prep(output))))  # type: ignore[misc]
+        frame.buffer.append((key, *store(prep(output))))
 
     return store_output
 

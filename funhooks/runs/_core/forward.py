@@ -58,8 +58,8 @@ from .frame import Frame
 from .hooked import Hooked
 from .types import UserCall
 
-__all__ = ["Forward", "Item", "Observing", "OneRun", "Passing", "Runner", "Shared", "Slot", "Table", "Users",
-           "attribute", "call", "install", "uninstall"]
+__all__ = ["Forward", "Item", "Observing", "OneRun", "Passing", "Shared", "Slot", "Table", "Users", "attribute",
+           "call", "install", "uninstall"]
 
 _ATTRIBUTE: dict[type, str] = {}
 _active = scope.active
@@ -82,14 +82,14 @@ class Table(Protocol):
         """The observers, read when `plain`."""
 
 
-T = TypeVar("T", bound=Table, covariant=True)
-J = TypeVar("J", bound=Table)
-Users = tuple[tuple[Frame, T], ...]
+_T = TypeVar("_T", bound=Table, covariant=True)
+_J = TypeVar("_J", bound=Table)
+Users = tuple[tuple[Frame, _T], ...]
 """The runs that use a wrapped forward: ``(frame, table)``, outermost run first."""
-Runner = Callable[[nn.Module, UserCall, Users[T], tuple, dict], object]
+_Runner = Callable[[nn.Module, UserCall, Users[_T], tuple, dict], object]
 """How a wrapped forward runs a call for the users in scope: ``(module, its forward, users,
 args, kwargs) -> output``: :func:`call`, or ``trace.compiled_call``."""
-Item = tuple["weakref.ref[nn.Module]", "Forward[T]", T]
+Item = tuple["weakref.ref[nn.Module]", "Forward[_T]", _T]
 """A plan's module to wrap: ``(module_ref, its Forward, the table a run uses it with)``."""
 
 
@@ -215,7 +215,7 @@ class Slot:
         self.frame: Frame | None = None
 
 
-class Forward(Generic[T]):
+class Forward(Generic[_T]):
     """A module's ``forward`` (or ``_call_impl``) while runs hook it; a plan keeps one per
     hooked module and reuses it run after run, holding the module only weakly between runs.
 
@@ -239,13 +239,13 @@ class Forward(Generic[T]):
     __slots__ = ("__weakref__", "alone", "attr", "bound_reduce_ex", "inner", "module", "observe", "own", "ref",
                  "runner", "saved", "slot", "users")
 
-    def __new__(cls, module: nn.Module, attr: str, runner: Runner[T], own: T | None = None,
-                slot: Slot | None = None) -> Forward[T]:
+    def __new__(cls, module: nn.Module, attr: str, runner: _Runner[_T], own: _T | None = None,
+                slot: Slot | None = None) -> Forward[_T]:
         return object.__new__(_alone(own, slot))
 
-    def __init__(self, module: nn.Module, attr: str, runner: Runner[T], own: T | None = None,
+    def __init__(self, module: nn.Module, attr: str, runner: _Runner[_T], own: _T | None = None,
                  slot: Slot | None = None) -> None:
-        """Args: `runner`: see :data:`Runner`; `own`, `slot`: the plan's table for the module
+        """Args: `runner`: see :data:`_Runner`; `own`, `slot`: the plan's table for the module
         and the plan's slot, for a ``Forward`` its plan's one run uses alone (see :class:`Slot`)."""
         self.ref = weakref.ref(module)
         self.attr = attr
@@ -256,17 +256,17 @@ class Forward(Generic[T]):
         self.module: Any = None
         self.inner: UserCall | None = None
         self.saved: object = None
-        self.users: Users[T] = ()  # the runs it serves, outermost first (an `Observing` one: its slot's frame)
+        self.users: Users[_T] = ()  # the runs it serves, outermost first (an `Observing` one: its slot's frame)
         self.bound_reduce_ex = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
         return self._outside(self.users, args, kwargs)
 
-    def current_users(self) -> Users[T]:
+    def current_users(self) -> Users[_T]:
         """The runs using this forward, ``(frame, table)`` each, outermost first."""
         return self.users
 
-    def _outside(self, users: Users[T], args: tuple, kwargs: dict) -> Any:
+    def _outside(self, users: Users[_T], args: tuple, kwargs: dict) -> Any:
         """A call for the `users` in scope, through the runner; the module's own forward when
         none is; what the module holds now when this forward is no longer installed."""
         inner = self.inner
@@ -319,7 +319,7 @@ class Forward(Generic[T]):
 
     # -- the rare changes of state (under the lock) -------------------------------------------
 
-    def _serve(self, users: Users[T]) -> None:
+    def _serve(self, users: Users[_T]) -> None:
         """Serve `users` (at least one) from now on, in the state that fits them.
 
         A call in another thread may see the new users with the old class, or the other way
@@ -358,7 +358,7 @@ def _in_turn(observers: Sequence[PostEntry]) -> PostEntry:
     return observe
 
 
-class Observing(Forward[T]):
+class Observing(Forward[_T]):
     """Its plan's one run alone, the slot's frame, with observers only: the module's forward,
     then the observers (``fh.outputs``: ``entries.output_entry``'s store). A call inside a
     transform, or while the run's own spec function runs, takes the checked path of
@@ -376,11 +376,11 @@ class Observing(Forward[T]):
             return output
         return self._outside(self.current_users(), args, kwargs)
 
-    def current_users(self) -> Users[T]:
+    def current_users(self) -> Users[_T]:
         return ((self.slot.frame, self.own),)  # type: ignore[union-attr, return-value]
 
 
-class OneRun(Forward[T]):
+class OneRun(Forward[_T]):
     """One run: every call it sees through the runner (the full hot loop, or a compiled
     module's recorder); a run entered inside a ``torch.func`` transform is always one."""
 
@@ -395,13 +395,13 @@ class OneRun(Forward[T]):
         return self._outside(users, args, kwargs)
 
 
-class Shared(Forward[T]):
+class Shared(Forward[_T]):
     """Several runs on one module: each call through the runner, for the runs in scope."""
 
     __slots__ = ()
 
 
-class Passing(Forward[T]):
+class Passing(Forward[_T]):
     """No run left, but someone else's forward wraps this one (so it stays in use): the
     module's own forward, nothing else. Its plan never reuses it."""
 
@@ -414,44 +414,65 @@ class Passing(Forward[T]):
 # -- runs joining and leaving ------------------------------------------------------------------------
 
 
-def install(frame: Frame, items: Sequence[Item[T]], slot: Slot | None = None) -> list[Forward[T]]:
+def install(frame: Frame, items: Sequence[Item[_T]], slot: Slot | None = None) -> list[Forward[_T]]:
     """Make `frame` a user of the wrapped forward of each module in `items`
     (``(module_ref, forward, hooked)``, from the plan), wrapping the modules not wrapped
     yet; returns the ``Forward`` objects `frame` uses. `slot`: the plan's, which `frame`
     takes when free and outside transforms (release it with :func:`uninstall`)."""
-    installed: list[Forward[T]] = []
-    add = installed.append
+    installed: list[Forward[_T]] = []
     with _LOCK:
-        mine = slot is not None and slot.frame is None and not frame.level
-        if mine:
-            slot.frame = frame  # type: ignore[union-attr]
         try:
-            for ref, fwd, hooked in items:
-                module = ref()
-                if module is None:
-                    continue
-                d = module.__dict__
-                attr = fwd.attr
-                if not mine or attr in d or fwd.inner is not None:  # wrapped already, or in someone's way
-                    add(_join(frame, module, d, fwd, hooked))
-                    continue
-                # the common case, each step once: the plan's free Forward, in its state for the
-                # slot's frame alone, on an unwrapped module
-                fwd.module = module
-                if fwd.alone is OneRun:
-                    fwd.users = ((frame, hooked),)
-                fwd.inner = getattr(module, attr)
-                d[attr] = fwd
-                if "__reduce_ex__" not in d:  # a module's own `__reduce_ex__` stays
-                    d["__reduce_ex__"] = fwd.bound_reduce_ex
-                add(fwd)
+            if _take(slot, frame):
+                _install_own(frame, items, installed)
+            else:
+                _install_joining(frame, items, installed)
         except BaseException:  # interrupted half-way: leave no module wrapped
             _uninstall(frame, installed, slot)
             raise
     return installed
 
 
-def _join(frame: Frame, module: nn.Module, d: dict[str, Any], fwd: Forward[J], hooked: J) -> Forward[J]:
+def _take(slot: Slot | None, frame: Frame) -> bool:
+    """Whether `frame` takes the plan's `slot`: free, and `frame` outside transforms."""
+    if slot is None or slot.frame is not None or frame.level:
+        return False
+    slot.frame = frame
+    return True
+
+
+def _install_own(frame: Frame, items: Sequence[Item[_T]], installed: list[Forward[_T]]) -> None:
+    """:func:`install` for the frame holding the plan's slot: the common case, each step
+    once, where the plan's free ``Forward`` is already in its state for the slot's frame
+    alone and the module is not wrapped; :func:`_join` for the others."""
+    add = installed.append
+    for ref, fwd, hooked in items:
+        module = ref()
+        if module is None:
+            continue
+        d = module.__dict__
+        attr = fwd.attr
+        if attr in d or fwd.inner is not None:  # wrapped already, or in someone's way
+            add(_join(frame, module, d, fwd, hooked))
+            continue
+        fwd.module = module
+        if fwd.alone is OneRun:
+            fwd.users = ((frame, hooked),)
+        fwd.inner = getattr(module, attr)
+        d[attr] = fwd
+        if "__reduce_ex__" not in d:  # a module's own `__reduce_ex__` stays
+            d["__reduce_ex__"] = fwd.bound_reduce_ex
+        add(fwd)
+
+
+def _install_joining(frame: Frame, items: Sequence[Item[_T]], installed: list[Forward[_T]]) -> None:
+    """:func:`install` for a frame without the plan's slot: :func:`_join` for every module."""
+    for ref, fwd, hooked in items:
+        module = ref()
+        if module is not None:
+            installed.append(_join(frame, module, module.__dict__, fwd, hooked))
+
+
+def _join(frame: Frame, module: nn.Module, d: dict[str, Any], fwd: Forward[_J], hooked: _J) -> Forward[_J]:
     """:func:`install` for a module already wrapped by a run (`frame` joins its users), or with
     a forward of its own in its ``__dict__`` (wrapped around it), or whose plan's ``Forward``
     is in use (a new one wraps it), or for a frame without the plan's slot."""
@@ -506,18 +527,16 @@ def _unwrap(fwd: Forward[Table]) -> None:
     """Give the module back what it had; or, when someone wrapped `fwd` since (theirs stays in the ``__dict__``), let it pass calls
     through to the module's forward (:class:`Passing`)."""
     d = fwd.module.__dict__
-    reduce_ex = d.pop("__reduce_ex__", None)
-    if reduce_ex is not fwd.bound_reduce_ex and reduce_ex is not None:  # the module's own: it stays
-        d["__reduce_ex__"] = reduce_ex
+    if d.get("__reduce_ex__") is fwd.bound_reduce_ex:  # ours (a module's own `__reduce_ex__` stays)
+        del d["__reduce_ex__"]
     attr = fwd.attr
-    current = d.pop(attr, None)
-    if current is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
-        if current is not None:
-            d[attr] = current
+    if d.get(attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
         fwd.__class__ = Passing
         return
     saved = fwd.saved
-    if saved is not None:
+    if saved is None:
+        del d[attr]
+    else:
         d[attr] = saved
         fwd.saved = None
     fwd.inner = None  # before `module`: a racing call reads `module` first, then `inner`

@@ -1,7 +1,7 @@
 """Hooked tables: one plan's entries for one module, grouped by when the hot loop runs them.
 
-Which entry a spec gets is chosen when the plan is made, from :data:`ENTRIES`, keyed by the
-spec's ``(hook, role)``; where the hot loop runs it, from :data:`PLACES`, keyed by its
+Which entry a spec gets is chosen when the plan is made, from :data:`_ENTRIES`, keyed by the
+spec's ``(hook, role)``; where the hot loop runs it, from :data:`_PLACES`, keyed by its
 ``(hook, is_edit)``. The table is what the wrapped forward (``forward``) reads per call:
 forward-pre editors, forward-pre observers; the op entries run *during* the module's own
 forward (``around``); editors (interventions among them), gradient watchers, observers;
@@ -24,10 +24,10 @@ from .entries import BackwardEntry, PostEntry, PreEntry
 from .op_mode import OpEntry, op_entry
 from .types import Key, Selected
 
-__all__ = ["ENTRIES", "PLACES", "Hooked", "Place"]
+__all__ = ["Hooked"]
 
 
-class Place(enum.Enum):
+class _Place(enum.Enum):
     """Where the hot loop runs an entry (``forward.call``), in its order."""
 
     PRE_EDIT = enum.auto()
@@ -42,10 +42,10 @@ class Place(enum.Enum):
     BACKWARD_PRE_OBSERVE = enum.auto()
 
 
-Make = Callable[[Spec, Key, int, bool], Any]
+_Make = Callable[[Spec, Key, int, bool], Any]
 """Makes a spec's entry on one module: ``(spec, key, rank, copies) -> entry`` (see ``entries``)."""
 
-ENTRIES: dict[tuple[str, str], Make] = {
+_ENTRIES: dict[tuple[str, str], _Make] = {
     ("forward_pre", "input"): entries.inputs_entry,
     ("forward_pre", "call"): entries.args_call_entry,
     ("forward_pre", "intervene"): entries.args_intervene_entry,
@@ -60,28 +60,28 @@ ENTRIES: dict[tuple[str, str], Make] = {
 }
 """The entry of a spec, by its ``(hook, role)``. ``param_grad`` specs have none: they hook parameters."""
 
-PLACES: dict[tuple[str, bool], Place] = {
-    ("forward_pre", True): Place.PRE_EDIT,
-    ("forward_pre", False): Place.PRE_OBSERVE,
-    ("around", True): Place.AROUND,
-    ("around", False): Place.AROUND,
-    ("forward", True): Place.EDIT,
-    ("forward", False): Place.OBSERVE,
-    ("output_grad", False): Place.GRAD,
-    ("backward", True): Place.BACKWARD_EDIT,
-    ("backward", False): Place.BACKWARD_OBSERVE,
-    ("backward_pre", True): Place.BACKWARD_PRE_EDIT,
-    ("backward_pre", False): Place.BACKWARD_PRE_OBSERVE,
+_PLACES: dict[tuple[str, bool], _Place] = {
+    ("forward_pre", True): _Place.PRE_EDIT,
+    ("forward_pre", False): _Place.PRE_OBSERVE,
+    ("around", True): _Place.AROUND,
+    ("around", False): _Place.AROUND,
+    ("forward", True): _Place.EDIT,
+    ("forward", False): _Place.OBSERVE,
+    ("output_grad", False): _Place.GRAD,
+    ("backward", True): _Place.BACKWARD_EDIT,
+    ("backward", False): _Place.BACKWARD_OBSERVE,
+    ("backward_pre", True): _Place.BACKWARD_PRE_EDIT,
+    ("backward_pre", False): _Place.BACKWARD_PRE_OBSERVE,
 }
 """Where the hot loop runs a spec's entry, by its ``(hook, is_edit)``."""
 
 
-def _placed(specs: Iterable[Selected], copies: bool) -> dict[Place, list[Any]]:
+def _placed(specs: Iterable[Selected], copies: bool) -> dict[_Place, list[Any]]:
     """Each spec's entry, by where the hot loop runs it, in spec order."""
-    placed: dict[Place, list[Any]] = {}
+    placed: dict[_Place, list[Any]] = {}
     for spec, key, rank in specs:
-        entry = ENTRIES[(spec.hook, spec.role)](spec, key, rank, copies)
-        placed.setdefault(PLACES[(spec.hook, spec.is_edit)], []).append(entry)
+        entry = _ENTRIES[(spec.hook, spec.role)](spec, key, rank, copies)
+        placed.setdefault(_PLACES[(spec.hook, spec.is_edit)], []).append(entry)
     return placed
 
 
@@ -112,15 +112,15 @@ class Hooked:
         self.path = path
         placed = _placed(specs, copies)
         at = placed.get
-        self.pre_edits: tuple[PreEntry, ...] = tuple(at(Place.PRE_EDIT, ()))
-        self.pre_obs: tuple[PreEntry, ...] = (*(() if watch is None else (watch,)), *at(Place.PRE_OBSERVE, ()))
-        self.ops = _by_op(at(Place.AROUND, []))  # op name -> its entries
+        self.pre_edits: tuple[PreEntry, ...] = tuple(at(_Place.PRE_EDIT, ()))
+        self.pre_obs: tuple[PreEntry, ...] = (*(() if watch is None else (watch,)), *at(_Place.PRE_OBSERVE, ()))
+        self.ops = _by_op(at(_Place.AROUND, []))  # op name -> its entries
         self.around = bool(self.ops)  # whether the module's forward runs inside an op mode
-        self.edits: tuple[PostEntry, ...] = tuple(at(Place.EDIT, ()))
-        self.grads: tuple[PostEntry, ...] = tuple(at(Place.GRAD, ()))
-        self.obs: tuple[PostEntry, ...] = tuple(at(Place.OBSERVE, ()))
-        self.backward: tuple[BackwardEntry, ...] = (*at(Place.BACKWARD_EDIT, ()), *at(Place.BACKWARD_OBSERVE, ()))
-        self.backward_pre: tuple[BackwardEntry, ...] = (*at(Place.BACKWARD_PRE_EDIT, ()),
-                                                        *at(Place.BACKWARD_PRE_OBSERVE, ()))
+        self.edits: tuple[PostEntry, ...] = tuple(at(_Place.EDIT, ()))
+        self.grads: tuple[PostEntry, ...] = tuple(at(_Place.GRAD, ()))
+        self.obs: tuple[PostEntry, ...] = tuple(at(_Place.OBSERVE, ()))
+        self.backward: tuple[BackwardEntry, ...] = (*at(_Place.BACKWARD_EDIT, ()), *at(_Place.BACKWARD_OBSERVE, ()))
+        self.backward_pre: tuple[BackwardEntry, ...] = (*at(_Place.BACKWARD_PRE_EDIT, ()),
+                                                        *at(_Place.BACKWARD_PRE_OBSERVE, ()))
         self.plain = not (self.pre_edits or self.pre_obs or self.edits or self.grads or self.backward
                           or self.backward_pre or self.ops)

@@ -44,7 +44,7 @@ from .frame import Frame
 from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
 
-__all__ = ["OpEntry", "OpTable", "call", "op_entry"]
+__all__ = ["OpEntry", "call", "op_entry"]
 
 _named = OP_NAMES.get
 """A torch function's op name once seen (one builtin call per op in the hot loop), else None."""
@@ -65,14 +65,14 @@ class OpEntry:
         self.edit: Callable[[Frame, nn.Module, tuple, dict, object], object] | None = None
 
 
-class OpTable(Protocol):
+class _OpTable(Protocol):
     """What the op mode reads of a user's table (a ``Hooked``): its op entries by op name."""
 
     @property
     def ops(self) -> dict[str, tuple[OpEntry, ...]]: ...
 
 
-OpUsers = Sequence[tuple[Frame, OpTable]]
+_OpUsers = Sequence[tuple[Frame, _OpTable]]
 """The runs a hooked call's op mode serves: ``(frame, table)``, outermost run first."""
 
 
@@ -128,7 +128,7 @@ def _own(start: types.FrameType | None, mark: types.FrameType | None) -> bool:
 class _Mode(TorchFunctionMode):
     """The mode of one hooked module call: the op entries of every run that sees it."""
 
-    def __init__(self, module: nn.Module, users: OpUsers, mark: types.FrameType | None, replay: bool) -> None:
+    def __init__(self, module: nn.Module, users: _OpUsers, mark: types.FrameType | None, replay: bool) -> None:
         super().__init__()
         self.module, self.users, self.mark, self.replay = module, users, mark, replay
         self.counts: dict[OpEntry, int] = {}  # matches per entry in this call
@@ -238,7 +238,7 @@ def _store_output(taken: list[tuple[Frame, OpEntry]], output: object) -> None:
             entry.store_out(frame, output)
 
 
-def call(module: nn.Module, inner: UserCall, users: OpUsers, path: str, args: tuple, kwargs: dict,
+def call(module: nn.Module, inner: UserCall, users: _OpUsers, path: str, args: tuple, kwargs: dict,
          replay: bool) -> object:
     """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
     tables have op entries); then note which op specs matched (``Frame.check``)."""

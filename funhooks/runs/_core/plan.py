@@ -10,16 +10,22 @@ an ``FSDPModule``), which the forward of the FSDP module managing them watches (
 Everything is validated here, before anything is attached: selectors must match, record
 names must not clash, a spec may not select only containers that never run.
 
-Plans are cached per model (held weakly) and spec tuple, and only plans that hold no value of
-the user's: a plan keeps its specs, so the plan of a spec holding a tensor (a patch value, a
-steering vector, a Record, a tensor its function closes over) or reaching the model (a function
-closing over it) lives only as long as its run or capture function, and so does the plan of
-an intervention (compared by identity, such specs would fill the cache with plans never used
-again). A cached plan is reused only while
-the model's structure is what it was (every ``_modules`` dict holds the same children, so
-``ModuleList.insert``/``del``/``pop`` and attribute assignment are seen, and so is the
-replacement of a parameter a ``param_grad`` spec watches, as ``fully_shard`` does, and a
-module compiled in place with ``module.compile()`` since).
+Plans are cached per model (held weakly) and spec tuple while the model's structure is what it
+was (every ``_modules`` dict holds the same children, so ``ModuleList.insert``/``del``/``pop``
+and attribute assignment are seen, and so is the replacement of a parameter a ``param_grad``
+spec watches, as ``fully_shard`` does, and a module compiled in place with ``module.compile()``
+since).
+
+NOTE [where plans are cached]: a plan keeps its specs, and with them every value they hold, so
+no cache may keep a plan longer than the user keeps those values. The plans of specs holding
+no value of the user's are kept in one table by model (held weakly), found again by equal
+specs. A spec holding a tensor (a patch value, a steering vector, a Record, a tensor its
+function closes over) or reaching the model (a function closing over it) would be kept alive
+by that table: its plan lives only as long as its run or capture function, except the plan of
+an intervention (compared by identity, and so found again only through the same spec object),
+which is kept in the ``memo`` of the intervention's own spec, by model (held weakly): reusing
+the spec reuses the plan, and dropping the spec drops it, unless a spec reaches the model,
+which the memo would then keep alive as long as the spec.
 
 Cost: building walks the model once (a few µs per module, linear in the model: the garbage
 collector is paused meanwhile, see ``_CollectorPause``); reusing compares each module's
@@ -33,7 +39,7 @@ import gc
 import itertools
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import NamedTuple, cast
 
 import attrs
@@ -51,13 +57,13 @@ from .entries import PreEntry
 from .hooked import Hooked
 from .types import Key, Selected
 
-__all__ = ["ParamHook", "Plan", "as_copy", "never_called"]
+__all__ = ["Plan", "as_copy", "never_called"]
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Spec, ...], Plan]] = weakref.WeakKeyDictionary()
 _PLANS_PER_MODEL = 32
 _LOCK = threading.Lock()
 
-Found = list[tuple[str, nn.Module]]
+_Found = list[tuple[str, nn.Module]]
 """``(path, module)`` pairs a spec selects."""
 
 
@@ -78,7 +84,7 @@ class _Watched(NamedTuple):
     watch: sharded.Watch
 
 
-class ParamHook(NamedTuple):
+class _ParamHook(NamedTuple):
     """A ``param_grad`` spec on one parameter, hooked for each run (held weakly)."""
 
     spec: Spec
@@ -166,7 +172,7 @@ _PER_CALL_BACKWARD = ("output_grad", "backward", "backward_pre")
 """Backward events tied to the module calls a run sees: not available inside compiled code."""
 
 
-def _check_called(found: Iterable[tuple[str, nn.Module]], modules: Found, spec: Spec, caller: str) -> None:
+def _check_called(found: Iterable[tuple[str, nn.Module]], modules: _Found, spec: Spec, caller: str) -> None:
     """Refuse selections no wrapper would ever see: modules inside TorchScript, and modules
     fx inlined into a ``GraphModule``'s code."""
     scripted = {p for p, m in modules if isinstance(m, torch.jit.ScriptModule)}
@@ -199,7 +205,7 @@ def _below(path: str, paths: set[str]) -> bool:
     return any(path[:i] in paths for i, c in enumerate(path) if c == ".")
 
 
-def _in_given_order(spec: Spec, found: Iterable[tuple[str, nn.Module]]) -> Found:
+def _in_given_order(spec: Spec, found: Iterable[tuple[str, nn.Module]]) -> _Found:
     """`found` in the order of the selector's list of modules, where it is one (``run.stored``
     follows the list); else as found (module order)."""
     given = spec.where.given()
@@ -209,7 +215,7 @@ def _in_given_order(spec: Spec, found: Iterable[tuple[str, nn.Module]]) -> Found
     return sorted(found, key=lambda pm: position.get(id(pm[1]), len(position)))
 
 
-def _check_holds_params(found: Found, spec: Spec, caller: str) -> None:
+def _check_holds_params(found: _Found, spec: Spec, caller: str) -> None:
     """Refuse a ``param_grad`` spec on modules that hold no parameter themselves."""
     if not any(True for p, m in found for _ in _own_params(m, p)):
         raise SelectorError(
@@ -238,11 +244,10 @@ class _Structure:
         """Whether the model still has this structure."""
         if any(self.empty):
             return False
-        if not all(len(d) == len(keys) and tuple(d.keys()) == keys and tuple(d.values()) == children
-                   for d, keys, children in self.full):
-            return False
-        if not all(len(d) == len(items) and all(k == n and v is p for (k, v), (n, p) in zip(d.items(), items))
-                   for d, items in self.held):
+        for d, keys, children in self.full:  # a loop, not a generator: this runs once per run
+            if tuple(d) != keys or tuple(d.values()) != children:
+                return False
+        if self.held and not _same_params(self.held):
             return False
         if self.none_compiled:  # the common case: no list made
             return not any(map(dict.get, self.dicts, itertools.repeat(_torch.COMPILED_CALL)))
@@ -253,13 +258,19 @@ class _Structure:
         return list(map(dict.get, self.dicts, itertools.repeat(_torch.COMPILED_CALL, len(self.dicts))))
 
 
+def _same_params(held: list[tuple[dict, tuple]]) -> bool:
+    """Whether each parameter table `param_grad` specs watch holds the very parameters it held."""
+    return all(len(d) == len(items) and all(k == n and v is p for (k, v), (n, p) in zip(d.items(), items))
+               for d, items in held)
+
+
 @attrs.define
 class _Resolved:
     """What a plan's specs select on one walk of the model, and the Record's layout."""
 
     targets: dict[int, _Target] = attrs.Factory(dict)
     """The modules hooked through their wrapped forward, by id, in the order first selected."""
-    params: list[ParamHook] = attrs.Factory(list)
+    params: list[_ParamHook] = attrs.Factory(list)
     watches: dict[int, _Watched] = attrs.Factory(dict)
     """By FSDP module id: the one watching sharded parameters."""
     held: list[tuple[dict, tuple]] = attrs.Factory(list)
@@ -326,7 +337,7 @@ class _Resolver:
             target = out.targets[mid] = _Target(path, weakref.ref(module), [])
         target.selected.append(Selected(spec, key, nth))
 
-    def _select(self, spec: Spec) -> Found:
+    def _select(self, spec: Spec) -> _Found:
         modules = self.found.modules
         found = resolve(spec.where, self.model, caller=self.caller, spec=spec, modules=modules)
         _check_called(found, modules, spec, self.caller)
@@ -336,10 +347,10 @@ class _Resolver:
             return selected
         return self._called(spec, selected)
 
-    def _called(self, spec: Spec, found: Found) -> Found:
+    def _called(self, spec: Spec, found: _Found) -> _Found:
         """The modules of `found` that are called; a note for each container that never is."""
-        containers: Found = []
-        called: Found = []
+        containers: _Found = []
+        called: _Found = []
         for pm in found:
             (containers if never_called(pm[1]) else called).append(pm)
         if not called:
@@ -367,7 +378,7 @@ class _Resolver:
             key = (ppath, _name(spec))
             shard = None if manager is None else sharded.shard_of(manager[1], param)
             if manager is None or shard is None:
-                self.out.params.append(ParamHook(spec, key, weakref.ref(param)))
+                self.out.params.append(_ParamHook(spec, key, weakref.ref(param)))
             else:
                 self._watch(manager, ppath, holder, name, shard).add(spec, key)
                 self.out.notes.setdefault(key, (
@@ -459,10 +470,8 @@ class Plan:
             resolver.add(spec)
         resolved = resolver.finish()
         self.specs = specs
-        self.keeps_values = any(spec.intervenes or walk.holds_values(spec, model, resolver.rank) for spec in specs)
-        """Whether a spec holds a value of the user's (``walk.holds_values``) or is an intervention
-        (compared by identity, so a cache of them would fill up with plans never used again): the
-        plan is then not cached, and lives as long as its run."""
+        self.kept = _kept(specs, model, resolver.rank)
+        """Whether the plan is cached (see :meth:`get`)."""
         self._structure = _Structure(found, resolved.held)
         self._placed = found.placed
         self._targets = resolved.targets
@@ -534,22 +543,40 @@ class Plan:
 
     @staticmethod
     def get(model: nn.Module, specs: tuple[Spec, ...], caller: str) -> Plan:
-        """The plan of `specs` on `model`: cached, unless it keeps values of the user's
-        (:attr:`keeps_values`)."""
-        cache = _PLANS.get(model)  # a read needs no lock: each lookup is one step under the GIL
+        """The plan of `specs` on `model`, cached (NOTE [where plans are cached]) while the
+        model's structure holds."""
+        caches = _caches(specs)
+        cache = caches.get(model)  # a read needs no lock: each lookup is one step under the GIL
         plan = None if cache is None else cache.get(specs)
         if plan is not None and plan.current():
             return plan
         with _PAUSE:
             plan = Plan(model, specs, caller)
-        if plan.keeps_values:
-            return plan
-        with _LOCK:
-            cache = _PLANS.setdefault(model, {})
-            if len(cache) >= _PLANS_PER_MODEL and specs not in cache:
-                cache.pop(next(iter(cache)))
-            cache[specs] = plan
+        if plan.kept:
+            with _LOCK:
+                cache = caches.setdefault(model, {})
+                if len(cache) >= _PLANS_PER_MODEL and specs not in cache:
+                    cache.pop(next(iter(cache)))
+                cache[specs] = plan
         return plan
+
+
+def _caches(specs: tuple[Spec, ...]) -> weakref.WeakKeyDictionary[nn.Module, dict[tuple[Spec, ...], Plan]]:
+    """Where the plans of `specs` are cached, by model (NOTE [where plans are cached]): the
+    memo of their first intervention, else the plans of every model."""
+    for spec in specs:
+        if spec.intervenes:
+            return spec.memo
+    return _PLANS
+
+
+def _kept(specs: tuple[Spec, ...], model: nn.Module, inside: Container[int]) -> bool:
+    """Whether the plan of `specs` is cached (NOTE [where plans are cached]): in the memo of
+    their first intervention unless a spec reaches the model; else unless a spec holds a value
+    of the user's."""
+    if any(spec.intervenes for spec in specs):
+        return not any(walk.reaches(spec, model, inside) for spec in specs)
+    return not any(walk.holds_values(spec, model, inside) for spec in specs)
 
 
 def _copies(entries: list[Selected], twins: dict[int, Spec]) -> list[Selected]:

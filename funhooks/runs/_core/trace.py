@@ -47,21 +47,21 @@ from .hooked import Hooked
 from .types import Key, Selected, Stored, UserCall
 from .values import COPIES, Copy, copied_inputs, copied_output, copier
 
-__all__ = ["Compiled", "Inside", "Stores", "Traced", "compiled_call", "layout", "record", "stores_of"]
+__all__ = ["Compiled", "Inside", "Stores", "Traced", "User", "compiled_call", "layout", "record", "stores_of"]
 
 _MISSING = object()
-P = ParamSpec("P")
-R = TypeVar("R")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 Stores = tuple[tuple[str, bool, int], ...]
 """A module's entries when each stores a copy of its inputs or output: ``(name, stores the
 inputs, copy)`` each, `copy` an index in ``values.COPIES`` (see :func:`stores_of`)."""
 User = tuple[int, Hooked, "Stores | None"]
 """One frame's table on a module a trace records: ``(frame index, hooked, stores_of(...))``."""
-Group = tuple[str, str, tuple[tuple[int, Hooked], ...]]
+_Group = tuple[str, str, tuple[tuple[int, Hooked], ...]]
 """A module with other entries: its route (its ``_modules`` keys from the root, joined by
 dots), the attribute its forward is wrapped under, and ``(frame index, hooked)`` pairs."""
-Traced = tuple[str, tuple[Group, ...]]
+Traced = tuple[str, tuple[_Group, ...]]
 """What a trace reads to record: the stores of copies as one str (see :func:`layout`), and the
 modules with other entries."""
 _FIELD, _ROW = "\x1f", "\x1e"  # ASCII's unit and record separators
@@ -88,7 +88,7 @@ def layout(modules: Iterable[tuple[str, str, str, list[User]]]) -> Traced:
     tuple costs a guard per element, checked on every call. A module whose strings hold a
     separator (never in practice) is recorded through its table instead."""
     rows: list[str] = []
-    groups: list[Group] = []
+    groups: list[_Group] = []
     for route, attr, path, users in modules:
         found = _rows(route, attr, path, users)
         if found is None:
@@ -119,10 +119,10 @@ def _at(root: nn.Module, route: str) -> nn.Module:
     return module
 
 
-def _storing(inner: Callable[P, R], before: list[tuple[list[Stored], Key, Copy]],
-             after: list[tuple[list[Stored], Key, Copy]]) -> Callable[P, R]:
+def _storing(inner: Callable[_P, _R], before: list[tuple[list[Stored], Key, Copy]],
+             after: list[tuple[list[Stored], Key, Copy]]) -> Callable[_P, _R]:
     """A forward storing copies (``(buffer, key, copy)`` each) of its inputs and its output."""
-    def forward(*args: P.args, **kwargs: P.kwargs) -> R:
+    def forward(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         for buffer, key, copy in before:
             buffer.append((key, copied_inputs(copy, args, kwargs), None))
         output = inner(*args, **kwargs)
@@ -140,8 +140,8 @@ def _calling(module: nn.Module, inner: UserCall, users: forward.Users[Hooked]) -
     return calling
 
 
-def record(fn: Callable[..., R], root: nn.Module, traced: Traced, frames: list[Frame], args: tuple,
-           kwargs: dict) -> R:
+def record(fn: Callable[..., _R], root: nn.Module, traced: Traced, frames: list[Frame], args: tuple,
+           kwargs: dict) -> _R:
     """``fn(*args, **kwargs)`` with the modules of `traced` (reached from `root`) recording
     into `frames`; traceable."""
     stores, groups = traced
@@ -185,9 +185,9 @@ class Inside(NamedTuple):
     """``stores_of`` its entries."""
 
 
-Buffers = tuple[list[Stored], ...]
+_Buffers = tuple[list[Stored], ...]
 """What a recorder's runs stored, a buffer per run."""
-Recorder = Callable[..., tuple[object, Buffers]]
+_Recorder = Callable[..., tuple[object, _Buffers]]
 """A compiled recorder: ``(inner model, *args, **kwargs) -> (output, buffers)``."""
 
 
@@ -201,16 +201,16 @@ class Compiled:
 
     def __init__(self, items: list[Inside], caller: str) -> None:
         self.items, self.caller = items, caller
-        self.recorders: dict[tuple[int, ...], Recorder] = {}
+        self.recorders: dict[tuple[int, ...], _Recorder] = {}
 
 
-def _fresh(fn: Recorder) -> Recorder:
+def _fresh(fn: _Recorder) -> _Recorder:
     """`fn` with a code object of its own: dynamo keeps one cache (and one recompile limit)
     per code object, and every plan's recorder must have its own."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _recorder(wrapper: nn.Module, compiled_fn: object, users: list[Compiled]) -> Recorder:
+def _recorder(wrapper: nn.Module, compiled_fn: object, users: list[Compiled]) -> _Recorder:
     """The recorder for `users`, compiled with the settings of `wrapper` (a ``torch.compile``
     wrapper, or a module compiled in place whose compiled call is `compiled_fn`)."""
     modules: dict[int, tuple[str, str, str, list[User]]] = {}
@@ -223,7 +223,7 @@ def _recorder(wrapper: nn.Module, compiled_fn: object, users: list[Compiled]) ->
     callers = tuple([c.caller for c in users])
     in_place = not _torch.is_compile_wrapper(wrapper)  # its plain call: `Module.__call__` would call `compiled_fn`
 
-    def recorder(inner: nn.Module, *args: object, **kwargs: object) -> tuple[object, Buffers]:
+    def recorder(inner: nn.Module, *args: object, **kwargs: object) -> tuple[object, _Buffers]:
         frames = [Frame(None, caller, 0) for caller in callers]  # type: ignore[arg-type]
         out = record(_torch.call_impl(inner) if in_place else inner, inner, traced, frames, args, kwargs)
         for frame in frames:  # these frames last one compiled call: their op specs are checked now

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from funhooks import _torch
 from funhooks.distributed import is_distributed
@@ -19,12 +19,12 @@ from funhooks.specs.spec import Spec
 from .frame import Frame
 from .types import Check, Key
 
-__all__ = ["COPIES", "Copy", "Prep", "copied_inputs", "copied_output", "copier", "copies_of", "preparer", "snapshot",
-           "unchecked"]
+__all__ = ["COPIES", "Copy", "Prep", "copied_inputs", "copied_output", "copier", "copies_of", "detach_only", "detached",
+           "preparer", "snapshot", "unchecked"]
 
-Tensor = torch.Tensor
-V = TypeVar("V")
+_V = TypeVar("_V")
 _SCALARS = (bool, int, float, complex, str)
+_tracing = _torch.jit_tracing
 
 Copy = Callable[[Tensor], Tensor]
 """One of :data:`COPIES`."""
@@ -34,7 +34,7 @@ class Prep(Protocol):
     """A spec's per-tensor transform applied to a value: every tensor in it transformed, the
     structure kept (see :func:`preparer`)."""
 
-    def __call__(self, value: V, /) -> V: ...
+    def __call__(self, value: _V, /) -> _V: ...
 
 
 # -- stored values ----------------------------------------------------------------------------
@@ -150,51 +150,57 @@ def _gather(t: Tensor) -> Tensor:
     return torch.cat(parts, dim=0)
 
 
-def _detached(t: Tensor) -> Tensor:
-    """`t` without autograd history: a tensor that needs no gradient has none to cut, so it is
-    passed as is (``detach()`` would only make an alias, at the cost of an op per tensor)."""
-    return t.detach() if t.requires_grad else t
+def detached(t: Tensor) -> Tensor:
+    """`t` without autograd history, as a store keeps it: a tensor that needs no gradient has
+    none to cut, so it is passed as is (``detach()`` would only make an alias, at the cost of
+    an op per tensor). Under ``torch.jit.trace`` no op is called: the tracer names a value after
+    the variable of the frame that passes it to an op, and its check traces again without
+    gradients, so a detach in one trace only would make the two graphs differ."""
+    return t.detach() if t.requires_grad and not _tracing() else t
 
 
-def preparer(spec: Spec) -> Prep | None:
-    """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone)."""
-    steps: list[Callable[[Tensor], Tensor]] = []
-    if spec.detach:
-        steps.append(_detached)
-    if spec.gather:
-        steps.append(_gather)
-    if spec.cpu:
-        steps.append(Tensor.cpu)
-    if spec.clone:
-        steps.append(Tensor.clone)
-    if not steps:
-        return None
+def detach_only(value: Any) -> Any:
+    """The :data:`Prep` of the default flags (`detach` alone), the common case: each tensor
+    :func:`detached`; a tensor, or a tuple of tensors (the usual `args`), that needs no
+    gradient comes back as is, without a walk or a new tuple."""
+    if isinstance(value, Tensor):
+        return detached(value)
+    if type(value) is tuple and all(isinstance(x, Tensor) for x in value):  # the usual `args`
+        return tuple([detached(x) for x in value]) if any(x.requires_grad for x in value) else value
+    return _torch.map_tensors(detached, value)
 
-    def prep_tensor(t: Tensor) -> Tensor:
-        for step in steps:
+
+class _Chain:
+    """The :data:`Prep` of any other flags: each tensor through the flagged steps in turn."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: tuple[Copy, ...]) -> None:
+        self.steps = steps
+
+    def tensor(self, t: Tensor) -> Tensor:
+        for step in self.steps:
             t = step(t)
         return t
 
-    def prep(value: Any) -> Any:
+    def __call__(self, value: Any) -> Any:
         if isinstance(value, Tensor):
-            return prep_tensor(value)
+            return self.tensor(value)
         if type(value) is tuple and all(isinstance(x, Tensor) for x in value):
-            return tuple([prep_tensor(x) for x in value])  # the usual `args`, without a tree walk
-        return _torch.map_tensors(prep_tensor, value)
+            return tuple([self.tensor(x) for x in value])  # the usual `args`
+        return _torch.map_tensors(self.tensor, value)
 
-    if len(steps) != 1 or steps[0] is not _detached:
-        return prep
 
-    def prep_detach(value: Any) -> Any:
-        """`prep` for the default flags alone: a tensor, or a tuple of tensors (the usual
-        `args`), that needs no gradient comes back as is, without a walk or a new tuple."""
-        if isinstance(value, Tensor):
-            return value.detach() if value.requires_grad else value
-        if type(value) is tuple:
-            for x in value:
-                if not isinstance(x, Tensor) or x.requires_grad:
-                    return prep(value)
-            return value
-        return prep(value)
+_STEPS: tuple[Copy, ...] = (detached, _gather, Tensor.cpu, Tensor.clone)
+"""The step of each flag, in the order they apply: detach, gather, cpu, clone."""
 
-    return prep_detach
+
+def preparer(spec: Spec) -> Prep | None:
+    """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone), chosen
+    once, when the plan is made: None for no flag, :func:`detach_only` for the default flags,
+    else a chain of the flagged steps."""
+    flags = (spec.detach, spec.gather, spec.cpu, spec.clone)
+    steps = tuple([step for on, step in zip(flags, _STEPS) if on])
+    if not steps:
+        return None
+    return detach_only if steps == (detached,) else _Chain(steps)

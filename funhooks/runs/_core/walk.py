@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import NamedTuple
 
+import attrs
 import torch
 from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import TransformError
 from funhooks.specs.selector import path_label
+from funhooks.specs.spec import Spec
 
-__all__ = ["Keys", "Placed", "Walk", "holds_values", "keys_of", "walk"]
+__all__ = ["Walk", "holds_values", "keys_of", "reaches", "walk"]
 
 
-class Keys(NamedTuple):
+class _Keys(NamedTuple):
     """How traced code reaches a module: the ``_modules`` keys from the model (wrappers' own
     included), and where in them the inner model of its ``torch.compile`` wrapper starts."""
 
@@ -37,15 +39,15 @@ class Keys(NamedTuple):
     start: int
 
 
-class Placed(NamedTuple):
+class _Placed(NamedTuple):
     """A module under a wrapper, or run by compiled code only: the ``torch.compile`` wrapper
     (or module compiled in place) whose compiled code runs it, None for none, and its keys."""
 
     owner: nn.Module | None
-    keys: Keys
+    keys: _Keys
 
 
-Table = tuple[dict, tuple, tuple]
+_Table = tuple[dict, tuple, tuple]
 """A children table with children, its keys and its children, as they were."""
 
 
@@ -54,10 +56,10 @@ class Walk(NamedTuple):
 
     modules: list[tuple[str, nn.Module]]
     """``(path, module)`` in ``named_modules()`` order, a shared module once."""
-    placed: dict[int, Placed]
+    placed: dict[int, _Placed]
     """By module id, the modules under a wrapper or run by compiled code only. Any other
     module has no owner, and its path's segments as its keys (:func:`keys_of`)."""
-    full: list[Table]
+    full: list[_Table]
     """Every children table with children (to tell later whether the structure changed)."""
     empty: list[dict]
     """Every children table that is empty."""
@@ -72,7 +74,7 @@ def walk(model: nn.Module, caller: str) -> Walk:
     seen: set[int] = set()
     wrappers: dict[type, bool] = {}  # by type: whether it is a wrapper (DDP, torch.compile)
     # (path, module, where it is placed, None in the common case: no owner, its path's segments as its keys)
-    stack: list[tuple[str, nn.Module, Placed | None]] = [("", model, None)]
+    stack: list[tuple[str, nn.Module, _Placed | None]] = [("", model, None)]
     while stack:
         path, module, placed = stack.pop()
         kind = type(module)
@@ -84,7 +86,7 @@ def walk(model: nn.Module, caller: str) -> Walk:
         seen.add(id(module))
         if (placed is None or placed.owner is None) and _torch.compiled_in_place(module) is not None:
             keys = keys_of(path, placed).keys  # `module.compile()`: its compiled code runs what is below it
-            placed = Placed(module, Keys(keys, len(keys)))
+            placed = _Placed(module, _Keys(keys, len(keys)))
         if placed is not None:
             found.placed[id(module)] = placed
         found.modules.append((path, module))
@@ -92,8 +94,8 @@ def walk(model: nn.Module, caller: str) -> Walk:
     return found
 
 
-def _children(path: str, module: nn.Module, placed: Placed | None,
-              found: Walk) -> list[tuple[str, nn.Module, Placed | None]]:
+def _children(path: str, module: nn.Module, placed: _Placed | None,
+              found: Walk) -> list[tuple[str, nn.Module, _Placed | None]]:
     """What the walk visits below `module` (last first); its children table goes to `found`."""
     children = _torch.children(module)
     if not children:
@@ -104,19 +106,19 @@ def _children(path: str, module: nn.Module, placed: Placed | None,
     if placed is None:
         return [(prefix + n, c, None) for n, c in reversed(children.items()) if c is not None]
     owner, (keys, start) = placed
-    return [(prefix + n, c, Placed(owner, Keys((*keys, n), start)))
+    return [(prefix + n, c, _Placed(owner, _Keys((*keys, n), start)))
             for n, c in reversed(children.items()) if c is not None]
 
 
-def keys_of(path: str, placed: Placed | None) -> Keys:
+def keys_of(path: str, placed: _Placed | None) -> _Keys:
     """A module's keys: its path's segments unless the walk placed it (:attr:`Walk.placed`)."""
     if placed is not None:
         return placed.keys
-    return Keys(tuple(path.split(".")) if path else (), 0)
+    return _Keys(tuple(path.split(".")) if path else (), 0)
 
 
-def _unwrap(path: str, module: nn.Module, placed: Placed | None, full: list[Table],
-            caller: str) -> tuple[nn.Module, Placed]:
+def _unwrap(path: str, module: nn.Module, placed: _Placed | None, full: list[_Table],
+            caller: str) -> tuple[nn.Module, _Placed]:
     """The module inside the wrappers at `path` (DDP, DataParallel, ``torch.compile``), and
     where it is placed; the wrappers' children tables go to `full`."""
     owner = None if placed is None else placed.owner
@@ -134,10 +136,10 @@ def _unwrap(path: str, module: nn.Module, placed: Placed | None, full: list[Tabl
         table = _torch.children(module)
         full.append((table, tuple(table.keys()), tuple(table.values())))
         module = getattr(module, attr)
-    return module, Placed(owner, Keys(keys, start))
+    return module, _Placed(owner, _Keys(keys, start))
 
 
-LIMIT = 100_000
+_LIMIT = 100_000
 """How many objects :func:`holds_values` visits before it gives up (and says yes)."""
 
 _LEAVES = (str, bytes, int, float, complex, bool, type, types.ModuleType, type(None))
@@ -151,16 +153,26 @@ def holds_values(start: object, model: nn.Module, inside: Container[int]) -> boo
     bound ``self``, partials, containers, object attributes and modules, except the modules
     `inside` the model (by id; what a plan keeps of them, it keeps anyway), and not globals,
     which live as long as their module anyway. Unsure (too many objects) counts as yes."""
+    return _finds(start, inside, lambda obj: obj is model or isinstance(obj, torch.Tensor))
+
+
+def reaches(start: object, model: nn.Module, inside: Container[int]) -> bool:
+    """Whether `start` reaches the model itself, followed as :func:`holds_values` follows it
+    (a plan kept by a spec of the user's must not keep the model alive as long as the spec)."""
+    return _finds(start, inside, lambda obj: obj is model)
+
+
+def _finds(start: object, inside: Container[int], found: Callable[[object], bool]) -> bool:
     seen: set[int] = set()
     stack = [start]
     while stack:
         obj = stack.pop()
-        if obj is model or isinstance(obj, torch.Tensor):
+        if found(obj):
             return True
         if id(obj) in seen or id(obj) in inside or isinstance(obj, _LEAVES):
             continue
         seen.add(id(obj))
-        if len(seen) > LIMIT:
+        if len(seen) > _LIMIT:
             return True
         stack.extend(_parts(obj))
     return False
@@ -168,6 +180,8 @@ def holds_values(start: object, model: nn.Module, inside: Container[int]) -> boo
 
 def _parts(obj: object) -> Iterable[object]:
     """What `obj` refers to, as :func:`holds_values` follows it."""
+    if isinstance(obj, Spec):  # its fields, not its memo: what runs keep there is theirs
+        return [getattr(obj, field.name) for field in attrs.fields(Spec) if field.eq]
     if isinstance(obj, nn.Module):
         return [*_torch.children(obj).values(), *_torch.own_parameters(obj).values(), *_torch.own_buffers(obj).values()]
     if isinstance(obj, types.FunctionType):
