@@ -25,15 +25,15 @@ thread's ``contextvars`` context. A ``Forward``'s class is its state, chosen whe
 or leaves the module (``forward``), and every hooked call runs the ``__call__`` of its state::
 
     module(x) -> PyTorch's _call_impl (fast path) -> Forward.__call__
-        Observing (its plan's one run, observers only): the run in scope, outside
+        _Observing (its plan's one run, observers only): the run in scope, outside
                transforms? -> the module's own forward, then the observers' entries
-        OneRun / Shared (one run with editors or ops; several runs): the users in scope?
+        _OneRun / _Shared (one run with editors or ops; several runs): the users in scope?
                no -> the module's own forward
                yes -> the runner: forward-pre editors, forward-pre observers, the module's
                forward (inside an op mode when op specs select it), editors, gradient
                watchers, observers (recordings see edited values); or, for a compiled
                module, its compiled recorder
-        Passing (left under someone else's forward) -> the module's own forward
+        _Passing (left under someone else's forward) -> the module's own forward
 
 Public code uses three names: ``Plan.get``, ``Frame`` and ``Attached``, plus ``scope``.
 """

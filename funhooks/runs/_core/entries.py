@@ -197,7 +197,7 @@ def args_intervene_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PreEn
 
 def output_entry(spec: Spec, key: Key, rank: int, copies: bool) -> PostEntry:
     """Store the output (`copies`: a private copy, no version to check). The plain
-    ``fh.outputs`` store, the common case, is :func:`values.detach_only` and a snapshot."""
+    ``fh.outputs`` store, the common case, is :func:`values._detach_only` and a snapshot."""
     if copies and not spec.gather:
         return copies_of(spec, key, pre=False)
     prep, store = preparer(spec), _storer(copies)

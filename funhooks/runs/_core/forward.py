@@ -10,13 +10,13 @@ call down PyTorch's slower hooked path.
 A ``Forward``'s class is its state (NOTE [a state per class]), chosen when a run joins or
 leaves the module, never per call:
 
-- :class:`Observing`: its plan's one run alone, with observers only (the common case): the
+- :class:`_Observing`: its plan's one run alone, with observers only (the common case): the
   module's forward, then the observers;
-- :class:`OneRun`: one run with editors, op specs or backward events, or a run entered
+- :class:`_OneRun`: one run with editors, op specs or backward events, or a run entered
   inside a ``torch.func`` transform, or a compiled module's one run: every call through the
   forward's *runner* (:func:`call`, the full hot loop, or ``trace.compiled_call``);
-- :class:`Shared`: several runs on one module: the runner, for the runs in scope;
-- :class:`Passing`: left behind under someone else's forward after its last run left: the
+- :class:`_Shared`: several runs on one module: the runner, for the runs in scope;
+- :class:`_Passing`: left behind under someone else's forward after its last run left: the
   module's forward, nothing else.
 
 A plan's forward keeps the class its plan's run uses alone between runs; not installed, it
@@ -58,8 +58,7 @@ from .frame import Frame
 from .hooked import Hooked
 from .types import UserCall
 
-__all__ = ["Forward", "Item", "Observing", "OneRun", "Passing", "Shared", "Slot", "Table", "Users", "attribute",
-           "call", "install", "uninstall"]
+__all__ = ["Forward", "Item", "Slot", "Table", "Users", "attribute", "call", "install", "uninstall"]
 
 _ATTRIBUTE: dict[type, str] = {}
 _active = scope.active
@@ -75,7 +74,7 @@ class Table(Protocol):
 
     @property
     def plain(self) -> bool:
-        """True for a table of observers only: its plan's one run is then :class:`Observing`."""
+        """True for a table of observers only: its plan's one run is then :class:`_Observing`."""
 
     @property
     def obs(self) -> tuple[PostEntry, ...]:
@@ -204,7 +203,7 @@ class Slot:
     """The frame of a plan's run in the common case: the one run that wrapped the plan's
     modules with the plan's own ``Forward`` objects (taken outside transforms, when free).
 
-    Its ``Observing`` forwards read their frame here, so entering and leaving that run write
+    Its ``_Observing`` forwards read their frame here, so entering and leaving that run write
     one attribute for all of them, not one per module; a second run of the same plan at
     once, or a run inside a ``torch.func`` transform, gets forwards of its own instead.
     """
@@ -220,8 +219,8 @@ class Forward(Generic[_T]):
     hooked module and reuses it run after run, holding the module only weakly between runs.
 
     Its class is its state (NOTE [a state per class]). ``Forward(...)`` makes the one its
-    plan's run uses alone: :class:`Observing` for a plan's table of observers, else
-    :class:`OneRun`. While installed: ``module``, ``inner`` (what ``module.<attr>`` was) and
+    plan's run uses alone: :class:`_Observing` for a plan's table of observers, else
+    :class:`_OneRun`. While installed: ``module``, ``inner`` (what ``module.<attr>`` was) and
     ``saved`` (the instance attribute it replaced, if any); between runs ``inner`` is None,
     and a call that looked it up just before it was removed calls whatever the module holds now.
 
@@ -252,11 +251,11 @@ class Forward(Generic[_T]):
         self.runner = runner
         self.own, self.slot = own, slot
         self.alone: type[Forward[Any]] = type(self)  # its state while its plan's one run uses it alone
-        self.observe: PostEntry = _in_turn(own.obs if own is not None else ())  # an `Observing` one's observers
+        self.observe: PostEntry = _in_turn(own.obs if own is not None else ())  # an `_Observing` one's observers
         self.module: Any = None
         self.inner: UserCall | None = None
         self.saved: object = None
-        self.users: Users[_T] = ()  # the runs it serves, outermost first (an `Observing` one: its slot's frame)
+        self.users: Users[_T] = ()  # the runs it serves, outermost first (an `_Observing` one: its slot's frame)
         self.bound_reduce_ex = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
@@ -323,15 +322,15 @@ class Forward(Generic[_T]):
         """Serve `users` (at least one) from now on, in the state that fits them.
 
         A call in another thread may see the new users with the old class, or the other way
-        round: ``OneRun`` then takes the path of ``Shared`` (each call's users filtered by
-        scope), and ``Observing`` serves its slot's frame alone, a user before and after."""
+        round: ``_OneRun`` then takes the path of ``_Shared`` (each call's users filtered by
+        scope), and ``_Observing`` serves its slot's frame alone, a user before and after."""
         if len(users) > 1:
-            kind: type[Forward[Any]] = Shared
+            kind: type[Forward[Any]] = _Shared
         elif self.slot is not None and users[0][0] is self.slot.frame and users[0][1] is self.own:
             kind = self.alone
         else:
-            kind = OneRun
-        if kind is Observing:  # its user is its slot's frame: the class first, so no call sees `()` users
+            kind = _OneRun
+        if kind is _Observing:  # its user is its slot's frame: the class first, so no call sees `()` users
             self.__class__ = self.alone
             self.users = ()
             return
@@ -343,7 +342,7 @@ class Forward(Generic[_T]):
 def _alone(own: Table | None, slot: Slot | None) -> type[Forward[Any]]:
     """The state of a forward its plan's one run uses alone: observing when the plan's table
     has observers only (and the run is the slot's)."""
-    return Observing if slot is not None and own is not None and own.plain else OneRun
+    return _Observing if slot is not None and own is not None and own.plain else _OneRun
 
 
 def _in_turn(observers: Sequence[PostEntry]) -> PostEntry:
@@ -358,7 +357,7 @@ def _in_turn(observers: Sequence[PostEntry]) -> PostEntry:
     return observe
 
 
-class Observing(Forward[_T]):
+class _Observing(Forward[_T]):
     """Its plan's one run alone, the slot's frame, with observers only: the module's forward,
     then the observers (``fh.outputs``: ``entries.output_entry``'s store). A call inside a
     transform, or while the run's own spec function runs, takes the checked path of
@@ -380,7 +379,7 @@ class Observing(Forward[_T]):
         return ((self.slot.frame, self.own),)  # type: ignore[union-attr, return-value]
 
 
-class OneRun(Forward[_T]):
+class _OneRun(Forward[_T]):
     """One run: every call it sees through the runner (the full hot loop, or a compiled
     module's recorder); a run entered inside a ``torch.func`` transform is always one."""
 
@@ -395,13 +394,13 @@ class OneRun(Forward[_T]):
         return self._outside(users, args, kwargs)
 
 
-class Shared(Forward[_T]):
+class _Shared(Forward[_T]):
     """Several runs on one module: each call through the runner, for the runs in scope."""
 
     __slots__ = ()
 
 
-class Passing(Forward[_T]):
+class _Passing(Forward[_T]):
     """No run left, but someone else's forward wraps this one (so it stays in use): the
     module's own forward, nothing else. Its plan never reuses it."""
 
@@ -455,7 +454,7 @@ def _install_own(frame: Frame, items: Sequence[Item[_T]], installed: list[Forwar
             add(_join(frame, module, d, fwd, hooked))
             continue
         fwd.module = module
-        if fwd.alone is OneRun:
+        if fwd.alone is _OneRun:
             fwd.users = ((frame, hooked),)
         fwd.inner = getattr(module, attr)
         d[attr] = fwd
@@ -503,7 +502,7 @@ def uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | No
 
 def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | None) -> None:
     for fwd in reversed(installed):
-        if type(fwd) is Observing:  # the common case: its one run is the slot's frame, `frame`
+        if type(fwd) is _Observing:  # the common case: its one run is the slot's frame, `frame`
             _unwrap(fwd)
         else:
             _leave(fwd, frame)
@@ -512,26 +511,26 @@ def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | N
 
 
 def _leave(fwd: Forward[Table], frame: Frame) -> None:
-    """`frame` leaves `fwd`, not an ``Observing`` one (those have their slot's frame alone)."""
+    """`frame` leaves `fwd`, not an ``_Observing`` one (those have their slot's frame alone)."""
     kind = type(fwd)
-    if kind is OneRun and fwd.users and fwd.users[0][0] is frame:
+    if kind is _OneRun and fwd.users and fwd.users[0][0] is frame:
         _unwrap(fwd)
         fwd.users = ()
-        if fwd.inner is None and fwd.alone is not OneRun:  # unwrapped, its plan's: back to its state
+        if fwd.inner is None and fwd.alone is not _OneRun:  # unwrapped, its plan's: back to its state
             fwd.__class__ = fwd.alone
-    elif kind is Shared:
+    elif kind is _Shared:
         fwd._serve(tuple([u for u in fwd.users if u[0] is not frame]))
 
 
 def _unwrap(fwd: Forward[Table]) -> None:
     """Give the module back what it had; or, when someone wrapped `fwd` since (theirs stays in the ``__dict__``), let it pass calls
-    through to the module's forward (:class:`Passing`)."""
+    through to the module's forward (:class:`_Passing`)."""
     d = fwd.module.__dict__
     if d.get("__reduce_ex__") is fwd.bound_reduce_ex:  # ours (a module's own `__reduce_ex__` stays)
         del d["__reduce_ex__"]
     attr = fwd.attr
     if d.get(attr) is not fwd:  # someone wrapped ours since: theirs stays, ours passes through
-        fwd.__class__ = Passing
+        fwd.__class__ = _Passing
         return
     saved = fwd.saved
     if saved is None:

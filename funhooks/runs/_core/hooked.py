@@ -6,7 +6,7 @@ spec's ``(hook, role)``; where the hot loop runs it, from :data:`_PLACES`, keyed
 forward-pre editors, forward-pre observers; the op entries run *during* the module's own
 forward (``around``); editors (interventions among them), gradient watchers, observers;
 backward hooks around it. ``plain`` is True only for a table of observers: its plan's one
-run then calls them straight after the module's forward (``forward.Observing``).
+run then calls them straight after the module's forward (``forward._Observing``).
 
 Cost: built once per plan and module; reading it is attribute loads.
 """

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from .frame import Frame
 
-__all__ = ["active", "enter", "isolated", "leave", "only", "reset", "swap"]
+__all__ = ["active", "enter", "isolated", "leave", "reset", "swap"]
 
 _ACTIVE: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar("funhooks.active", default=())
 
@@ -40,14 +40,14 @@ def leave(frame: Frame) -> None:
 
 swap = _ACTIVE.set
 """``swap(frames) -> token``: from now on exactly `frames` see the calling context's calls,
-until ``reset(token)`` (:func:`only` without a generator, for the per-call path of ``capture``)."""
+until ``reset(token)`` (:func:`_only` without a generator, for the per-call path of ``capture``)."""
 
 reset = _ACTIVE.reset
 """Undo a :func:`swap`, given its token."""
 
 
 @contextlib.contextmanager
-def only(frames: tuple[Frame, ...]) -> Iterator[None]:
+def _only(frames: tuple[Frame, ...]) -> Iterator[None]:
     """Inside this block exactly `frames` see the calling context's calls."""
     token = _ACTIVE.set(frames)
     try:
@@ -59,5 +59,5 @@ def only(frames: tuple[Frame, ...]) -> Iterator[None]:
 def isolated() -> contextlib.AbstractContextManager[None]:
     """A block whose module calls no run sees: funhooks' own passes (shape discovery,
     summaries)."""
-    return only(())
+    return _only(())
 

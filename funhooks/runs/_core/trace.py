@@ -47,16 +47,16 @@ from .hooked import Hooked
 from .types import Key, Selected, Stored, UserCall
 from .values import COPIES, Copy, copied_inputs, copied_output, copier
 
-__all__ = ["Compiled", "Inside", "Stores", "Traced", "User", "compiled_call", "layout", "record", "stores_of"]
+__all__ = ["Compiled", "Inside", "Traced", "User", "compiled_call", "layout", "record", "stores_of"]
 
 _MISSING = object()
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-Stores = tuple[tuple[str, bool, int], ...]
+_Stores = tuple[tuple[str, bool, int], ...]
 """A module's entries when each stores a copy of its inputs or output: ``(name, stores the
 inputs, copy)`` each, `copy` an index in ``values.COPIES`` (see :func:`stores_of`)."""
-User = tuple[int, Hooked, "Stores | None"]
+User = tuple[int, Hooked, "_Stores | None"]
 """One frame's table on a module a trace records: ``(frame index, hooked, stores_of(...))``."""
 _Group = tuple[str, str, tuple[tuple[int, Hooked], ...]]
 """A module with other entries: its route (its ``_modules`` keys from the root, joined by
@@ -67,7 +67,7 @@ modules with other entries."""
 _FIELD, _ROW = "\x1f", "\x1e"  # ASCII's unit and record separators
 
 
-def stores_of(entries: Iterable[Selected]) -> Stores | None:
+def stores_of(entries: Iterable[Selected]) -> _Stores | None:
     """A module's entries as ``(name, stores the inputs, copy)`` (`copy` an index in
     ``values.COPIES``), when every one of them stores a copy of the inputs or the output; else None."""
     stores = []
@@ -181,7 +181,7 @@ class Inside(NamedTuple):
     """The attribute its forward is wrapped under."""
     hooked: Hooked
     """Its entries, storing copies."""
-    stores: Stores | None
+    stores: _Stores | None
     """``stores_of`` its entries."""
 
 

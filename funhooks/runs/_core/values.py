@@ -19,8 +19,8 @@ from funhooks.specs.spec import Spec
 from .frame import Frame
 from .types import Check, Key
 
-__all__ = ["COPIES", "Copy", "Prep", "copied_inputs", "copied_output", "copier", "copies_of", "detach_only", "detached",
-           "preparer", "snapshot", "unchecked"]
+__all__ = ["COPIES", "Copy", "Prep", "copied_inputs", "copied_output", "copier", "copies_of", "preparer", "snapshot",
+           "unchecked"]
 
 _V = TypeVar("_V")
 _SCALARS = (bool, int, float, complex, str)
@@ -150,7 +150,7 @@ def _gather(t: Tensor) -> Tensor:
     return torch.cat(parts, dim=0)
 
 
-def detached(t: Tensor) -> Tensor:
+def _detached(t: Tensor) -> Tensor:
     """`t` without autograd history, as a store keeps it: a tensor that needs no gradient has
     none to cut, so it is passed as is (``detach()`` would only make an alias, at the cost of
     an op per tensor). Under ``torch.jit.trace`` no op is called: the tracer names a value after
@@ -159,15 +159,15 @@ def detached(t: Tensor) -> Tensor:
     return t.detach() if t.requires_grad and not _tracing() else t
 
 
-def detach_only(value: Any) -> Any:
+def _detach_only(value: Any) -> Any:
     """The :data:`Prep` of the default flags (`detach` alone), the common case: each tensor
-    :func:`detached`; a tensor, or a tuple of tensors (the usual `args`), that needs no
+    :func:`_detached`; a tensor, or a tuple of tensors (the usual `args`), that needs no
     gradient comes back as is, without a walk or a new tuple."""
     if isinstance(value, Tensor):
-        return detached(value)
+        return _detached(value)
     if type(value) is tuple and all(isinstance(x, Tensor) for x in value):  # the usual `args`
-        return tuple([detached(x) for x in value]) if any(x.requires_grad for x in value) else value
-    return _torch.map_tensors(detached, value)
+        return tuple([_detached(x) for x in value]) if any(x.requires_grad for x in value) else value
+    return _torch.map_tensors(_detached, value)
 
 
 class _Chain:
@@ -191,16 +191,16 @@ class _Chain:
         return _torch.map_tensors(self.tensor, value)
 
 
-_STEPS: tuple[Copy, ...] = (detached, _gather, Tensor.cpu, Tensor.clone)
+_STEPS: tuple[Copy, ...] = (_detached, _gather, Tensor.cpu, Tensor.clone)
 """The step of each flag, in the order they apply: detach, gather, cpu, clone."""
 
 
 def preparer(spec: Spec) -> Prep | None:
     """The per-tensor transform a spec's flags ask for (detach, gather, cpu, clone), chosen
-    once, when the plan is made: None for no flag, :func:`detach_only` for the default flags,
+    once, when the plan is made: None for no flag, :func:`_detach_only` for the default flags,
     else a chain of the flagged steps."""
     flags = (spec.detach, spec.gather, spec.cpu, spec.clone)
     steps = tuple([step for on, step in zip(flags, _STEPS) if on])
     if not steps:
         return None
-    return detach_only if steps == (detached,) else _Chain(steps)
+    return _detach_only if steps == (_detached,) else _Chain(steps)
