@@ -12,10 +12,10 @@ that attaches anything to a model. May import: ``errors``, ``_torch``, ``_frozen
 """
 
 from .attribution import Attribution, attribution_patching
-from .generation import Generation, GenerationStep, generate, iter_generate
+from .generation import Generation, GenerationIterator, GenerationStep, generate, iter_generate
 from .pure import capture, functional
 from .run import Run, with_hooks
 from .zero_probes import activation_grads
 
-__all__ = ["Attribution", "Generation", "GenerationStep", "Run", "activation_grads", "attribution_patching", "capture",
-           "functional", "generate", "iter_generate", "with_hooks"]
+__all__ = ["Attribution", "Generation", "GenerationIterator", "GenerationStep", "Run", "activation_grads",
+           "attribution_patching", "capture", "functional", "generate", "iter_generate", "with_hooks"]

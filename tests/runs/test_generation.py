@@ -356,3 +356,15 @@ def test_a_named_iterator_left_suspended_leaves_nothing_on_the_model_and_closes(
     with pytest.raises(StopIteration):
         next(steps)
     fh.testing.assert_no_hooks(model)
+
+
+def test_the_iterator_type_is_public_as_fh_generation_iterator() -> None:
+    """`iter_generate` returned a `GenerationIterator` that users could not name (`fh.GenerationIterator`
+    was missing from `fh` and from `funhooks.runs`): a type annotation or `isinstance` needs it."""
+    import funhooks.runs
+
+    assert fh.GenerationIterator is funhooks.runs.GenerationIterator
+    assert "GenerationIterator" in fh.__all__ and "GenerationIterator" in funhooks.runs.__all__
+    model = _gpt2().eval()
+    with fh.iter_generate(model, (), PROMPT, max_new_tokens=2, do_sample=False, pad_token_id=0) as steps:
+        assert isinstance(steps, fh.GenerationIterator)
