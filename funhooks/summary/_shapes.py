@@ -66,12 +66,12 @@ def _same(args: tuple[object, ...], output: object) -> bool:
     if isinstance(output, torch.Tensor):
         if output.ndim == 0:
             return False
-        outs: list[torch.Size | None] = [output.shape[1:]] * min(len(args), output.shape[0])
-    elif isinstance(output, (tuple, list)):
-        outs = [o.shape if isinstance(o, torch.Tensor) else None for o in output]
-    else:
-        return False
-    return any(isinstance(a, torch.Tensor) and o is not None and a.shape[1:] == o for a, o in zip(args, outs))
+        shape = output.shape[1:]  # the first `output.shape[0]` arguments are compared with it
+        return any(isinstance(a, torch.Tensor) and a.shape[1:] == shape for a in args[:output.shape[0]])
+    if isinstance(output, (tuple, list)):
+        return any(isinstance(a, torch.Tensor) and isinstance(o, torch.Tensor) and a.shape[1:] == o.shape
+                   for a, o in zip(args, output))
+    return False
 
 
 @attrs.frozen
@@ -101,6 +101,8 @@ def nbytes(value: object) -> int:
     """The bytes of the tensors in `value` (meta tensors included: their size, not their storage)."""
     if type(value) is torch.Tensor:
         return value.numel() * value.element_size()
+    if type(value) is tuple and all(type(x) is torch.Tensor or x is None for x in value):  # most outputs: no tree walk
+        return sum([x.numel() * x.element_size() for x in value if x is not None])
     return sum(t.numel() * t.element_size() for t in _torch.tensor_leaves(value))
 
 
