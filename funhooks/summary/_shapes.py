@@ -16,7 +16,7 @@ formula for the CPU's fused attention kernel (``_scaled_dot_product_flash_attent
 which the counter here counts as attention. Each module's FLOPs are the counter's total at
 its exit minus its total at entry, over all its calls. A call whose FLOPs its module's class
 gives from the input's shape (``nn.Linear``, Hugging Face's ``Conv1D``: a matrix product;
-PyTorch's norms, embeddings, dropouts and activations: 0) runs off the counter, its FLOPs added
+PyTorch's norms, embeddings and activations: 0) runs off the counter, its FLOPs added
 at its end: the same numbers, without a Python dispatch per op of the call."""
 
 from __future__ import annotations
@@ -274,8 +274,8 @@ def _known_flops(module: nn.Module, args: tuple[object, ...]) -> int | None:
     """The FLOPs the counter would count in a call of `module` on `args`, where its own class
     (not a subclass; its class's ``forward``, not one set on the instance) makes them a function of the input's shape:
     ``mm``'s ``2 * m * k * n`` for ``nn.Linear`` and Hugging Face's ``Conv1D`` (an ``addmm``) on a
-    plain tensor of 2 or more dimensions, and 0 for PyTorch's norms, embeddings, dropouts and
-    activations, whose ops have no formula. None: the call is counted op by op."""
+    plain tensor of 2 or more dimensions, and 0 for PyTorch's norms, embeddings and activations,
+    whose ops have no formula. None: the call is counted op by op."""
     cls = type(module)
     # the class's own forward: also through a run's wrapper, whose `__func__` is the one it wraps
     if not args or type(args[0]) is not Tensor or getattr(module.forward, "__func__", None) is not cls.forward:
@@ -294,11 +294,11 @@ def _known_flops(module: nn.Module, args: tuple[object, ...]) -> int | None:
     return None
 
 
-_NO_FLOPS = frozenset({  # PyTorch modules whose ops have no FLOP formula (each runs one or a few elementwise ops)
-    nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding, nn.Dropout,
-    nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity, nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid,
-    nn.LeakyReLU, nn.ELU, nn.Mish, nn.Softmax, nn.LogSoftmax, nn.Hardswish, nn.Hardsigmoid,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+_NO_FLOPS = frozenset({  # PyTorch modules whose ops have no FLOP formula (each runs one or a few elementwise ops;
+    # dropouts and Identity are not here: in eval mode they run no op, and leaving the stack costs more than nothing)
+    nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding, nn.ReLU, nn.ReLU6,
+    nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Softmax, nn.LogSoftmax, nn.Hardswish,
+    nn.Hardsigmoid, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 })
 
 
