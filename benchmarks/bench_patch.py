@@ -181,11 +181,12 @@ def _transformer_lens(model: torch.nn.Module, clean: torch.Tensor, corrupt: torc
     import tokenizers
     import transformer_lens
     import transformers
+    from transformer_lens.model_bridge import TransformerBridge  # TransformerLens 3.9 and 4
 
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")))
-    bridge = transformer_lens.TransformerBridge.boot_transformers("gpt2", hf_model=copy.deepcopy(model), tokenizer=tok)
+    bridge = TransformerBridge.boot_transformers("gpt2", hf_model=copy.deepcopy(model), tokenizer=tok)
     _, cache = bridge.run_with_cache(clean)
 
     def call() -> torch.Tensor:

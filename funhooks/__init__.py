@@ -51,6 +51,7 @@ from .reducers import (
 from .runs import (
     Attribution,
     Generation,
+    GenerationIterator,
     GenerationStep,
     Run,
     activation_grads,
@@ -146,6 +147,7 @@ _INTEGRATIONS = ("lightning", "hf")
 __all__ = [
     "generate",
     "Generation",
+    "GenerationIterator",
     "GenerationStep",
     "iter_generate",
     "steps",

@@ -41,6 +41,7 @@ __all__ = [
     "own_parameters",
     "pytree",
     "register_pytree",
+    "top_dispatch_mode",
     "tree_leaves",
     "tree_map",
     "unwrap",
@@ -86,6 +87,11 @@ tree_leaves = pytree.tree_leaves
 def is_higher_order_op(func: object) -> bool:
     """True for a higher-order operator (``cond``, ``flex_attention``, ...) met by a dispatch mode."""
     return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+def top_dispatch_mode() -> TorchDispatchMode | None:
+    """The dispatch mode an op would meet first (the top of this thread's mode stack); None without one."""
+    return torch.utils._python_dispatch._get_current_dispatch_mode()
 
 
 # -- a module's own tables: read directly where a walk runs per step or per plan, and in traced

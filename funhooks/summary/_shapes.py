@@ -14,7 +14,10 @@ FLOPs are counted by a dispatch mode with ``torch.utils.flop_counter``'s formula
 rules (an op without a formula is decomposed where PyTorch can); PyTorch's own counter has no
 formula for the CPU's fused attention kernel (``_scaled_dot_product_flash_attention_for_cpu``),
 which the counter here counts as attention. Each module's FLOPs are the counter's total at
-its exit minus its total at entry, over all its calls."""
+its exit minus its total at entry, over all its calls. A call whose FLOPs its module's class
+gives from the input's shape (``nn.Linear``, Hugging Face's ``Conv1D``: a matrix product;
+PyTorch's norms, embeddings and activations: 0) runs off the counter, its FLOPs added
+at its end: the same numbers, without a Python dispatch per op of the call."""
 
 from __future__ import annotations
 
@@ -62,12 +65,12 @@ def _same(args: tuple[object, ...], output: object) -> bool:
     if isinstance(output, torch.Tensor):
         if output.ndim == 0:
             return False
-        outs: list[torch.Size | None] = [output.shape[1:]] * min(len(args), output.shape[0])
-    elif isinstance(output, (tuple, list)):
-        outs = [o.shape if isinstance(o, torch.Tensor) else None for o in output]
-    else:
-        return False
-    return any(isinstance(a, torch.Tensor) and o is not None and a.shape[1:] == o for a, o in zip(args, outs))
+        shape = output.shape[1:]  # the first `output.shape[0]` arguments are compared with it
+        return any(isinstance(a, torch.Tensor) and a.shape[1:] == shape for a in args[:output.shape[0]])
+    if isinstance(output, (tuple, list)):
+        return any(isinstance(a, torch.Tensor) and isinstance(o, torch.Tensor) and a.shape[1:] == o.shape
+                   for a, o in zip(args, output))
+    return False
 
 
 @attrs.frozen
@@ -97,6 +100,8 @@ def nbytes(value: object) -> int:
     """The bytes of the tensors in `value` (meta tensors included: their size, not their storage)."""
     if type(value) is torch.Tensor:
         return value.numel() * value.element_size()
+    if type(value) is tuple and all(type(x) is torch.Tensor or x is None for x in value):  # most outputs: no tree walk
+        return sum([x.numel() * x.element_size() for x in value if x is not None])
     return sum(t.numel() * t.element_size() for t in _torch.tensor_leaves(value))
 
 
@@ -137,6 +142,8 @@ class _Counter(_torch.TorchDispatchMode):
         self.formulas: dict[object, Callable[..., int]] = {**flop_counter.flop_registry, **_extra_formulas()}
         self.ops: dict[object, _Op | Callable[..., int]] = {}  # per op overload: its formula, or what to do
         self.counts: dict[object, int] = {}  # per op and shapes: the formula's result
+        self.paused = False  # off the mode stack for a call whose FLOPs its module's class gives
+        self.pending = 0  # that call's FLOPs, added when it ends
 
     def _kind(self, func: Any) -> _Op | Callable[..., int]:
         if func in _QUERIES or _torch.is_higher_order_op(func):
@@ -188,6 +195,34 @@ class _Counter(_torch.TorchDispatchMode):
         self.over = True
         raise _OverBudget
 
+    def pause(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        """Before a call of `module`: when its class gives the call's FLOPs from its input's shape
+        (:func:`_known_flops`), leave the mode stack for the call, its ops uncounted, one by one
+        about as costly as the ops themselves; :meth:`resume` adds the FLOPs."""
+        flops = _known_flops(module, args)
+        if flops is None or self.over or _torch.top_dispatch_mode() is not self:
+            return
+        if self.budget and self.total + flops > REAL_FLOPS:
+            self.over = True  # the next op stops the pass, before the product runs
+            return
+        self.__exit__(None, None, None)
+        self.paused, self.pending = True, flops
+
+    def resume(self, output: object) -> None:
+        """After the call :meth:`pause` left the stack for: back on it, the call's FLOPs added."""
+        if not self.paused:
+            return
+        self.__enter__()
+        self.paused, self.total = False, self.total + self.pending
+        if self.budget and (self.total > REAL_FLOPS or _largest(output) > REAL_BYTES):
+            self.over = True  # the next op stops the pass; `_run` checks at the end
+
+    def __exit__(self, *exc: object) -> None:
+        if self.paused:  # the paused call raised: the mode is off the stack already
+            self.paused = False
+            return
+        super().__exit__(*exc)
+
     def _before(self, formula: Callable[..., int], func: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> tuple[int | None, Any]:
         """The op's FLOPs before it runs, where they are known from its arguments (kept per op and
@@ -232,6 +267,38 @@ def _largest(out: Any) -> int:
     if isinstance(out, (tuple, list)):
         return max([_largest(x) for x in out], default=0)
     return out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+
+
+def _known_flops(module: nn.Module, args: tuple[object, ...]) -> int | None:
+    """The FLOPs the counter would count in a call of `module` on `args`, where its own class
+    (not a subclass; its class's ``forward``, not one set on the instance) makes them a function of the input's shape:
+    ``mm``'s ``2 * m * k * n`` for ``nn.Linear`` and Hugging Face's ``Conv1D`` (an ``addmm``) on a
+    plain tensor of 2 or more dimensions, and 0 for PyTorch's norms, embeddings and activations,
+    whose ops have no formula. None: the call is counted op by op."""
+    cls = type(module)
+    # the class's own forward: also through a run's wrapper, whose `__func__` is the one it wraps
+    if not args or type(args[0]) is not Tensor or getattr(module.forward, "__func__", None) is not cls.forward:
+        return None
+    x = args[0]
+    if cls in _NO_FLOPS or cls.__module__ == "transformers.activations":
+        return 0
+    if x.ndim < 2:
+        return None
+    weight = getattr(module, "weight", None)  # Linear's: (out, in); Conv1D's: (in, out)
+    if cls is nn.Linear and type(weight) is nn.Parameter and weight.ndim == 2 and x.shape[-1] == weight.shape[1]:
+        return 2 * x.numel() * weight.shape[0]
+    if (cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils" and type(weight) is nn.Parameter
+            and weight.ndim == 2 and x.shape[-1] == weight.shape[0]):
+        return 2 * x.numel() * weight.shape[1]
+    return None
+
+
+_NO_FLOPS = frozenset({  # PyTorch modules whose ops have no FLOP formula (each runs one or a few elementwise ops;
+    # dropouts and Identity are not here: in eval mode they run no op, and leaving the stack costs more than nothing)
+    nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding, nn.ReLU, nn.ReLU6,
+    nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Softmax, nn.LogSoftmax, nn.Hardswish,
+    nn.Hardsigmoid, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+})
 
 
 def _shape_args(value: Any) -> Any:
@@ -297,10 +364,18 @@ def _counted() -> int:
 
 
 def _enter(module: nn.Module, args: tuple[object, ...]) -> int:
-    return _counted()
+    counter = _COUNTER.get()
+    if counter is None:
+        return 0
+    counted = counter.total
+    counter.pause(module, args)
+    return counted
 
 
 def _track(module: nn.Module, args: tuple[object, ...], output: object) -> Track:
+    counter = _COUNTER.get()
+    if counter is not None:
+        counter.resume(output)
     return Track(_shapes_of(output), _same(args, output), _shapes_of(args), nbytes(output), _counted())
 
 

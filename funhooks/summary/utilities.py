@@ -412,19 +412,21 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
     _check_options(depth, layout)
     inner = _torch.unwrap(model)
     found = record_shapes(model, _Within(depth), xb, kwargs, count_flops=True)
-    params = list(inner.parameters())
     root_inputs = shape_tree(xb if not kwargs else {**{str(i): x for i, x in enumerate(xb)}, **kwargs})
     modules = list(_torch.named_modules(inner))
     calls = {p: tracks(found.record, p) for p, _ in modules}
-    own = {id(m): list(m.parameters(recurse=False)) for _, m in modules}
+    # each module's own parameters, each once (`parameters(recurse=False)`, without its generators)
+    own = {id(m): list({id(p): p for p in _torch.own_parameters(m).values() if p is not None}.values())
+           for _, m in modules}
+    params = list({id(p): p for found_here in own.values() for p in found_here}.values())  # every module's: each once
     subtree = _subtree_params(inner, own)
     layers = tuple(_layer(p, m, found, root_inputs, calls[p], _count(subtree[id(m)]), _count(own[id(m)])[0])
                    for p, m in modules if depth is None or _depth(p) <= depth)
-    leaves = [p for p, m in modules if is_leaf(p, m)]
+    leaves = [(p, m) for p, m in modules if is_leaf(p, m)]
     return ModuleSummary(
         model=_torch.own_class(inner).__name__,
         input_shapes=tuple(shape_tree(x) for x in xb),
-        rows=tuple(_row(p, m, calls[p]) for p, m in modules if is_leaf(p, m)),
+        rows=tuple(_row(p, m, calls[p]) for p, m in leaves),
         total=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
         kwarg_shapes=tuple((k, shape_tree(v)) for k, v in kwargs.items()),
@@ -433,6 +435,6 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
         flops=None if found.flops is None else found.flops[""],
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         input_bytes=nbytes((xb, kwargs)),
-        activation_bytes=sum(t.output_bytes for p in leaves for t in calls[p]),
+        activation_bytes=sum(t.output_bytes for p, _ in leaves for t in calls[p]),
         layout=layout or ("fastai" if depth is None and not kwargs else "full"),
     )

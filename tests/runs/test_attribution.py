@@ -49,6 +49,8 @@ def _by_hand(model: nn.Module, modules: list[nn.Module], clean: torch.Tensor, co
 
     def keep(module: nn.Module, *args: object) -> None:
         value = args[0][0] if inputs else args[1]  # type: ignore[index]
+        if isinstance(value, tuple):  # a block's output under transformers 4.x: (hidden,)
+            value = value[0]
         if value.requires_grad:
             value.retain_grad()
         seen.append(value)

@@ -27,6 +27,12 @@ GREEDY = {"max_new_tokens": NEW, "do_sample": False, "pad_token_id": 0}
 WIDTH = 32
 
 
+def _hidden(value: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A stored block output's hidden states: the value, or under transformers 4.x the block's
+    tuple's element 0."""
+    return value[0] if isinstance(value, tuple) else value
+
+
 def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0, eos_token_id=0,
@@ -65,7 +71,8 @@ def test_records_one_step_per_new_token_beside_the_tokens_of_a_plain_generate(lm
     assert torch.equal(gen.tokens, plain[:, PROMPT.shape[1]:])
     assert torch.equal(gen.output, plain)
     assert [s.step for s in gen.steps] == list(range(NEW))
-    assert [tuple(r[block]["output"].shape) for r in gen.records] == [(2, 5, WIDTH)] + [(2, 1, WIDTH)] * (NEW - 1)
+    shapes = [tuple(_hidden(r[block]["output"]).shape) for r in gen.records]
+    assert shapes == [(2, 5, WIDTH)] + [(2, 1, WIDTH)] * (NEW - 1)
     fh.testing.assert_no_hooks(model)
 
 
@@ -84,9 +91,10 @@ def test_new_positions_are_the_same_record_with_and_without_the_cache(lm: tuple[
     cached = fh.generate(model, fh.outputs(block), PROMPT, use_cache=True, **GREEDY)
     uncached = fh.generate(model, fh.outputs(block), PROMPT, use_cache=False, **GREEDY)
     assert torch.equal(cached.tokens, uncached.tokens)
-    assert uncached.records[2][block]["output"].shape[1] == PROMPT.shape[1] + 2
+    assert _hidden(uncached.records[2][block]["output"]).shape[1] == PROMPT.shape[1] + 2
     for a, b in zip(cached.steps, uncached.steps):
-        torch.testing.assert_close(a.new()[block]["output"], b.new()[block]["output"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_hidden(a.new()[block]["output"]), _hidden(b.new()[block]["output"]), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def _manual_steer(model: nn.Module, block: str, vector: torch.Tensor, k: int, cached: bool) -> torch.Tensor:
@@ -269,12 +277,12 @@ def test_a_chunked_prompt_pass_is_step_0_with_a_call_per_chunk(lm: tuple[nn.Modu
     spec = [fh.patch(block, 0.0, index=fh.steps(0, last=True)), fh.outputs(block)]
     gen = fh.generate(model, spec, PROMPT7, prefill_chunk_size=3, **GREEDY)
     assert [s.calls for s in gen.steps] == [3] + [1] * (NEW - 1)
-    values = [v[0] if isinstance(v, tuple) else v for v in gen.records[0].calls(block, "output")]
+    values = [_hidden(v) for v in gen.records[0].calls(block, "output")]
     assert [tuple(v.shape) for v in values] == [(2, 3, WIDTH), (2, 3, WIDTH), (2, 1, WIDTH)]
     assert bool((values[2] == 0).all())
     assert all(bool((v != 0).any(-1).all()) for v in values[:2])
-    assert [tuple((v[0] if isinstance(v, tuple) else v).shape)
-            for v in gen.steps[0].new().calls(block, "output")] == [(2, 3, WIDTH), (2, 3, WIDTH), (2, 1, WIDTH)]
+    new = [tuple(_hidden(v).shape) for v in gen.steps[0].new().calls(block, "output")]
+    assert new == [(2, 3, WIDTH), (2, 3, WIDTH), (2, 1, WIDTH)]
 
 
 @pytest.mark.parametrize(("options", "got"), [
@@ -356,3 +364,15 @@ def test_a_named_iterator_left_suspended_leaves_nothing_on_the_model_and_closes(
     with pytest.raises(StopIteration):
         next(steps)
     fh.testing.assert_no_hooks(model)
+
+
+def test_the_iterator_type_is_public_as_fh_generation_iterator() -> None:
+    """`iter_generate` returned a `GenerationIterator` that users could not name (`fh.GenerationIterator`
+    was missing from `fh` and from `funhooks.runs`): a type annotation or `isinstance` needs it."""
+    import funhooks.runs
+
+    assert fh.GenerationIterator is funhooks.runs.GenerationIterator
+    assert "GenerationIterator" in fh.__all__ and "GenerationIterator" in funhooks.runs.__all__
+    model = _gpt2().eval()
+    with fh.iter_generate(model, (), PROMPT, max_new_tokens=2, do_sample=False, pad_token_id=0) as steps:
+        assert isinstance(steps, fh.GenerationIterator)

@@ -87,10 +87,12 @@ def test_the_sweep_equals_transformer_lens_get_act_patch_resid_pre() -> None:
     vmapped sweep equals `patching.get_act_patch_resid_pre`."""
     tl = pytest.importorskip("transformer_lens")
     tokenizers = pytest.importorskip("tokenizers")
+    from transformer_lens.model_bridge import TransformerBridge  # TransformerLens 3.9 and 4 both have it here
+
     model = patching_gpt2()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(
         tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")))
-    bridge = tl.TransformerBridge.boot_transformers("gpt2", hf_model=model, tokenizer=tok)
+    bridge = TransformerBridge.boot_transformers("gpt2", hf_model=model, tokenizer=tok)
     clean, corrupt = patching_prompts()
     with torch.no_grad():
         _, cache = bridge.run_with_cache(clean)

@@ -220,6 +220,47 @@ def test_attention_flops_are_counted_with_an_attention_mask(bert: nn.Module, mas
     assert layers["encoder.layer.0.attention.self"].flops == projections + by_hand
 
 
+class _Wide(nn.Linear):
+    """A Linear subclass whose forward runs its product twice: counted by its ops, not its class."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + super().forward(x)
+
+
+class _Mixed(nn.Module):
+    """Linears on 3-d, 2-d, 1-d and non-contiguous inputs, with and without bias, a subclass, one
+    whose forward is set on the instance, norms, dropouts and activations between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 5), nn.Linear(5, 6, bias=False), nn.Linear(6, 3)
+        self.wide, self.odd = _Wide(6, 4), nn.Linear(6, 6)
+        self.odd.forward = lambda x: nn.functional.linear(x @ self.odd.weight, self.odd.weight)  # type: ignore[method-assign]
+        self.acts = nn.Sequential(nn.LayerNorm(6), nn.GELU(), nn.Dropout(0.1), nn.Tanh(), nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.acts(self.b(self.a(x)))
+        h = h + self.b(self.a(h.transpose(0, 1)).transpose(0, 1))  # a non-contiguous input
+        return (self.c(h).sum() + self.c(h[0, 0]).sum() + self.c(h[0]).sum() + self.wide(h).sum()
+                + self.odd(h).sum())
+
+
+def test_flops_per_module_equal_torch_counters_on_every_kind_of_linear_call() -> None:
+    """A Linear's FLOPs come from its class where they follow from its input's shape (its call's
+    ops not run through the counter one by one); per module they are what torch's counter
+    counts op by op (a 1-d input too), a subclass's and an instance's own forward by their ops."""
+    torch.manual_seed(0)
+    model, x = _Mixed(), torch.randn(3, 4, 6)
+    s = fh.module_summary(model, x, layout="full")
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.eval()(x)
+    counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    flops = {r.path: r.flops for r in s.layers}
+    assert flops == {p: counts.get("_Mixed" + ("." + p if p else ""), 0) for p in flops}
+    assert flops["c"] == 2 * (12 + 1 + 4) * 6 * 3 and flops["wide"] == 2 * 2 * 12 * 6 * 4
+    assert flops["odd"] == 2 * 2 * 12 * 6 * 6 and flops["acts"] == 0 and s.flops == counter.get_total_flops()
+
+
 def test_activation_memory_counts_every_call() -> None:
     """A module called twice adds both outputs to the activation estimate."""
 

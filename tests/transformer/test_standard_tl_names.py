@@ -2,8 +2,8 @@
 against TransformerLens itself (issue 36 item 20): a `HookedTransformer` built from the same
 GPT-2 weights, with no weight processing (no folded norms, no centring), run on the same
 tokens; every TransformerLens hook named in a row holds the value of the funhooks point named
-beside it, at every layer. Runs where the `bench` extra (transformer-lens, with
-`HookedTransformer`) is installed; skipped with the reason otherwise."""
+beside it, at every layer. Runs where the `tl` extra (transformer-lens 3.9, with
+`HookedTransformer`; `.ci/run` installs it) is installed; skipped with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import torch
 import funhooks as fh
 from tests.transformer_models import HEADS, HIDDEN, LAYERS, POSITIONS, VOCAB, gpt2
 
-tl = pytest.importorskip("transformer_lens", reason="the `bench` extra (transformer-lens) is not installed: "
-                         "pip install 'funhooks[bench]' to check the table against TransformerLens")
+tl = pytest.importorskip("transformer_lens", reason="the `tl` extra (transformer-lens) is not installed: "
+                         "pip install 'funhooks[tl]' to check the table against TransformerLens")
 if not hasattr(tl, "HookedTransformer"):  # transformer_lens raises ImportError from its __getattr__ in 4.0
     pytest.skip("this transformer-lens has no `HookedTransformer` (removed in TransformerLens 4): "
                 "pip install 'transformer-lens<4' to check the table", allow_module_level=True)
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "transformers.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "transformers.md"
 SECTION = "## TransformerLens name -> funhooks point"
 CODE = re.compile(r"`([^`]+)`")
 POINT = re.compile(r"pts\.(\w+)(\[L\])?$")
