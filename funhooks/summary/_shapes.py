@@ -202,7 +202,7 @@ class _Counter(_torch.TorchDispatchMode):
         flops = _known_flops(module, args)
         if flops is None or self.over or _torch.top_dispatch_mode() is not self:
             return
-        if self.budget and self.total + flops > REAL_FLOPS:
+        if self.budget and self.total + flops > _REAL_FLOPS:
             self.over = True  # the next op stops the pass, before the product runs
             return
         self.__exit__(None, None, None)
@@ -214,7 +214,7 @@ class _Counter(_torch.TorchDispatchMode):
             return
         self.__enter__()
         self.paused, self.total = False, self.total + self.pending
-        if self.budget and (self.total > REAL_FLOPS or _largest(output) > REAL_BYTES):
+        if self.budget and (self.total > _REAL_FLOPS or _largest(output) > _REAL_BYTES):
             self.over = True  # the next op stops the pass; `_run` checks at the end
 
     def __exit__(self, *exc: object) -> None:
