@@ -1,0 +1,236 @@
+"""One forward of a model as the circuits see it: every writer recorded, and each reader's input
+either probed (a zero tensor added where its gradient is wanted) or patched (the writers cut
+off from it replaced by their reference values).
+
+The specs are standard points and norm inputs of the unmodified model, made once per model
+(``fh.capture``); what a call does is the :class:`Job` it is given. Per head, a reader's input
+is not a tensor of the model: the query, key and value projections read one normed stream.
+So a head's reader is probed at its projection's output (per head, through the point's view),
+and its gradient carried back to the stream before the norm through the head's slice of the
+projection weight and the norm's vector-Jacobian product at the recorded stream, vmapped over
+heads: exact, since that input feeds that head's projection alone. Patched, a head's query
+(key, value) is recomputed from its own input, ``norm(stream - removed) @ W_head``, as a change
+added to the projection's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from funhooks.errors import SpecError
+from funhooks.runs import capture
+from funhooks.specs import edit
+from funhooks.transformer import Point
+
+from .graphs import Graph
+
+__all__ = ["Job", "Pass", "Patching", "Probing", "Recording", "check_pair"]
+
+Tensor = torch.Tensor
+_PARTS = ("q", "k", "v")
+
+
+def _in_out(module: nn.Module, caller: str) -> tuple[Tensor, Tensor | None]:
+    """A projection's weight as ``(in, out)`` (``x @ w + b``) and its bias: ``nn.Linear``'s
+    weight transposed, GPT-2's ``Conv1D`` weight as it is."""
+    if isinstance(module, nn.Linear):
+        return module.weight.t(), module.bias
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, Tensor):
+        return weight, bias if isinstance(bias, Tensor) else None
+    raise SpecError(f"{caller}: a head's projection is an `nn.Linear` or a Hugging Face `Conv1D`, got "
+                    f"{type(module).__name__}. Use a model whose attention projections are one of them.")
+
+
+def _paths(point: Point) -> list[str]:
+    """A per-layer point's module paths, in layer order."""
+    return [path for _, path in point.paths]
+
+
+def check_pair(clean: object, corrupt: object, caller: str) -> None:
+    """`clean` and `corrupt` are token tensors of one shape."""
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (clean, corrupt)]
+    if not all(isinstance(t, torch.Tensor) for t in (clean, corrupt)) or shapes[0] != shapes[1]:
+        raise SpecError(f"{caller}: `clean` and `corrupt` are input tensors of the same shape, got {shapes[0]} and "
+                        f"{shapes[1]}. Pad or truncate the prompts to one length.")
+
+
+class Job:
+    """What one forward records: the stream before each layer, the writers in order."""
+
+    def __init__(self) -> None:
+        self.streams: dict[int, Tensor] = {}
+        self.chunks: list[Tensor] = []  # (batch, position, writers, d_model), in writer order
+        self.count = 0
+
+    def written(self) -> Tensor:
+        """The writers so far, ``(batch, position, writers, d_model)``."""
+        return torch.cat(self.chunks, 2)
+
+    def embed(self, value: Tensor) -> Tensor | None:
+        """The embeddings to use instead of `value` (None: keep it)."""
+        return None
+
+    def reader(self, pass_: Pass, layer: int, part: str, value: Tensor, given: Tensor) -> Tensor | None:
+        """A head reader group's new projection output (None: keep it)."""
+        return None
+
+    def stream(self, pass_: Pass, column: int, value: Tensor) -> Tensor | None:
+        """An MLP's or the final norm's new input (None: keep it)."""
+        return None
+
+
+class Recording(Job):
+    """Record the writers; with `embed`, run on those embeddings instead of the input's."""
+
+    def __init__(self, embed: Tensor | None = None) -> None:
+        super().__init__()
+        self.replacement = embed
+
+    def embed(self, value: Tensor) -> Tensor | None:
+        return self.replacement
+
+
+class Probing(Recording):
+    """Record the writers and add a zero probe at every reader (its gradient is the reader's)."""
+
+    def __init__(self, embed: Tensor | None = None) -> None:
+        super().__init__(embed)
+        self.heads: dict[tuple[int, str], Tensor] = {}
+        self.streams_in: dict[int, Tensor] = {}  # reader column -> probe
+
+    def _probe(self, value: Tensor) -> Tensor:
+        return torch.zeros_like(value).requires_grad_()
+
+    def reader(self, pass_: Pass, layer: int, part: str, value: Tensor, given: Tensor) -> Tensor | None:
+        probe = self.heads[(layer, part)] = self._probe(value)
+        return value + probe
+
+    def stream(self, pass_: Pass, column: int, value: Tensor) -> Tensor | None:
+        probe = self.streams_in[column] = self._probe(value)
+        return value + probe
+
+
+class Patching(Job):
+    """Each reader's input minus, for every writer cut off from it, ``(writer now - reference)``."""
+
+    def __init__(self, reference: Tensor, removed: Tensor) -> None:
+        super().__init__()
+        self.reference, self.removed = reference, removed  # (b, p, writers, d), (writers, readers)
+
+    def _delta(self, columns: slice) -> Tensor | None:
+        n = sum(c.shape[2] for c in self.chunks)
+        cut = self.removed[:n, columns]
+        if not bool(cut.any()):
+            return None
+        now = self.written()
+        return torch.einsum("bpwd,wr->bprd", now - self.reference[:, :, :n].to(now.dtype), cut.to(now.dtype))
+
+    def reader(self, pass_: Pass, layer: int, part: str, value: Tensor, given: Tensor) -> Tensor | None:
+        columns = pass_.columns(layer, part)
+        delta = self._delta(columns)
+        if delta is None:
+            return None
+        norm = pass_.attn_norm[layer]
+        changed = self.removed[:, columns].any(0).to(delta.dtype)[:, None]  # heads with an edge cut
+        normed = norm(self.streams[layer][:, :, None] - delta)
+        weight = pass_.weights_in[part][layer]  # (d_model, heads, d_head)
+        change = (normed - given[:, :, None]) * changed
+        return value + torch.einsum("bphd,dhe->bphe", change, weight)
+
+    def stream(self, pass_: Pass, column: int, value: Tensor) -> Tensor | None:
+        delta = self._delta(slice(column, column + 1))
+        return None if delta is None else value - delta[:, :, 0]
+
+
+class Pass:
+    """The specs of one model's circuit passes, made once; ``pass_(job, args, kwargs)`` runs one."""
+
+    def __init__(self, graph: Graph, model: nn.Module, caller: str) -> None:
+        self.graph, self.model, self.caller = graph, model, caller
+        pts = graph.points
+        get = model.get_submodule
+        self._resid = {id(get(path)): layer for layer, path in enumerate(_paths(pts.resid_pre))}
+        self._z = {id(get(path)): layer for layer, path in enumerate(_paths(pts.z))}
+        self._mlp = {id(get(path)): layer for layer, path in enumerate(_paths(pts.mlp_out))}
+        self._qkv = {part: {id(get(path)): layer for layer, path in enumerate(_paths(getattr(pts, part)))}
+                     for part in _PARTS}
+        self._norm_in = {id(get(path)): graph.reader(layer) for layer, path in enumerate(graph.mlp_norms)}
+        self._norm_in[id(get(graph.final_norm))] = graph.reader(pts.n_layers)
+        self.attn_norm = [get(path) for path in graph.attn_norms]
+        self._proj = {part: [get(path) for path in _paths(getattr(pts, part))] for part in _PARTS}
+        self._views = {part: getattr(pts, part).view for part in _PARTS}
+        self._out = [get(path) for path in _paths(pts.z)]
+        self.weights_in: dict[str, list[Tensor]] = {}
+        self.weights_out: list[Tensor] = []
+        for part in _PARTS:
+            _in_out(self._proj[part][0], caller)
+        self.job: Job = Job()
+        specs = [edit(pts.resid_pre, self._on_resid), edit(pts.z, self._on_z), edit(pts.mlp_out, self._on_mlp),
+                 *(edit(getattr(pts, part), self._on_part(part)) for part in _PARTS),
+                 edit([*graph.mlp_norms, graph.final_norm], self._on_norm_in, event="forward_pre")]
+        self._run = capture(model, specs)
+
+    def columns(self, layer: int, part: str) -> slice:
+        """The reader columns of layer `layer`'s heads' `part`."""
+        start = self.graph.reader(layer, part, 0)
+        count = self.graph.points.n_heads if part == "q" else self.graph.points.n_kv_heads
+        return slice(start, start + count)
+
+    def _weights(self) -> None:
+        """The per-head weights as they are now: ``(d_model, heads, d_head)`` in, ``(heads, d_head, d_model)`` out."""
+        n_heads = self.graph.points.n_heads
+        self.weights_in = {part: [self._views[part].get(_in_out(m, self.caller)[0])
+                                  for m in self._proj[part]] for part in _PARTS}
+        self.weights_out = [_in_out(m, self.caller)[0].unflatten(0, (n_heads, -1)) for m in self._out]
+
+    def __call__(self, job: Job, args: tuple, kwargs: dict) -> Any:
+        self._weights()
+        self.job = job
+        try:
+            out, _ = self._run(*args, **kwargs)
+        finally:
+            self.job = Job()
+        return out
+
+    def _on_resid(self, module: nn.Module, args: tuple, value: Tensor) -> Tensor | None:
+        layer = self._resid[id(module)]
+        job = self.job
+        new = job.embed(value) if layer == 0 else None
+        stream = value if new is None else new
+        job.streams[layer] = stream
+        if layer == 0:
+            job.chunks.append(stream[:, :, None])
+        return new
+
+    def _on_z(self, module: nn.Module, args: tuple, z: Tensor) -> None:
+        result = torch.einsum("bphe,hed->bphd", z, self.weights_out[self._z[id(module)]].to(z.dtype))
+        self.job.chunks.append(result)
+
+    def _on_mlp(self, module: nn.Module, args: tuple, value: Tensor) -> None:
+        self.job.chunks.append(value[:, :, None])
+
+    def _on_part(self, part: str) -> Callable[[nn.Module, tuple, Tensor], Tensor | None]:
+        layers = self._qkv[part]
+
+        def on_part(module: nn.Module, args: tuple, value: Tensor) -> Tensor | None:
+            return self.job.reader(self, layers[id(module)], part, value, args[0])
+
+        on_part.__name__ = f"circuit_{part}"
+        return on_part
+
+    def _on_norm_in(self, module: nn.Module, args: tuple) -> tuple | None:
+        new = self.job.stream(self, self._norm_in[id(module)], args[0])
+        return None if new is None else (new, *args[1:])
+
+    def head_grads(self, job: Probing, grads: dict[tuple[int, str], Tensor], layer: int) -> Tensor:
+        """The gradients at layer `layer`'s head readers' inputs (before the norm),
+        ``(batch, position, q heads + 2 kv heads, d_model)``, from those at the projections' outputs."""
+        normed = torch.cat([torch.einsum("bphe,dhe->bphd", grads[(layer, part)], self.weights_in[part][layer])
+                            for part in _PARTS], 2)
+        vjp = torch.func.vjp(self.attn_norm[layer], job.streams[layer].detach())[1]
+        return torch.func.vmap(vjp, in_dims=2, out_dims=2)(normed)[0]
