@@ -1,15 +1,19 @@
 """One vocabulary for every transformer: the standard points (``embed``, ``resid_pre``, ``q``,
 ``pattern``, ``logits`` ...) of unmodified Hugging Face models, found through a table of
 architectures (``architectures.py``) that users extend without editing funhooks; ``standard.py``
-makes them where-values, ``views.py`` splits heads off; the logit lens and unembedding
-(``lens.py``); figures of patching tables, attention patterns and logit lenses (``plots.py``).
+makes them where-values, ``views.py`` splits heads off; each head's weights and its ``result``
+(``heads.py``); the residual stream as a sum of its writers and direct logit attribution
+(``decompose.py``); the logit lens and unembedding (``lens.py``); figures of patching tables, attention patterns and logit lenses (``plots.py``).
 May import ``errors``, ``_torch``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
 """
 
 from .architectures import Architecture, architecture, register
+from .decompose import Decomposition, decompose_resid, logit_attrs, stack_head_results
+from .heads import HeadWeights, head_weights
 from .lens import LogitLens, ResidualStack, accumulated_resid, logit_lens, unembed
 from .plots import plot_logit_lens, plot_patching, plot_patterns
 from .standard import Point, Points, points
 
-__all__ = ["Architecture", "LogitLens", "Point", "Points", "ResidualStack", "accumulated_resid", "architecture",
-           "logit_lens", "plot_logit_lens", "plot_patching", "plot_patterns", "points", "register", "unembed"]
+__all__ = ["Architecture", "Decomposition", "HeadWeights", "LogitLens", "Point", "Points", "ResidualStack",
+           "accumulated_resid", "architecture", "decompose_resid", "head_weights", "logit_attrs", "logit_lens",
+           "plot_logit_lens", "plot_patching", "plot_patterns", "points", "register", "stack_head_results", "unembed"]

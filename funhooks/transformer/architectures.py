@@ -85,6 +85,9 @@ class Architecture:
     """The module of a block whose output (element 0) is ``attn_out``; None for `attn`."""
     mlp_out: str | None = None
     """The module of a block whose output is ``mlp_out``; None for `mlp`."""
+    pos_embed: str | None = None
+    """The learned position embedding (relative to the base model) whose output is added to
+    the token embedding's (GPT-2's ``wpe``); None for a family without one (rotary)."""
     fused: str = "thirds"
     """How one fused `qkv` output holds q, k, v: ``"thirds"`` (``[q | k | v]`` along the last
     dimension, GPT-2) or ``"heads"`` (per head ``[q_h | k_h | v_h]``, GPT-NeoX)."""
@@ -93,7 +96,7 @@ class Architecture:
 _BUILTIN = (
     Architecture("gpt2", blocks="h", embed="wte", attn="attn", mlp="mlp", attn_norm="ln_1", mlp_norm="ln_2",
                  qkv=("attn.c_attn",), attn_proj="attn.c_proj", mlp_proj="mlp.c_proj", final_norm="ln_f",
-                 unembed="lm_head", resid_in="drop", mlp_pre="mlp.c_fc"),
+                 unembed="lm_head", resid_in="drop", mlp_pre="mlp.c_fc", pos_embed="wpe"),
     Architecture("gpt_neox", blocks="layers", embed="embed_in", attn="attention", mlp="mlp",
                  attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
                  qkv=("attention.query_key_value",), attn_proj="attention.dense", mlp_proj="mlp.dense_4h_to_h",
@@ -110,7 +113,7 @@ _BUILTIN = (
                  unembed="cls.predictions.decoder", post_norm=True,
                  extra=(("unembed_transform", "cls.predictions.transform"),), resid_in="embeddings",
                  mlp_pre="intermediate.dense", mlp_in="intermediate", attn_out="attention.output.dense",
-                 mlp_out="output.dense"),
+                 mlp_out="output.dense", pos_embed="embeddings.position_embeddings"),
 )
 _ALIASES = {"mistral": "llama", "qwen2": "llama"}
 """Families whose modules are Llama's (RoPE, grouped-query attention, RMSNorm)."""

@@ -26,7 +26,7 @@ once, like any spec; nothing runs per forward beyond what the spec made does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import attrs
 from torch import Tensor, nn
@@ -39,15 +39,16 @@ from funhooks.specs.ops import Op, around_spec, op
 from funhooks.specs.selector import Selector, select
 from funhooks.specs.spec import Event, Located, Spec, check_flags, record_name
 
+from . import _result
 from .architectures import Architecture, architecture
 from .views import Heads, Interleaved, Thirds
 
 __all__ = ["NAMES", "Point", "Points", "points"]
 
 PER_LAYER = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_in", "mlp_pre", "mlp_post", "mlp_out",
-             "q", "k", "v", "z", "pattern", "attn_scores")
-GLOBAL = ("embed", "final_norm", "logits")
-NAMES = ("embed", *PER_LAYER, "final_norm", "logits")
+             "q", "k", "v", "z", "result", "pattern", "attn_scores")
+GLOBAL = ("embed", "pos_embed", "final_norm", "logits")
+NAMES = ("embed", "pos_embed", *PER_LAYER, "final_norm", "logits")
 """The standard names, in the order a forward meets them."""
 _STORES = ("outputs", "grads")
 _EDITS = ("patch", "steer", "scale", "ablate")
@@ -134,7 +135,8 @@ class Point(Located):
     name: str
     kind: str
     """Where the value is: a module's ``output``, its ``input`` (first argument), or an ``op``'s
-    result inside it; ``none`` where this model has no such point (`why` says so)."""
+    result inside it; ``result`` for the heads' results computed on the output projection
+    (``heads.py``); ``none`` where this model has no such point (`why` says so)."""
     paths: tuple[tuple[int | None, str], ...]
     """``(layer, module path)`` per layer taken (layer None for a global point)."""
     n_layers: int
@@ -204,6 +206,9 @@ class Point(Located):
                 "`pts.mlp` or a module path."
             )
         where = select([path for _, path in self.paths])
+        if self.kind == "result":  # computed from `z` and the projection's weight (_result.py)
+            made = _result.result_spec(label, where, cast(Heads, self.view).n, repr(self), **options)
+            return attrs.evolve(made, labels=tuple(zip((p for _, p in self.paths), self.keys)), shown=repr(self))
         made = self._edit(label, where, **options) if label in _EDITS else self._call(label, where, **options) \
             if label in _CALLS else self._store(label, where, **options)
         return attrs.evolve(made, labels=tuple(zip((p for _, p in self.paths), self.keys)), shown=repr(self))
@@ -288,6 +293,8 @@ class Points:
     mlp: Selector
     """Every block's MLP."""
     embed: Point
+    pos_embed: Point
+    """The learned position embedding's output (GPT-2's ``wpe``), added to `embed`; none for rotary families."""
     resid_pre: Point
     resid_mid: Point
     resid_post: Point
@@ -300,6 +307,9 @@ class Points:
     k: Point
     v: Point
     z: Point
+    result: Point
+    """Each head's output after the output projection, ``(batch, position, head, d_model)``, its bias
+    left out (see ``heads.py``)."""
     pattern: Point
     attn_scores: Point
     final_norm: Point
@@ -307,6 +317,23 @@ class Points:
 
     def __repr__(self) -> str:
         return f"Points({self.arch.name}, {self.n_layers} layers)"
+
+    @property
+    def writers(self) -> tuple[Point, ...]:
+        """The points that write the residual stream, to record for
+        :func:`~funhooks.transformer.decompose_resid`: ``embed``, ``pos_embed`` (where the family
+        has one), every layer's ``result`` and ``mlp_out`` (the output projections' biases are
+        read off the model).
+
+        Example:
+            >>> import transformers, funhooks as fh
+            >>> transformers.logging.set_verbosity_error()
+            >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
+            >>> fh.transformer.points(model).writers
+            (embed, pos_embed, result, mlp_out)
+        """
+        return tuple(p for p in (self.embed, self.pos_embed, self.result, self.mlp_out) if p.kind != "none")
 
 
 def _join(*parts: str | None) -> str:
@@ -414,6 +441,8 @@ def points(model: nn.Module) -> Points:
         attn=select([_join(blocks, str(L), arch.attn) for L in layers]),
         mlp=select([_join(blocks, str(L), arch.mlp) for L in layers]),
         embed=single(_join(base, arch.embed), "embed", "`embed` is the token embedding, which this model lacks"),
+        pos_embed=single(None if arch.pos_embed is None else _join(base, arch.pos_embed), "pos_embed",
+                         f"`pos_embed` is a learned position embedding, which {arch.name!r} models have not"),
         resid_pre=resid_pre,
         resid_mid=resid_mid,
         resid_post=each("", "resid_post", "output", tensor=whole),
@@ -424,6 +453,7 @@ def points(model: nn.Module) -> Points:
         mlp_out=each(arch.mlp_out or arch.mlp, "mlp_out", "output"),
         q=q, k=k, v=v,
         z=each(arch.attn_proj, "z", "input", view=Heads(n_heads)),
+        result=each(arch.attn_proj, "result", "result", view=Heads(n_heads)),
         pattern=pattern, attn_scores=scores,
         final_norm=single(None if arch.final_norm is None else _join(base, arch.final_norm), "final_norm",
                           f"`final_norm` is the norm after the last block, which {arch.name!r} models have not"),
