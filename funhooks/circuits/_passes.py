@@ -3,7 +3,9 @@ either probed (a zero tensor added where its gradient is wanted) or patched (the
 off from it replaced by their reference values).
 
 The specs are standard points and norm inputs of the unmodified model, made once per model
-(``fh.capture``); what a call does is the :class:`Job` it is given. Per head, a reader's input
+(``fh.capture``): the writers are ``fh.transformer``'s (``pts.writers``: ``embed``,
+``pos_embed``, ``result``, ``mlp_out``), the per-head weights ``fh.transformer.head_weights``;
+what a call does is the :class:`Job` it is given. Per head, a reader's input
 is not a tensor of the model: the query, key and value projections read one normed stream.
 So a head's reader is probed at its projection's output (per head, through the point's view),
 and its gradient carried back to the stream before the norm through the head's slice of the
@@ -24,7 +26,7 @@ from torch import nn
 from funhooks.errors import SpecError
 from funhooks.runs import capture
 from funhooks.specs import edit
-from funhooks.transformer import Point
+from funhooks.transformer import Point, head_weights
 
 from .graphs import Graph
 
@@ -32,18 +34,6 @@ __all__ = ["Job", "Pass", "Patching", "Probing", "Recording", "check_pair"]
 
 Tensor = torch.Tensor
 _PARTS = ("q", "k", "v")
-
-
-def _in_out(module: nn.Module, caller: str) -> tuple[Tensor, Tensor | None]:
-    """A projection's weight as ``(in, out)`` (``x @ w + b``) and its bias: ``nn.Linear``'s
-    weight transposed, GPT-2's ``Conv1D`` weight as it is."""
-    if isinstance(module, nn.Linear):
-        return module.weight.t(), module.bias
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if type(module).__name__ == "Conv1D" and isinstance(weight, Tensor):
-        return weight, bias if isinstance(bias, Tensor) else None
-    raise SpecError(f"{caller}: a head's projection is an `nn.Linear` or a Hugging Face `Conv1D`, got "
-                    f"{type(module).__name__}. Use a model whose attention projections are one of them.")
 
 
 def _paths(point: Point) -> list[str]:
@@ -138,9 +128,9 @@ class Patching(Job):
         norm = pass_.attn_norm[layer]
         changed = self.removed[:, columns].any(0).to(delta.dtype)[:, None]  # heads with an edge cut
         normed = norm(self.streams[layer][:, :, None] - delta)
-        weight = pass_.weights_in[part][layer]  # (d_model, heads, d_head)
+        weight = pass_.weights_in[part][layer]  # (heads, d_model, d_head)
         change = (normed - given[:, :, None]) * changed
-        return value + torch.einsum("bphd,dhe->bphe", change, weight)
+        return value + torch.einsum("bphd,hde->bphe", change, weight.to(change.dtype))
 
     def stream(self, pass_: Pass, column: int, value: Tensor) -> Tensor | None:
         delta = self._delta(slice(column, column + 1))
@@ -155,22 +145,16 @@ class Pass:
         pts = graph.points
         get = model.get_submodule
         self._resid = {id(get(path)): layer for layer, path in enumerate(_paths(pts.resid_pre))}
-        self._z = {id(get(path)): layer for layer, path in enumerate(_paths(pts.z))}
-        self._mlp = {id(get(path)): layer for layer, path in enumerate(_paths(pts.mlp_out))}
         self._qkv = {part: {id(get(path)): layer for layer, path in enumerate(_paths(getattr(pts, part)))}
                      for part in _PARTS}
         self._norm_in = {id(get(path)): graph.reader(layer) for layer, path in enumerate(graph.mlp_norms)}
         self._norm_in[id(get(graph.final_norm))] = graph.reader(pts.n_layers)
         self.attn_norm = [get(path) for path in graph.attn_norms]
-        self._proj = {part: [get(path) for path in _paths(getattr(pts, part))] for part in _PARTS}
-        self._views = {part: getattr(pts, part).view for part in _PARTS}
-        self._out = [get(path) for path in _paths(pts.z)]
         self.weights_in: dict[str, list[Tensor]] = {}
-        self.weights_out: list[Tensor] = []
-        for part in _PARTS:
-            _in_out(self._proj[part][0], caller)
         self.job: Job = Job()
-        specs = [edit(pts.resid_pre, self._on_resid), edit(pts.z, self._on_z), edit(pts.mlp_out, self._on_mlp),
+        embed, *others = pts.writers  # the embeddings first: a run on other embeddings starts there
+        specs = [edit(embed, self._on_embed), *(edit(p, self._on_writer) for p in others),
+                 edit(pts.resid_pre, self._on_resid),
                  *(edit(getattr(pts, part), self._on_part(part)) for part in _PARTS),
                  edit([*graph.mlp_norms, graph.final_norm], self._on_norm_in, event="forward_pre")]
         self._run = capture(model, specs)
@@ -182,11 +166,9 @@ class Pass:
         return slice(start, start + count)
 
     def _weights(self) -> None:
-        """The per-head weights as they are now: ``(d_model, heads, d_head)`` in, ``(heads, d_head, d_model)`` out."""
-        n_heads = self.graph.points.n_heads
-        self.weights_in = {part: [self._views[part].get(_in_out(m, self.caller)[0])
-                                  for m in self._proj[part]] for part in _PARTS}
-        self.weights_out = [_in_out(m, self.caller)[0].unflatten(0, (n_heads, -1)) for m in self._out]
+        """The per-head input weights as they are now, ``(heads, d_model, d_head)`` per part and layer."""
+        layers = [head_weights(self.model, layer) for layer in range(self.graph.points.n_layers)]
+        self.weights_in = {"q": [w.W_Q for w in layers], "k": [w.W_K for w in layers], "v": [w.W_V for w in layers]}
 
     def __call__(self, job: Job, args: tuple, kwargs: dict) -> Any:
         self._weights()
@@ -197,22 +179,19 @@ class Pass:
             self.job = Job()
         return out
 
-    def _on_resid(self, module: nn.Module, args: tuple, value: Tensor) -> Tensor | None:
-        layer = self._resid[id(module)]
-        job = self.job
-        new = job.embed(value) if layer == 0 else None
-        stream = value if new is None else new
-        job.streams[layer] = stream
-        if layer == 0:
-            job.chunks.append(stream[:, :, None])
+    def _on_embed(self, module: nn.Module, args: tuple, value: Tensor) -> Tensor | None:
+        new = self.job.embed(value)
+        self.job.chunks.append((value if new is None else new)[:, :, None])
         return new
 
-    def _on_z(self, module: nn.Module, args: tuple, z: Tensor) -> None:
-        result = torch.einsum("bphe,hed->bphd", z, self.weights_out[self._z[id(module)]].to(z.dtype))
-        self.job.chunks.append(result)
+    def _on_writer(self, module: nn.Module, args: tuple, value: Tensor) -> None:
+        """A writer's value: ``(batch, position, d_model)``, or per head ``(..., head, d_model)``."""
+        written = value if value.ndim == 4 else value[:, :, None]
+        chunks = self.job.chunks  # a position embedding may have a batch of 1: as many as the embeddings'
+        chunks.append(written.expand(chunks[0].shape[0], *written.shape[1:]))
 
-    def _on_mlp(self, module: nn.Module, args: tuple, value: Tensor) -> None:
-        self.job.chunks.append(value[:, :, None])
+    def _on_resid(self, module: nn.Module, args: tuple, value: Tensor) -> None:
+        self.job.streams[self._resid[id(module)]] = value
 
     def _on_part(self, part: str) -> Callable[[nn.Module, tuple, Tensor], Tensor | None]:
         layers = self._qkv[part]
@@ -230,7 +209,7 @@ class Pass:
     def head_grads(self, job: Probing, grads: dict[tuple[int, str], Tensor], layer: int) -> Tensor:
         """The gradients at layer `layer`'s head readers' inputs (before the norm),
         ``(batch, position, q heads + 2 kv heads, d_model)``, from those at the projections' outputs."""
-        normed = torch.cat([torch.einsum("bphe,dhe->bphd", grads[(layer, part)], self.weights_in[part][layer])
+        normed = torch.cat([torch.einsum("bphe,hde->bphd", grads[(layer, part)], self.weights_in[part][layer])
                             for part in _PARTS], 2)
         vjp = torch.func.vjp(self.attn_norm[layer], job.streams[layer].detach())[1]
         return torch.func.vmap(vjp, in_dims=2, out_dims=2)(normed)[0]

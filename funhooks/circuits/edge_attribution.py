@@ -62,7 +62,7 @@ class Edges:
         >>> clean, corrupt = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 9, 3, 4]])
         >>> edges = fh.circuits.eap(model, lambda out: out.logits[:, -1, 7] - out.logits[:, -1, 8])(clean, corrupt)
         >>> edges.table.shape, edges.n_edges
-        (torch.Size([11, 27]), 110)
+        (torch.Size([12, 27]), 137)
         >>> [type(item).__name__ for item in edges.top(1)[0]]   # the largest edge by magnitude
         ['str', 'str', 'float']
         >>> edges.circuit(5).sum()                              # a circuit: the top 5 edges
@@ -161,7 +161,7 @@ def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int =
         >>> clean, corrupt = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 9, 3, 4]])
         >>> ig = fh.circuits.eap(model, logit_diff, steps=4)(clean, corrupt)
         >>> ig.steps, ig.table.shape
-        (4, torch.Size([11, 27]))
+        (4, torch.Size([12, 27]))
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise SpecError(f"{_CALLER}: `steps` is a positive int (1: EAP, k > 1: EAP-IG with k steps), got "
@@ -181,7 +181,7 @@ def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int =
         table = torch.zeros(g.upstream.shape, dtype=corrupted.dtype, device=corrupted.device)
         clean_metric = torch.zeros(())
         diff = corrupted
-        embeds = clean_embed = reference.streams[0]
+        embeds = clean_embed = reference.chunks[0][:, :, 0]  # the token embeddings
         for step in range(steps, 0, -1):  # alpha = 1 first: the clean run, whose writers the scores need
             alpha = step / steps
             probing = Probing(None if step == steps else embeds + alpha * (clean_embed - embeds))
@@ -192,7 +192,7 @@ def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int =
             grads = [torch.zeros_like(p) if d is None else d.detach() for p, d in zip(probes, found)]
             if step == steps:
                 clean_metric = value.detach()
-                clean_embed = probing.streams[0].detach()
+                clean_embed = probing.chunks[0][:, :, 0].detach()
                 diff = corrupted - probing.written().detach()
             table += _scores(pass_, probing, dict(zip(probing.heads, grads)),
                              dict(zip(probing.streams_in, grads[len(probing.heads):])), diff) / steps
@@ -210,7 +210,7 @@ def _scores(pass_: Pass, probing: Probing, heads: dict[tuple[int, str], torch.Te
         for layer in range(g.points.n_layers):
             first = g.reader(layer, "q")
             reads = pass_.head_grads(probing, heads, layer)
-            n = g.writer(layer - 1) + 1  # writers before this layer
+            n = g.before(layer)  # writers before this layer
             table[:n, first:first + reads.shape[2]] = torch.einsum("bpwd,bprd->wr", diff[:, :, :n], reads)
         for column, grad in streams.items():
             table[:, column] = torch.einsum("bpwd,bpd->w", diff, grad)

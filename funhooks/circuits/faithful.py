@@ -182,9 +182,9 @@ def faithfulness_curve(model: nn.Module, metric: Callable[[Any], torch.Tensor], 
         ...     return out.logits[:, -1, 7] - out.logits[:, -1, 8]
         >>> clean, corrupt = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 9, 3, 4]])
         >>> edges = fh.circuits.eap(model, logit_diff)(clean, corrupt)
-        >>> curve = fh.circuits.faithfulness_curve(model, logit_diff, edges, [0, 10, 110])(clean, corrupt)
+        >>> curve = fh.circuits.faithfulness_curve(model, logit_diff, edges, [0, 10, 137])(clean, corrupt)
         >>> curve.sizes, torch.allclose(curve.recovered[[0, -1]], torch.tensor([0.0, 1.0]), atol=1e-4)
-        ((0, 10, 110), True)
+        ((0, 10, 137), True)
     """
     runner = _Runner(model, metric, reference)
     if not isinstance(edges, Edges) or edges.readers != runner.graph.readers or edges.writers != runner.graph.writers:

@@ -1,12 +1,15 @@
 """The computational graph edge attribution patching scores: a model's writers, readers and edges.
 
-A *writer* adds a term to the residual stream: the embeddings (``embed``: the token embeddings,
-with the position embeddings where the family adds them before the first block), each head's
-result (``blocks.L.head.H``: its ``z`` times its slice of the output projection, the bias left
-out, as it is the same on every input) and each MLP (``blocks.L.mlp``). A *reader* takes a sum
-of writers as its input: each head's query, key and value input (``blocks.L.head.H.q`` /
-``.k`` / ``.v``; for grouped-query attention the keys and values have one reader per key-value
-head), each MLP's input (``blocks.L.mlp``) and the logits (``logits``: the final norm's input).
+A *writer* adds a term to the residual stream: the writers of
+:func:`~funhooks.transformer.decompose_resid`, under its labels: the token embeddings
+(``embed``), the learned position embeddings where the family has them (``pos_embed``, the same
+on every input of one length, so its edges score 0), each head's result (``blocks.L.heads.H``:
+the ``result`` point) and each MLP (``blocks.L.mlp_out``). The output projections' biases are
+no writers here: the same on every input, no edge of theirs can change a metric. A *reader*
+takes a sum of writers as its input: each head's query, key and value input
+(``blocks.L.heads.H.q`` / ``.k`` / ``.v``; for grouped-query attention the keys and values have
+one reader per key-value head), each MLP's input (``blocks.L.mlp``) and the logits (``logits``:
+the final norm's input).
 A reader's input is the residual stream *before* its norm, as the reader sees it alone: the
 stream before layer L's attention for its heads, the stream after the attention of layer L for
 its MLP (before it, in the parallel blocks of GPT-NeoX and Pythia), the last block's output
@@ -47,14 +50,14 @@ class Graph:
         ...     n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)).eval()
         >>> g = fh.circuits.graph(model)
         >>> g
-        Graph(gpt2: 11 writers, 27 readers, 110 edges)
+        Graph(gpt2: 12 writers, 27 readers, 137 edges)
         >>> g.writers[:3], g.readers[-2:]
-        (('embed', 'blocks.0.head.0', 'blocks.0.head.1'), ('blocks.1.mlp', 'logits'))
+        (('embed', 'pos_embed', 'blocks.0.heads.0'), ('blocks.1.mlp', 'logits'))
     """
 
     points: Points
     writers: tuple[str, ...]
-    """``embed``, then per layer its heads and its MLP."""
+    """``embed`` (and ``pos_embed``), then per layer its heads and its MLP."""
     readers: tuple[str, ...]
     """Per layer its heads' q inputs, k inputs, v inputs and its MLP; then ``logits``."""
     upstream: torch.Tensor
@@ -67,6 +70,8 @@ class Graph:
     """Per layer, the module path of the norm before the MLP."""
     final_norm: str
     """The module path of the final norm."""
+    embeds: int
+    """The embedding writers: 1, or 2 with ``pos_embed``."""
 
     def __repr__(self) -> str:
         return (f"Graph({self.points.arch.name}: {len(self.writers)} writers, {len(self.readers)} readers, "
@@ -77,13 +82,13 @@ class Graph:
         """The number of edges (writer upstream of reader)."""
         return int(self.upstream.sum())
 
+    def before(self, layer: int) -> int:
+        """The number of writers before layer `layer` (the embeddings and the earlier layers')."""
+        return self.embeds + layer * (self.points.n_heads + 1)
+
     def writer(self, layer: int, head: int | None = None) -> int:
-        """The row of a writer: layer `layer`'s head `head`, or its MLP for ``head=None``; the
-        embeddings for ``layer=-1``."""
-        if layer < 0:
-            return 0
-        heads = self.points.n_heads
-        return 1 + layer * (heads + 1) + (heads if head is None else head)
+        """The row of layer `layer`'s head `head`, or of its MLP for ``head=None``."""
+        return self.before(layer) + (self.points.n_heads if head is None else head)
 
     def reader(self, layer: int, part: str | None = None, head: int = 0) -> int:
         """The column of a reader: layer `layer`'s head `head`'s `part` (``"q"``, ``"k"``,
@@ -118,16 +123,16 @@ def graph(model: nn.Module) -> Graph:
             "attention, before the MLP or at the end. Use a pre-norm model.")
     n_layers, heads, kv = pts.n_layers, pts.n_heads, pts.n_kv_heads
     parallel = pts.resid_mid.kind == "none"
-    writers = ["embed"]
+    writers = [p.name for p in (pts.embed, pts.pos_embed) if p.kind != "none"]
     readers: list[str] = []
-    writer_layer, writer_head = [-1], [False]
+    writer_layer, writer_head = [-1] * len(writers), [False] * len(writers)
     reader_layer, reader_mlp = [], []
     for layer in range(n_layers):
-        writers += [f"blocks.{layer}.head.{h}" for h in range(heads)] + [f"blocks.{layer}.mlp"]
+        writers += [f"blocks.{layer}.heads.{h}" for h in range(heads)] + [f"blocks.{layer}.mlp_out"]
         writer_layer += [layer] * (heads + 1)
         writer_head += [True] * heads + [False]
         for part, count in zip(_PARTS, (heads, kv, kv)):
-            readers += [f"blocks.{layer}.head.{h}.{part}" for h in range(count)]
+            readers += [f"blocks.{layer}.heads.{h}.{part}" for h in range(count)]
         readers.append(f"blocks.{layer}.mlp")
         reader_layer += [layer] * (heads + 2 * kv + 1)
         reader_mlp += [False] * (heads + 2 * kv) + [True]
@@ -141,5 +146,5 @@ def graph(model: nn.Module) -> Graph:
     return Graph(pts, tuple(writers), tuple(readers), upstream, parallel,
                  attn_norms=tuple(f"{b}.{arch.attn_norm}" for b in blocks),
                  mlp_norms=tuple(f"{b}.{arch.mlp_norm}" for b in blocks),
-                 final_norm=pts.final_norm.paths[0][1])
+                 final_norm=pts.final_norm.paths[0][1], embeds=len(writer_layer) - n_layers * (heads + 1))
 

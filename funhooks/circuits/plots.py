@@ -46,7 +46,7 @@ def plot_edges(table: torch.Tensor, writers: Sequence[str], readers: Sequence[st
         >>> edges = fh.circuits.eap(model, lambda out: out.logits[:, -1, 3])(torch.tensor([[1, 2]]), torch.tensor([[4, 2]]))
         >>> ax = edges.plot().axes[0]
         >>> ax.get_xlabel(), len(ax.get_yticklabels())
-        ('reader', 4)
+        ('reader', 5)
     """
     values = table.detach().float().cpu()
     if edges is not None:
