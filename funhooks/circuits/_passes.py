@@ -138,7 +138,8 @@ class Patching(Job):
 
 
 class Pass:
-    """The specs of one model's circuit passes, made once; ``pass_(job, args, kwargs)`` runs one."""
+    """The specs of one model's circuit passes, made once; ``pass_(job, args, kwargs)`` runs one
+    (after ``weights()`` read the per-head weights, which patching and the heads' gradients use)."""
 
     def __init__(self, graph: Graph, model: nn.Module, caller: str) -> None:
         self.graph, self.model, self.caller = graph, model, caller
@@ -165,13 +166,14 @@ class Pass:
         count = self.graph.points.n_heads if part == "q" else self.graph.points.n_kv_heads
         return slice(start, start + count)
 
-    def _weights(self) -> None:
-        """The per-head input weights as they are now, ``(heads, d_model, d_head)`` per part and layer."""
+    def weights(self) -> None:
+        """Read the per-head input weights as they are now, ``(heads, d_model, d_head)`` per part
+        and layer: once per call of the function a user holds (views of the parameters, so a
+        step of an optimizer in between is seen)."""
         layers = [head_weights(self.model, layer) for layer in range(self.graph.points.n_layers)]
         self.weights_in = {"q": [w.W_Q for w in layers], "k": [w.W_K for w in layers], "v": [w.W_V for w in layers]}
 
     def __call__(self, job: Job, args: tuple, kwargs: dict) -> Any:
-        self._weights()
         self.job = job
         try:
             out, _ = self._run(*args, **kwargs)
@@ -208,8 +210,15 @@ class Pass:
 
     def head_grads(self, job: Probing, grads: dict[tuple[int, str], Tensor], layer: int) -> Tensor:
         """The gradients at layer `layer`'s head readers' inputs (before the norm),
-        ``(batch, position, q heads + 2 kv heads, d_model)``, from those at the projections' outputs."""
-        normed = torch.cat([torch.einsum("bphe,hde->bphd", grads[(layer, part)], self.weights_in[part][layer])
-                            for part in _PARTS], 2)
-        vjp = torch.func.vjp(self.attn_norm[layer], job.streams[layer].detach())[1]
-        return torch.func.vmap(vjp, in_dims=2, out_dims=2)(normed)[0]
+        ``(q heads + 2 kv heads, batch, position, d_model)``, from those at the projections'
+        outputs: through each head's weight (one batched matmul per part), then the norm's
+        vector-Jacobian product at the recorded stream, for all the heads in one backward of the
+        norm run on the stream repeated per head (a norm acts on the last axis alone)."""
+        normed = torch.cat([torch.matmul(grads[(layer, part)].permute(2, 0, 1, 3),  # (heads, b, p, d_head)
+                                         self.weights_in[part][layer].transpose(1, 2)[:, None])
+                            for part in _PARTS])
+        stream = job.streams[layer].detach()
+        with torch.enable_grad():
+            repeated = stream.expand(normed.shape).requires_grad_()
+            (found,) = torch.autograd.grad(self.attn_norm[layer](repeated), repeated, normed)
+        return found

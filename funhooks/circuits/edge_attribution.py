@@ -174,6 +174,7 @@ def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int =
 
     def attribute(clean: torch.Tensor, corrupt: torch.Tensor, **kwargs: object) -> Edges:
         check_pair(clean, corrupt, _CALLER)
+        pass_.weights()
         reference = Recording()
         with torch.no_grad():
             corrupt_metric = total(pass_(reference, (corrupt,), kwargs))
@@ -203,15 +204,17 @@ def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int =
 
 def _scores(pass_: Pass, probing: Probing, heads: dict[tuple[int, str], torch.Tensor],
             streams: dict[int, torch.Tensor], diff: torch.Tensor) -> torch.Tensor:
-    """``(writers, readers)``: each writer's change dotted with each reader's gradient."""
+    """``(writers, readers)``: each writer's change dotted with each reader's gradient, one
+    matmul per layer (and per MLP and the logits) over ``batch x position x d_model``."""
     g = pass_.graph
     table = torch.zeros(g.upstream.shape, dtype=diff.dtype, device=diff.device)
+    flat = diff.permute(2, 0, 1, 3).reshape(diff.shape[2], -1)  # (writers, b * p * d)
     with torch.no_grad():
         for layer in range(g.points.n_layers):
             first = g.reader(layer, "q")
-            reads = pass_.head_grads(probing, heads, layer)
-            n = g.before(layer)  # writers before this layer
-            table[:n, first:first + reads.shape[2]] = torch.einsum("bpwd,bprd->wr", diff[:, :, :n], reads)
+            reads = pass_.head_grads(probing, heads, layer).flatten(1)  # (readers, b * p * d)
+            n = g.before(layer)  # the writers before this layer
+            table[:n, first:first + reads.shape[0]] = flat[:n] @ reads.T.to(flat.dtype)
         for column, grad in streams.items():
-            table[:, column] = torch.einsum("bpwd,bpd->w", diff, grad)
+            table[:, column] = flat @ grad.flatten().to(flat.dtype)
     return table

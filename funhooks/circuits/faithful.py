@@ -112,6 +112,7 @@ class _Runner:
     def reference(self, clean: torch.Tensor, corrupt: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
         """``(reference writers, clean metric, corrupt metric)``."""
         check_pair(clean, corrupt, _CALLER)
+        self.pass_.weights()
         with torch.no_grad():
             recording = Recording()
             corrupt_metric = self.metric(self.pass_(recording, (corrupt,), kwargs)).sum()
