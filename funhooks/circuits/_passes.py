@@ -152,6 +152,8 @@ class Pass:
         self._norm_in[id(get(graph.final_norm))] = graph.reader(pts.n_layers)
         self.attn_norm = [get(path) for path in graph.attn_norms]
         self.weights_in: dict[str, list[Tensor]] = {}
+        self._projections = [get(path) for part in _PARTS for path in _paths(getattr(pts, part))]
+        self._read: list[tuple[object, int]] = []  # the projections' weights (and data) `weights_in` views
         self.job: Job = Job()
         embed, *others = pts.writers  # the embeddings first: a run on other embeddings starts there
         specs = [edit(embed, self._on_embed), *(edit(p, self._on_writer) for p in others),
@@ -169,7 +171,13 @@ class Pass:
     def weights(self) -> None:
         """Read the per-head input weights as they are now, ``(heads, d_model, d_head)`` per part
         and layer: once per call of the function a user holds (views of the parameters, so a
-        step of an optimizer in between is seen)."""
+        step of an optimizer in between is seen; read again when a weight was replaced or moved:
+        ``.to()`` swaps a parameter's data)."""
+        now = [(w, w.data_ptr()) if isinstance(w := getattr(m, "weight", None), Tensor) else (w, 0)
+               for m in self._projections]
+        if len(now) == len(self._read) and all(a is b and p == q for (a, p), (b, q) in zip(now, self._read)):
+            return
+        self._read = now
         layers = [head_weights(self.model, layer) for layer in range(self.graph.points.n_layers)]
         self.weights_in = {"q": [w.W_Q for w in layers], "k": [w.W_K for w in layers], "v": [w.W_V for w in layers]}
 

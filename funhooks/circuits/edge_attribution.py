@@ -132,7 +132,8 @@ class Edges:
                 f"metric clean {float(self.clean):.4g}, corrupt {float(self.corrupt):.4g}; top: {tops})")
 
 
-def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int = 1) -> Callable[..., Edges]:
+def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int = 1,
+        batch_steps: int = 1) -> Callable[..., Edges]:
     """Edge attribution patching: a score for every edge of the model's :class:`Graph`.
 
     Args:
@@ -141,15 +142,20 @@ def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int =
         metric: ``metric(model_output) -> tensor``; its sum over the batch is differentiated.
         steps: 1 for EAP (the gradient on the clean run); ``k > 1`` for EAP-IG (the gradient
             averaged over k runs with interpolated embeddings): k + 1 forwards and k backwards.
+        batch_steps: how many of EAP-IG's interpolated runs (after the clean one) go through the
+            model as one batch (the inputs repeated along the batch axis): fewer, larger passes,
+            for the memory of that many runs. The scores are the same.
 
     Returns:
         ``f(clean, corrupt, **kwargs) -> Edges``, calling ``model(corrupt, **kwargs)`` without
         gradients and ``model(clean, **kwargs)`` (and the interpolated runs) with a backward.
+        With `batch_steps`, the tensors in `kwargs` whose first axis is the batch's are repeated
+        with the input (an ``attention_mask``).
 
     Raises:
         SelectorError: for a family no architecture is registered for.
-        SpecError: for a post-norm family (BERT), a `steps` that is not a positive int, or (when
-            called) `clean` and `corrupt` of different shapes.
+        SpecError: for a post-norm family (BERT), a `steps` or `batch_steps` that is not a
+            positive int, or (when called) `clean` and `corrupt` of different shapes.
 
     Example:
         >>> import torch, transformers, funhooks as fh
@@ -163,43 +169,56 @@ def eap(model: nn.Module, metric: Callable[[Any], torch.Tensor], *, steps: int =
         >>> ig.steps, ig.table.shape
         (4, torch.Size([12, 27]))
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise SpecError(f"{_CALLER}: `steps` is a positive int (1: EAP, k > 1: EAP-IG with k steps), got "
-                        f"{steps!r}. Pass one.")
+    for name, value in (("steps", steps), ("batch_steps", batch_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = "1: EAP, k > 1: EAP-IG with k steps" if name == "steps" else "interpolated runs per batch"
+            raise SpecError(f"{_CALLER}: `{name}` is a positive int ({what}), got "
+                            f"{value!r}. Pass one.")
     g = graph(model)
     pass_ = Pass(g, model, _CALLER)
-
-    def total(out: Any) -> torch.Tensor:
-        return metric(out).sum()
 
     def attribute(clean: torch.Tensor, corrupt: torch.Tensor, **kwargs: object) -> Edges:
         check_pair(clean, corrupt, _CALLER)
         pass_.weights()
         reference = Recording()
         with torch.no_grad():
-            corrupt_metric = total(pass_(reference, (corrupt,), kwargs))
+            corrupt_metric = metric(pass_(reference, (corrupt,), kwargs)).sum()
         corrupted = reference.written()
-        table = torch.zeros(g.upstream.shape, dtype=corrupted.dtype, device=corrupted.device)
-        clean_metric = torch.zeros(())
-        diff = corrupted
-        embeds = clean_embed = reference.chunks[0][:, :, 0]  # the token embeddings
-        for step in range(steps, 0, -1):  # alpha = 1 first: the clean run, whose writers the scores need
-            alpha = step / steps
-            probing = Probing(None if step == steps else embeds + alpha * (clean_embed - embeds))
-            with torch.enable_grad():
-                value = total(pass_(probing, (clean,), kwargs))
-                probes = [*probing.heads.values(), *probing.streams_in.values()]
-                found = torch.autograd.grad(value, probes, allow_unused=True)
-            grads = [torch.zeros_like(p) if d is None else d.detach() for p, d in zip(probes, found)]
-            if step == steps:
-                clean_metric = value.detach()
-                clean_embed = probing.chunks[0][:, :, 0].detach()
-                diff = corrupted - probing.written().detach()
-            table += _scores(pass_, probing, dict(zip(probing.heads, grads)),
-                             dict(zip(probing.streams_in, grads[len(probing.heads):])), diff) / steps
-        return Edges(table * g.upstream.to(table.device), g, clean_metric, corrupt_metric.detach(), steps)
+        embeds = reference.chunks[0][:, :, 0]  # the token embeddings
+        probing = Probing()  # alpha = 1 first: the clean run, whose writers the scores need
+        clean_metric, heads, streams = _differentiate(pass_, probing, metric, clean, kwargs)
+        diff = corrupted - probing.written().detach()
+        table = _scores(pass_, probing, heads, streams, diff)
+        clean_embed = probing.chunks[0][:, :, 0].detach()
+        alphas = [step / steps for step in range(steps - 1, 0, -1)]
+        for first in range(0, len(alphas), batch_steps):
+            group = alphas[first:first + batch_steps]
+            probing = Probing(torch.cat([embeds + alpha * (clean_embed - embeds) for alpha in group]))
+            _, heads, streams = _differentiate(pass_, probing, metric, _repeat(clean, len(group), clean.shape[0]),
+                                               {k: _repeat(v, len(group), clean.shape[0]) for k, v in kwargs.items()})
+            table += _scores(pass_, probing, heads, streams, diff.repeat(len(group), 1, 1, 1))
+        return Edges(table * g.upstream.to(table.device) / steps, g, clean_metric, corrupt_metric.detach(), steps)
 
     return attribute
+
+
+def _repeat(value: object, times: int, batch: int) -> Any:
+    """A tensor whose first axis is the batch's, repeated `times` along it; anything else as it is."""
+    if times == 1 or not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[0] != batch:
+        return value
+    return value.repeat(times, *[1] * (value.ndim - 1))
+
+
+def _differentiate(pass_: Pass, probing: Probing, metric: Callable[[Any], torch.Tensor], inputs: torch.Tensor,
+                   kwargs: dict) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor], dict[int, torch.Tensor]]:
+    """One probed forward and the backward of the metric's sum to the readers' probes alone:
+    ``(metric, head reader gradients, MLP and logits reader gradients)``."""
+    with torch.enable_grad():
+        value = metric(pass_(probing, (inputs,), kwargs)).sum()
+        probes = [*probing.heads.values(), *probing.streams_in.values()]
+        found = torch.autograd.grad(value, probes, allow_unused=True)
+    grads = [torch.zeros_like(p) if d is None else d.detach() for p, d in zip(probes, found)]
+    return value.detach(), dict(zip(probing.heads, grads)), dict(zip(probing.streams_in, grads[len(probing.heads):]))
 
 
 def _scores(pass_: Pass, probing: Probing, heads: dict[tuple[int, str], torch.Tensor],

@@ -159,6 +159,33 @@ def test_one_step_is_eap_and_the_metrics_are_the_models() -> None:
     assert bool((one.table[~one.graph.upstream] == 0).all())
 
 
+@pytest.mark.parametrize("family", ("gpt2", "llama"))
+def test_batched_interpolation_steps_give_the_same_scores(family: str) -> None:
+    """EAP-IG's interpolated runs as batches of 3 (the mask repeated with the input) score what
+    one run per step scores."""
+    model = tm.BUILDERS[family]("sdpa")
+    clean, corrupt = _prompts()
+    mask = torch.ones_like(clean)
+    one, batched = (fh.circuits.eap(model, logit_diff, steps=5, batch_steps=b)(clean, corrupt, attention_mask=mask)
+                    for b in (1, 3))
+    assert torch.allclose(one.table, batched.table, atol=1e-6, rtol=1e-4)
+    assert torch.equal(one.clean, batched.clean)
+
+
+def test_a_function_sees_weights_changed_in_place_and_replaced() -> None:
+    """The function a user holds reads the heads' weights again when they were replaced (``.to``
+    swaps a parameter's data) and sees in-place changes: it scores what a fresh one scores."""
+    model = tm.llama()
+    clean, corrupt = _prompts()
+    held = fh.circuits.eap(model, logit_diff)
+    held(clean, corrupt)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)
+    model.to(torch.float64)
+    fresh = fh.circuits.eap(model, logit_diff)(clean, corrupt)
+    assert torch.equal(held(clean, corrupt).table, fresh.table) and fresh.table.dtype == torch.float64
+
+
 def test_the_model_is_left_as_it_was() -> None:
     """No parameter changed, no ``.grad`` set, no hook left, the same output after."""
     model = tm.llama("sdpa")
@@ -199,6 +226,8 @@ def test_bad_input_is_refused_with_the_fix() -> None:
         fh.circuits.eap(tm.bert(), logit_diff)
     with pytest.raises(fh.SpecError, match="`steps` is a positive int"):
         fh.circuits.eap(tm.gpt2(), logit_diff, steps=0)
+    with pytest.raises(fh.SpecError, match="`batch_steps` is a positive int"):
+        fh.circuits.eap(tm.gpt2(), logit_diff, steps=4, batch_steps=True)
     with pytest.raises(fh.SpecError, match=r"same shape, got \(2, 5\) and \(2, 4\)"):
         fh.circuits.eap(tm.gpt2(), logit_diff)(clean, corrupt[:, :4])
     with pytest.raises(fh.SelectorError, match="standard points are known for"):
