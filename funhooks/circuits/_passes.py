@@ -9,8 +9,8 @@ what a call does is the :class:`Job` it is given. Per head, a reader's input
 is not a tensor of the model: the query, key and value projections read one normed stream.
 So a head's reader is probed at its projection's output (per head, through the point's view),
 and its gradient carried back to the stream before the norm through the head's slice of the
-projection weight and the norm's vector-Jacobian product at the recorded stream, vmapped over
-heads: exact, since that input feeds that head's projection alone. Patched, a head's query
+projection weight and the norm's vector-Jacobian product at the recorded stream (one backward
+of the norm run on the stream repeated per head): exact, since that input feeds that head's projection alone. Patched, a head's query
 (key, value) is recomputed from its own input, ``norm(stream - removed) @ W_head``, as a change
 added to the projection's output.
 """
@@ -227,6 +227,6 @@ class Pass:
                             for part in _PARTS])
         stream = job.streams[layer].detach()
         with torch.enable_grad():
-            repeated = stream.expand(normed.shape).requires_grad_()
+            repeated = stream.expand(normed.shape).contiguous().requires_grad_()  # faster than a stride-0 view
             (found,) = torch.autograd.grad(self.attn_norm[layer](repeated), repeated, normed)
         return found

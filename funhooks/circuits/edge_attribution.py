@@ -16,7 +16,7 @@ from the corrupted run's to the clean run's (``alpha = 1/k, 2/k, ..., 1``; ``k =
 Cost: one corrupted forward without gradients, then per step one forward and one backward of
 the metric with respect to the readers alone (no weight gradient is computed; nothing is
 registered on the model; no ``.grad`` is touched); per layer a vector-Jacobian product of the
-attention norm vmapped over heads and one contraction of the writers with the readers' gradients
+attention norm for all its heads at once and one contraction of the writers with the readers' gradients
 (``batch x positions x writers x readers x d_model`` multiply-adds in all, a fraction of a
 forward for GPT-2-sized models). Memory: every writer's value twice (``batch x positions x
 writers x d_model``) and one layer's reader gradients.
