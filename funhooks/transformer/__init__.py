@@ -3,7 +3,8 @@
 architectures (``architectures.py``) that users extend without editing funhooks; ``standard.py``
 makes them where-values, ``views.py`` splits heads off; each head's weights and its ``result``
 (``heads.py``); the residual stream as a sum of its writers and direct logit attribution
-(``decompose.py``); the logit lens and unembedding (``lens.py``); figures of patching tables, attention patterns and logit lenses (``plots.py``).
+(``decompose.py``); the logit lens and unembedding (``lens.py``); figures of patching tables,
+attention patterns and logit lenses (``plots.py``).
 May import ``errors``, ``_torch``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
 """
 

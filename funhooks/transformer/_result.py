@@ -116,8 +116,13 @@ def result_spec(label: str, where: Selector, n_heads: int, shown: str, **options
         raise SpecError(f"grads: `result` is computed from `z` and the output projection's weight, not a tensor of "
                         f"the model's forward, so no gradient of it is watched, got `{shown}`. Take "
                         f"`fh.grads(pts.attn_out)`: every head's result has the gradient of `attn_out`.")
+    instead = _STEER if label == "steer" else _BY_Z.format(label.capitalize())
     raise SpecError(f"{label}: `result` is computed from `z` and the output projection's weight, not a value the "
-                    f"model holds, so {label} cannot edit it in place, got `{shown}`. {label.capitalize()} "
-                    f"`pts.z` instead (a head's result is its `z` times `W_O`: patching, scaling or zero-ablating "
-                    f"z's head does the same to its result), steer `pts.attn_out` (a vector added to one head's "
-                    f"result is added to `attn_out`), or edit the results with `fh.edit(pts.result, fn)`.")
+                    f"model holds, so {label} cannot edit it in place, got `{shown}`. {instead}, or edit the results "
+                    "with `fh.edit(pts.result, fn)`.")
+
+
+_BY_Z = ("{} `pts.z` instead (a head's result is its `z` times `W_O`: patching, scaling or zero-ablating z's head "
+         "does the same to its result), steer `pts.attn_out` (a vector added to one head's result is added to "
+         "`attn_out`)")
+_STEER = "Steer `pts.attn_out` instead (a vector added to one head's result is added to `attn_out`)"

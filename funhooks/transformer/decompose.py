@@ -142,7 +142,8 @@ def decompose_resid(model: nn.Module, record: Record, *, layer: int | None = Non
         ...     torch.tensor([[1, 2, 3]]))
         >>> d = fh.transformer.decompose_resid(model, rec, layer=1)
         >>> d.labels
-        ('embed', 'pos_embed', 'blocks.0.heads.0', 'blocks.0.heads.1', 'blocks.0.heads.2', 'blocks.0.heads.3', 'blocks.0.attn_bias', 'blocks.0.mlp_out')
+        ('embed', 'pos_embed', 'blocks.0.heads.0', 'blocks.0.heads.1', 'blocks.0.heads.2', 'blocks.0.heads.3',
+         'blocks.0.attn_bias', 'blocks.0.mlp_out')
         >>> torch.allclose(d.resid.sum(0), rec["blocks.1.resid_pre"]["output"], atol=1e-5)
         True
     """
@@ -155,7 +156,8 @@ def decompose_resid(model: nn.Module, record: Record, *, layer: int | None = Non
     upto = _layer("decompose_resid", pts, layer)
     rows, labels = _rows("decompose_resid", model, pts, record, upto, heads)
     stack = torch.stack(rows)
-    return Decomposition(stack, tuple(labels), total=stack.sum(0), layer=upto)
+    total = stack.sum(0, dtype=torch.promote_types(stack.dtype, torch.float32)).to(stack.dtype)  # half: one rounding
+    return Decomposition(stack, tuple(labels), total=total, layer=upto)
 
 
 def stack_head_results(model: nn.Module, record: Record, *, layer: int | None = None) -> Decomposition:
@@ -219,8 +221,19 @@ def _direction(caller: str, unembed: nn.Module, tokens: int | Tensor, batch: int
     return weight[index.long()].float().expand(batch, -1)
 
 
+def _at(stream: Tensor, position: int | Tensor) -> Tensor:
+    """`stream` ``(..., batch, position, d_model)`` at one position, or at one per example."""
+    if isinstance(position, Tensor) and position.ndim == 1:
+        if position.dtype.is_floating_point or len(position) != stream.shape[-3]:
+            raise TypeError(f"logit_attrs: `position` is an int, or one per example ({stream.shape[-3]}) as a 1-d "
+                            f"integer tensor, got {position!r:.80}.")
+        batch = torch.arange(stream.shape[-3], device=stream.device)
+        return stream[..., batch, position.to(stream.device).long(), :]
+    return stream.select(-2, int(position))
+
+
 def logit_attrs(model: nn.Module, stack: Decomposition, tokens: int | Tensor,
-                incorrect_tokens: int | Tensor | None = None, *, position: int = -1) -> Tensor:
+                incorrect_tokens: int | Tensor | None = None, *, position: int | Tensor = -1) -> Tensor:
     """Each writer's direct contribution to the logit of `tokens` (minus that of
     `incorrect_tokens`) at `position`: its row through the final norm, with the norm's scale
     frozen at the real stream's (``stack.total``), times the norm's weight, dotted with the
@@ -234,7 +247,8 @@ def logit_attrs(model: nn.Module, stack: Decomposition, tokens: int | Tensor,
             :func:`stack_head_results` with ``layer=None``).
         tokens: a token id, or one per example ``(batch,)``.
         incorrect_tokens: None, or ids shaped like `tokens`: attribute the logit difference.
-        position: the position whose logits are attributed.
+        position: the position whose logits are attributed, or one per example ``(batch,)`` (the
+            last real token of each padded prompt).
 
     Returns:
         ``(len(stack), batch)``, one attribution per row and example.
@@ -274,8 +288,8 @@ def logit_attrs(model: nn.Module, stack: Decomposition, tokens: int | Tensor,
                         "language-modelling head (e.g. `GPT2LMHeadModel`, `LlamaForCausalLM`).")
     unembed = model.get_submodule(pts.logits.paths[0][1])
     norm = None if pts.final_norm.kind == "none" else model.get_submodule(pts.final_norm.paths[0][1])
-    rows = stack.resid.select(-2, position)  # (rows, batch, d_model)
-    normed = _frozen_norm("logit_attrs", norm, rows, stack.total.select(-2, position))
+    rows, total = _at(stack.resid, position), _at(stack.total, position)  # (rows, batch, d_model), (batch, d_model)
+    normed = _frozen_norm("logit_attrs", norm, rows, total)
     batch = rows.shape[1]
     direction = _direction("logit_attrs", unembed, tokens, batch)
     if incorrect_tokens is not None:

@@ -13,7 +13,8 @@ by a hook on the output projection from its input and its weight, without changi
 The projection's bias is no head's: it is a writer of its own, so the heads' results summed,
 plus ``b_O``, are the projection's output (``attn_out`` in evaluation mode). ``fh.outputs``
 stores it, ``fh.observe`` sees it and ``fh.edit(pts.result, fn)`` replaces the projection's
-output by the sum of `fn`'s results plus ``b_O``. The interventions (``fh.patch``, ``fh.steer``,
+output by the sum of `fn`'s results plus ``b_O`` (the path ``fh.attribution_patching`` probes
+each head's result through). The interventions (``fh.patch``, ``fh.steer``,
 ``fh.scale``, ``fh.ablate``) and ``fh.grads`` raise a SpecError naming the equivalent edit of
 ``z`` or ``attn_out`` (NOTE [result is computed]).
 

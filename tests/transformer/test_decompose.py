@@ -28,13 +28,13 @@ def test_writers_sum_to_the_real_stream(name, attn, device):
     each output projection's bias, each MLP) sum to the real residual stream; so do the rows
     with one `attn_out` per layer."""
     model = _perturbed(FAMILIES[name](attn), device)
-    out, rec = _recorded(model, _inputs(name, device))
+    _, rec = _recorded(model, _inputs(name, device))
     real = {L: rec[f"blocks.{L}.resid_pre"]["output"] for L in range(LAYERS)}
     real[None] = rec[f"blocks.{LAYERS - 1}.resid_post"]["output"]
     for layer, stream in real.items():
         for heads in (True, False):
             d = fh.transformer.decompose_resid(model, rec, layer=layer, heads=heads)
-            torch.testing.assert_close(d.resid.sum(0), stream, msg=lambda m: f"layer {layer}: {m}")
+            torch.testing.assert_close(d.resid.sum(0), stream, msg=lambda m, layer=layer: f"layer {layer}: {m}")
             torch.testing.assert_close(d.total, d.resid.sum(0))
     assert fh.transformer.decompose_resid(model, rec, layer=-1).labels == \
         fh.transformer.decompose_resid(model, rec, layer=LAYERS - 1).labels
@@ -47,8 +47,10 @@ def test_labels_say_each_writer_in_forward_order():
     gpt2, llama = FAMILIES["gpt2"](), FAMILIES["llama"]()
     _, rec = _recorded(gpt2, _inputs("gpt2", "cpu"))
     labels = fh.transformer.decompose_resid(gpt2, rec).labels
-    layer = lambda L: (*(f"blocks.{L}.heads.{h}" for h in range(HEADS)), f"blocks.{L}.attn_bias",  # noqa: E731
-                       f"blocks.{L}.mlp_out")
+
+    def layer(L):
+        return (*(f"blocks.{L}.heads.{h}" for h in range(HEADS)), f"blocks.{L}.attn_bias", f"blocks.{L}.mlp_out")
+
     assert labels == ("embed", "pos_embed", *layer(0), *layer(1))
     assert fh.transformer.decompose_resid(gpt2, rec, layer=1, heads=False).labels == (
         "embed", "pos_embed", "blocks.0.attn_out", "blocks.0.mlp_out")
@@ -139,3 +141,17 @@ def test_decompose_names_what_is_missing_or_wrong():
         fh.transformer.logit_attrs(model, fh.transformer.ResidualStack(d.resid, d.labels), 1)
     with pytest.raises(TypeError, match="a token is an id"):
         fh.transformer.logit_attrs(model, fh.transformer.decompose_resid(model, rec), 1.5)
+
+
+def test_logit_attrs_take_one_position_per_example():
+    """`position` as a tensor takes each example's own position (the last real token of a padded
+    prompt): each column equals the attribution at that example's position."""
+    model = _perturbed(FAMILIES["llama"](), "cpu")
+    _, rec = _recorded(model, _inputs("llama", "cpu"))
+    d = fh.transformer.decompose_resid(model, rec)
+    tokens = torch.tensor([3, 4])
+    both = fh.transformer.logit_attrs(model, d, tokens, position=torch.tensor([2, 5]))
+    torch.testing.assert_close(both[:, 0], fh.transformer.logit_attrs(model, d, tokens, position=2)[:, 0])
+    torch.testing.assert_close(both[:, 1], fh.transformer.logit_attrs(model, d, tokens, position=5)[:, 1])
+    with pytest.raises(TypeError, match="one per example"):
+        fh.transformer.logit_attrs(model, d, tokens, position=torch.tensor([1, 2, 3]))

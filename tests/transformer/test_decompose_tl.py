@@ -28,7 +28,7 @@ def _tl(hf, **processing):
         eps=c.layer_norm_epsilon, original_architecture="GPT2LMHeadModel", default_prepend_bos=False,
         device=str(next(hf.parameters()).device))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.9 points to its Bridge; HookedTransformer is still 3.9's
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.9 points to its Bridge; HookedTransformer is 3.9's
         tl = HookedTransformer(cfg)
     tl.load_and_process_state_dict(convert_gpt2_weights(hf, cfg), **processing)
     return tl.eval()

@@ -83,7 +83,7 @@ def test_head_weights_make_q_k_v_and_result_by_hand(name, device):
     w = fh.transformer.head_weights(model, 1)
     for part, W, b in (("q", w.W_Q, w.b_Q), ("k", w.W_K, w.b_K), ("v", w.W_V, w.b_V)):
         expected = torch.einsum("bpm,hmd->bphd", stream, W) + b
-        torch.testing.assert_close(rec[f"blocks.1.{part}"]["output"], expected, msg=lambda m: f"{part}: {m}")
+        torch.testing.assert_close(rec[f"blocks.1.{part}"]["output"], expected, msg=lambda m, part=part: f"{part}: {m}")
     o_proj = model.get_submodule(pts.z.paths[1][1])
     matrix, bias = _projection(o_proj)
     z = rec["blocks.1.z"]["output"]
@@ -153,10 +153,11 @@ def test_interventions_and_grads_on_result_name_the_fix():
         "`W_O`: patching, scaling or zero-ablating z's head does the same to its result), steer `pts.attn_out` (a "
         "vector added to one head's result is added to `attn_out`), or edit the results with "
         "`fh.edit(pts.result, fn)`.")
-    for make in (lambda: fh.patch(pts.result, 0.0), lambda: fh.steer(pts.result, torch.zeros(HIDDEN)),
-                 lambda: fh.scale(pts.result, 2.0)):
+    for make in (lambda: fh.patch(pts.result, 0.0), lambda: fh.scale(pts.result, 2.0)):
         with pytest.raises(fh.SpecError, match="`pts.z` instead"):
             make()
+    with pytest.raises(fh.SpecError, match=r"Steer `pts.attn_out` instead \(a vector added to one head's result"):
+        fh.steer(pts.result, torch.zeros(HIDDEN))
     with pytest.raises(fh.SpecError) as err:
         fh.grads(pts.result)
     assert str(err.value) == (
@@ -173,3 +174,24 @@ def test_result_spec_reads_like_the_point():
     assert fh.transformer.points(BUILDERS["gpt2"]()).pos_embed.keys == ("pos_embed",)
     with pytest.raises(fh.SpecError, match="learned position embedding"):
         fh.outputs(pts.pos_embed)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_attribution_patching_of_result_equals_that_of_z(name, device):
+    """Node attribution patching on `result` (each head's result probed through `fh.edit`) gives,
+    head by head, the estimate attribution patching on `z` gives: a head's result is its `z` times
+    `W_O[h]`, and its gradient is `attn_out`'s."""
+    model = _perturbed(FAMILIES[name](), device)
+    pts = fh.transformer.points(model)
+    clean = (torch.arange(12).reshape(2, 6) % 50).to(device)
+    corrupt = (clean + 7) % 50
+
+    def metric(out):
+        return out.logits[:, -1, 3] - out.logits[:, -1, 5]
+
+    by_result = fh.attribution_patching(model, pts.result, metric, heads=HEADS)(clean, corrupt)
+    by_z = fh.attribution_patching(model, pts.z, metric, heads=HEADS)(clean, corrupt)
+    assert by_result.points == ("blocks.0.result", "blocks.1.result")
+    assert by_result.table.shape == (LAYERS, 6, HEADS)
+    torch.testing.assert_close(by_result.table, by_z.table)
+    assert by_result.table.abs().max() > 1e-4
