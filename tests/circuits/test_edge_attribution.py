@@ -15,10 +15,10 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
+import transformer_models as tm
 from torch import nn
 
 import funhooks as fh
-import transformer_models as tm
 
 FAMILIES = ("gpt2", "neox", "neox_seq", "llama")
 A, B = 7, 8

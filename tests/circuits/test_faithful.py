@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformer_models as tm
 
 import funhooks as fh
-import transformer_models as tm
 
 FAMILIES = ("gpt2", "neox", "neox_seq", "llama")
 

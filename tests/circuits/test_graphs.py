@@ -8,9 +8,9 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
+import transformer_models as tm
 
 import funhooks as fh
-import transformer_models as tm
 
 
 def test_gpt2_writers_are_decompose_resids_and_readers_are_per_head() -> None:
