@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["Curve", "Faithfulness", "faithfulness", "faithfulness_curve"]
 
 _CALLER = "faithfulness"
-Reference = Literal["corrupt", "mean"]
+_Reference = Literal["corrupt", "mean"]
 
 
 @_frozen.frozen
@@ -135,7 +135,7 @@ class _Runner:
 
 
 def faithfulness(model: nn.Module, metric: Callable[[Any], torch.Tensor], *,
-                 reference: Reference = "corrupt") -> Callable[..., Faithfulness]:
+                 reference: _Reference = "corrupt") -> Callable[..., Faithfulness]:
     """The model run with only a circuit's edges; see the module's docstring.
 
     Args:
@@ -163,7 +163,7 @@ def faithfulness(model: nn.Module, metric: Callable[[Any], torch.Tensor], *,
 
 
 def faithfulness_curve(model: nn.Module, metric: Callable[[Any], torch.Tensor], edges: Edges, sizes: Sequence[int],
-                       *, reference: Reference = "corrupt", absolute: bool = True) -> Callable[..., Curve]:
+                       *, reference: _Reference = "corrupt", absolute: bool = True) -> Callable[..., Curve]:
     """The metric recovered by the top-n edges of `edges` (by magnitude; signed with
     ``absolute=False``) for each n in `sizes`.
 

@@ -218,6 +218,8 @@ def test_top_circuit_repr_and_plot() -> None:
     assert f"{w} -> {r}" in repr(edges)
     ax = edges.plot().axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == list(edges.writers)
+    with pytest.raises(fh.FrozenError):
+        edges.table = edges.table * 2  # type: ignore[misc]
 
 
 def test_bad_input_is_refused_with_the_fix() -> None:
