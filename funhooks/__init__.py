@@ -14,7 +14,7 @@ Example:
     [(3, 8), (3, 2)]
 """
 
-from . import distributed, sae, testing, transformer
+from . import circuits, distributed, sae, testing, transformer
 from ._version import __version__
 from .distributed import merge_across_ranks
 from .errors import (
@@ -166,6 +166,7 @@ __all__ = [
     "Attribution",
     "attribution_patching",
     "capture",
+    "circuits",
     "collect",
     "ColumnStats",
     "distributed",

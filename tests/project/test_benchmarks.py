@@ -160,6 +160,18 @@ def test_atp_smoke(tmp_path: pathlib.Path) -> None:
     assert {"bare forward (corrupted)", "fh attribution_patching, 1 point"} <= set(passes["cases"])
 
 
+def test_circuits_smoke(tmp_path: pathlib.Path) -> None:
+    """bench_circuits' EAP agrees with the hand-written floor and is timed beside it, on two depths."""
+    proc, result = run_quick("bench_circuits.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_common_keys(result, "circuits")
+    assert result["correct"] is True
+    for depth in ("12 layers", "4 layers"):
+        timed = result["results"][depth]
+        assert set(timed["cases"]) == {"bare forward (clean)", "floor: corrupted fwd + clean fwd + bwd", "fh.circuits.eap"}
+        assert timed["edges"] > 0
+
+
 def test_train_smoke(tmp_path: pathlib.Path) -> None:
     """bench_train's folds equal the fastai-style hooks and the hand loop; the trainer cases run."""
     proc, result = run_quick("bench_train.py", tmp_path)
