@@ -5,7 +5,7 @@ off from it replaced by their reference values).
 The specs are standard points and norm inputs of the unmodified model, made once per model
 (``fh.capture``): the writers are ``fh.transformer``'s (``pts.writers``: ``embed``,
 ``pos_embed``, ``result``, ``mlp_out``), the per-head weights ``fh.transformer.head_weights``;
-what a call does is the :class:`Job` it is given. Per head, a reader's input
+what a call does is the :class:`_Job` it is given. Per head, a reader's input
 is not a tensor of the model: the query, key and value projections read one normed stream.
 So a head's reader is probed at its projection's output (per head, through the point's view),
 and its gradient carried back to the stream before the norm through the head's slice of the
@@ -30,7 +30,7 @@ from funhooks.transformer import Point, head_weights
 
 from .graphs import Graph
 
-__all__ = ["Job", "Pass", "Patching", "Probing", "Recording", "check_pair"]
+__all__ = ["Pass", "Patching", "Probing", "Recording", "check_pair"]
 
 Tensor = torch.Tensor
 _PARTS = ("q", "k", "v")
@@ -49,7 +49,7 @@ def check_pair(clean: object, corrupt: object, caller: str) -> None:
                         f"{shapes[1]}. Pad or truncate the prompts to one length.")
 
 
-class Job:
+class _Job:
     """What one forward records: the stream before each layer, the writers in order."""
 
     def __init__(self) -> None:
@@ -74,7 +74,7 @@ class Job:
         return None
 
 
-class Recording(Job):
+class Recording(_Job):
     """Record the writers; with `embed`, run on those embeddings instead of the input's."""
 
     def __init__(self, embed: Tensor | None = None) -> None:
@@ -105,7 +105,7 @@ class Probing(Recording):
         return value + probe
 
 
-class Patching(Job):
+class Patching(_Job):
     """Each reader's input minus, for every writer cut off from it, ``(writer now - reference)``."""
 
     def __init__(self, reference: Tensor, removed: Tensor) -> None:
@@ -154,7 +154,7 @@ class Pass:
         self.weights_in: dict[str, list[Tensor]] = {}
         self._projections = [get(path) for part in _PARTS for path in _paths(getattr(pts, part))]
         self._read: list[tuple[object, int]] = []  # the projections' weights (and data) `weights_in` views
-        self.job: Job = Job()
+        self.job: _Job = _Job()
         embed, *others = pts.writers  # the embeddings first: a run on other embeddings starts there
         specs = [edit(embed, self._on_embed), *(edit(p, self._on_writer) for p in others),
                  edit(pts.resid_pre, self._on_resid),
@@ -181,12 +181,12 @@ class Pass:
         layers = [head_weights(self.model, layer) for layer in range(self.graph.points.n_layers)]
         self.weights_in = {"q": [w.W_Q for w in layers], "k": [w.W_K for w in layers], "v": [w.W_V for w in layers]}
 
-    def __call__(self, job: Job, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, job: _Job, args: tuple, kwargs: dict) -> Any:
         self.job = job
         try:
             out, _ = self._run(*args, **kwargs)
         finally:
-            self.job = Job()
+            self.job = _Job()
         return out
 
     def _on_embed(self, module: nn.Module, args: tuple, value: Tensor) -> Tensor | None:

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = ["plot_curve", "plot_edges"]
 
-CMAP = "RdBu"
+_CMAP = "RdBu"
 """A diverging colormap: the score's sign is the colour, 0 is white."""
-MAX_TICKS = 60
+_MAX_TICKS = 60
 """Axes with more labels than this get none (they would overlap)."""
 
 
@@ -59,10 +59,10 @@ def plot_edges(table: torch.Tensor, writers: Sequence[str], readers: Sequence[st
     fig.set_layout_engine("constrained")
     ax = fig.subplots()
     bound = float(values.nan_to_num().abs().max()) or 1.0
-    image = ax.imshow(values.numpy(), cmap=CMAP, vmin=-bound, vmax=bound, aspect="auto", interpolation="nearest")
-    if cols <= MAX_TICKS:
+    image = ax.imshow(values.numpy(), cmap=_CMAP, vmin=-bound, vmax=bound, aspect="auto", interpolation="nearest")
+    if cols <= _MAX_TICKS:
         ax.set_xticks(range(cols), list(readers), rotation=90)
-    if rows <= MAX_TICKS:
+    if rows <= _MAX_TICKS:
         ax.set_yticks(range(rows), list(writers))
     ax.set_xlabel("reader")
     ax.set_ylabel("writer")

@@ -18,6 +18,8 @@ from funhooks.errors import SpecError
 from funhooks.specs.selector import Selector
 from funhooks.specs.spec import Spec, check_flags, record_name
 
+__all__ = ["projection", "result_spec"]
+
 Tensor = torch.Tensor
 
 
@@ -34,7 +36,7 @@ def projection(module: nn.Module, role: str) -> tuple[Tensor, Tensor | None]:
                     f"{type(module).__name__}. Register an architecture whose projections are one of them.")
 
 
-def results(module: nn.Module, z: Tensor, n_heads: int) -> Tensor:
+def _results(module: nn.Module, z: Tensor, n_heads: int) -> Tensor:
     """Each head's output after the projection `module`: ``z`` ``(..., n_heads * d_head)`` split
     into heads, each times its rows of the projection's matrix: ``(..., n_heads, d_out)``."""
     matrix, _ = projection(module, "output projection")
@@ -58,7 +60,7 @@ class _ReadResult:
         self.n_heads = n_heads
 
     def __call__(self, module: nn.Module, args: tuple) -> Tensor:
-        return results(module, args[0], self.n_heads)
+        return _results(module, args[0], self.n_heads)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _ReadResult and other.n_heads == self.n_heads
@@ -68,8 +70,8 @@ class _ReadResult:
 
 
 class _CallResult:
-    """A user's ``fn(module, args, results)`` on the heads' results, called by a forward hook
-    on the output projection; an editor's results, summed over heads plus the projection's
+    """A user's ``fn(module, args, _results)`` on the heads' _results, called by a forward hook
+    on the output projection; an editor's _results, summed over heads plus the projection's
     bias, replace the projection's output. Named after `fn`."""
 
     __slots__ = ("__name__", "edits", "fn", "n_heads")
@@ -79,12 +81,12 @@ class _CallResult:
         self.__name__ = getattr(fn, "__name__", repr(fn))
 
     def __call__(self, module: nn.Module, args: tuple, output: Tensor) -> Any:
-        value = results(module, args[0], self.n_heads)
+        value = _results(module, args[0], self.n_heads)
         new: Any = self.fn(module, args, value)
         if not self.edits or new is None:
             return new
         if not isinstance(new, Tensor) or new.shape != value.shape:
-            raise ValueError(f"an editor of `result` returns a tensor shaped like the heads' results, "
+            raise ValueError(f"an editor of `result` returns a tensor shaped like the heads' _results, "
                              f"{tuple(value.shape)}, got {getattr(new, 'shape', type(new).__name__)}. Return one "
                              "of that shape (or None to leave it)")
         return (new.sum(-2) + _bias_of(module, new)).to(output.dtype)
@@ -118,7 +120,7 @@ def result_spec(label: str, where: Selector, n_heads: int, shown: str, **options
                         f"`fh.grads(pts.attn_out)`: every head's result has the gradient of `attn_out`.")
     instead = _STEER if label == "steer" else _BY_Z.format(label.capitalize())
     raise SpecError(f"{label}: `result` is computed from `z` and the output projection's weight, not a value the "
-                    f"model holds, so {label} cannot edit it in place, got `{shown}`. {instead}, or edit the results "
+                    f"model holds, so {label} cannot edit it in place, got `{shown}`. {instead}, or edit the _results "
                     "with `fh.edit(pts.result, fn)`.")
 
 

@@ -29,7 +29,7 @@ from .architectures import architecture
 
 __all__ = ["LogitLens", "ResidualStack", "accumulated_resid", "logit_lens", "unembed"]
 
-RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
+_RESIDUAL_POINTS = ("resid_pre", "resid_mid", "resid_post")
 """The standard points that are the residual stream, in their order within a block."""
 _RESIDUAL_PATH = re.compile(r"blocks\.(\d+)\.(resid_pre|resid_mid|resid_post)")
 
@@ -244,7 +244,7 @@ class LogitLens:
 def _depth(label: str) -> tuple[int, int]:
     """(layer, place within the block) of a residual point's path, for sorting."""
     layer, point = label.split(".")[1:]
-    return int(layer), RESIDUAL_POINTS.index(point)
+    return int(layer), _RESIDUAL_POINTS.index(point)
 
 
 def _value(caller: str, source: Record, path: str) -> torch.Tensor:

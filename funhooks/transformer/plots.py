@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 
 __all__ = ["plot_logit_lens", "plot_patching", "plot_patterns"]
 
-PATCHING_CMAP = "RdBu"
+_PATCHING_CMAP = "RdBu"
 """A diverging colormap: the table's sign is the colour, 0 is white."""
-PATTERN_CMAP = "Blues"
-RANK_MARGIN = 0.5
+_PATTERN_CMAP = "Blues"
+_RANK_MARGIN = 0.5
 """Room above rank 0 and below the worst rank drawn, in ranks."""
-MAX_TICKS = 40
+_MAX_TICKS = 40
 """Positions beyond this many get no tick label each (the labels would overlap)."""
-WIDE_LABELS = 30
+_WIDE_LABELS = 30
 """Characters of x tick labels beyond which they are written upright."""
 
 
@@ -56,11 +56,11 @@ def _labels(caller: str, name: str, labels: Sequence[object] | None, count: int)
 
 
 def _ticks(ax: Axes, axis: Literal["x", "y"], labels: list[str]) -> None:
-    """One tick label per entry (none past MAX_TICKS); x labels turn upright when they would overlap."""
-    if len(labels) > MAX_TICKS:
+    """One tick label per entry (none past _MAX_TICKS); x labels turn upright when they would overlap."""
+    if len(labels) > _MAX_TICKS:
         return
     if axis == "x":
-        ax.set_xticks(range(len(labels)), labels, rotation=90 if sum(map(len, labels)) > WIDE_LABELS else 0)
+        ax.set_xticks(range(len(labels)), labels, rotation=90 if sum(map(len, labels)) > _WIDE_LABELS else 0)
     else:
         ax.set_yticks(range(len(labels)), labels)
 
@@ -104,7 +104,7 @@ def plot_patching(table: torch.Tensor, *, tokens: Sequence[str] | None = None, l
     fig.set_layout_engine("constrained")
     ax = fig.subplots()
     bound = float(values.abs().max()) or 1.0
-    image = ax.imshow(values.numpy(), cmap=PATCHING_CMAP, vmin=-bound, vmax=bound, aspect="auto")
+    image = ax.imshow(values.numpy(), cmap=_PATCHING_CMAP, vmin=-bound, vmax=bound, aspect="auto")
     _ticks(ax, "x", x_labels)
     _ticks(ax, "y", y_labels)
     ax.set_xlabel("position")
@@ -164,7 +164,7 @@ def plot_patterns(pattern: torch.Tensor, *, tokens: Sequence[str] | None = None,
     grid = fig.subplots(rows, cols, squeeze=False).flatten()
     image = None
     for ax, head in zip(grid, chosen):
-        image = ax.imshow(values[head].numpy(), cmap=PATTERN_CMAP, vmin=0.0, vmax=1.0)
+        image = ax.imshow(values[head].numpy(), cmap=_PATTERN_CMAP, vmin=0.0, vmax=1.0)
         ax.set_title(f"head {head % values.shape[0]}", fontsize=9)
         _ticks(ax, "x", keys)
         _ticks(ax, "y", queries)
@@ -229,7 +229,7 @@ def plot_logit_lens(lens: LogitLens, token: int, *, kind: Literal["prob", "rank"
     else:
         from matplotlib.ticker import MaxNLocator
 
-        ax.set_ylim(float(values.max()) + RANK_MARGIN, -RANK_MARGIN)  # upside down: the top prediction is up
+        ax.set_ylim(float(values.max()) + _RANK_MARGIN, -_RANK_MARGIN)  # upside down: the top prediction is up
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("rank (0: top)")
     ax.set_title(f"Logit lens: {what} at position {position}")

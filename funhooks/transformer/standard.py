@@ -43,12 +43,12 @@ from . import _result
 from .architectures import Architecture, architecture
 from .views import Heads, Interleaved, Thirds
 
-__all__ = ["NAMES", "Point", "Points", "points"]
+__all__ = ["Point", "Points", "points"]
 
-PER_LAYER = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_in", "mlp_pre", "mlp_post", "mlp_out",
+_PER_LAYER = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_in", "mlp_pre", "mlp_post", "mlp_out",
              "q", "k", "v", "z", "result", "pattern", "attn_scores")
-GLOBAL = ("embed", "pos_embed", "final_norm", "logits")
-NAMES = ("embed", "pos_embed", *PER_LAYER, "final_norm", "logits")
+_GLOBAL = ("embed", "pos_embed", "final_norm", "logits")
+_NAMES = ("embed", "pos_embed", *_PER_LAYER, "final_norm", "logits")
 """The standard names, in the order a forward meets them."""
 _STORES = ("outputs", "grads")
 _EDITS = ("patch", "steer", "scale", "ablate")
