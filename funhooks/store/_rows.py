@@ -1,6 +1,6 @@
 """Rows: how one batch's Record becomes the rows of an activation store's columns.
 
-A column is ``"<module path>/<record name>"``; its value in a batch is one tensor,
+A column is ``"<Record path>/<record name>"``; its value in a batch is one tensor,
 ``(batch, *row)`` or, with ``flatten``, ``(batch, position, *row)`` whose two leading
 dimensions merge into one row per position. A mask of the leading shape keeps the True
 rows (the real tokens); floating-point columns are cast to ``dtype``, the others keep
@@ -43,7 +43,7 @@ def rows_of(record: Record, columns: Sequence[tuple[str, str, str]], *, flatten:
 
     Args:
         record: the batch's Record.
-        columns: ``(column, module path, record name)`` of every column.
+        columns: ``(column, Record path, record name)`` of every column.
         flatten: merge ``(batch, position)`` into rows.
         dtype: the cast of floating-point columns, or None.
         mask: a bool (or 0/1) tensor of the leading shape, or None.

@@ -93,7 +93,7 @@ def _shape(dims: Iterable[int]) -> tuple[int, ...]:
 @_frozen.frozen
 @attrs.frozen
 class Column:
-    """One column of a store: its name (``"<module path>/<record name>"``) and one row's dtype and shape."""
+    """One column of a store: its name (``"<Record path>/<record name>"``) and one row's dtype and shape."""
 
     name: str
     dtype: torch.dtype

@@ -6,7 +6,8 @@
 safetensors shards; its result is the :class:`~funhooks.ActivationDataset` that reads them.
 :func:`collect` does the same for a plain iterable of inputs through :func:`funhooks.capture`.
 
-Rows: a column is ``"<module path>/<record name>"``; each batch gives ``(batch, *row)``
+Rows: a column is ``"<Record path>/<record name>"`` (the module's path, or a standard
+point's, e.g. ``"blocks.0.resid_post/output"``); each batch gives ``(batch, *row)``
 tensors, or ``(batch, position, *row)`` merged into one row per position with
 ``flatten=True``, where a mask keeps the real tokens only. Floating-point columns can be
 cast (``dtype=torch.bfloat16``); other columns keep their dtype.
@@ -169,7 +170,9 @@ class ActivationWriter:
         model: the model the specs run on (its class and the selected module paths go into
             the store's metadata; selectors are resolved now).
         specs: a Spec or Specs whose stored values become columns, one per selected module,
-            named ``"<path>/<record name>"``; each stores one tensor per batch.
+            named ``"<Record path>/<record name>"`` as the Record keys them (the module's
+            path, or a standard point's: ``"blocks.0.resid_post/output"``); each stores one
+            tensor per batch.
         directory: where the store lives (created if needed; a store there is continued).
         dtype: cast floating-point columns to this dtype (e.g. ``torch.bfloat16``); None: as recorded.
         flatten: rows are positions: ``(batch, position, ...)`` values become
@@ -214,13 +217,16 @@ class ActivationWriter:
     rank: int | None = attrs.field(default=None, kw_only=True, validator=_check_rank)
     fsync: bool = attrs.field(default=True, kw_only=True, validator=attrs.validators.instance_of(bool))
     columns: tuple[tuple[str, str, str], ...] = attrs.field(init=False, repr=False)
-    """``(column, module path, record name)`` of every column, in module order."""
+    """``(column, Record path, record name)`` of every column, in module order: the Record
+    path is the module's path, or a standard point's own (``blocks.0.resid_post``)."""
 
     def __attrs_post_init__(self) -> None:
         found = []
         for i, spec in enumerate(self.specs):
+            labels = dict(spec.labels)  # a standard point's Record path, by module path: the Record's key
             for path, _ in resolve(spec.where, self.model, caller=CALLER, spec=spec):
-                found.append((path, i, (f"{path}/{spec.name}", path, str(spec.name))))
+                key = labels.get(path, path)
+                found.append((path, i, (f"{key}/{spec.name}", key, str(spec.name))))
         order = {p: i for i, (p, _) in enumerate(_torch.named_modules(self.model))}
         object.__setattr__(self, "columns", tuple(c for _, _, c in sorted(found, key=lambda f: (order[f[0]], f[1]))))
 
