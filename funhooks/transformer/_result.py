@@ -120,7 +120,7 @@ def result_spec(label: str, where: Selector, n_heads: int, shown: str, **options
                         f"`fh.grads(pts.attn_out)`: every head's result has the gradient of `attn_out`.")
     instead = _STEER if label == "steer" else _BY_Z.format(label.capitalize())
     raise SpecError(f"{label}: `result` is computed from `z` and the output projection's weight, not a value the "
-                    f"model holds, so {label} cannot edit it in place, got `{shown}`. {instead}, or edit the _results "
+                    f"model holds, so {label} cannot edit it in place, got `{shown}`. {instead}, or edit the results "
                     "with `fh.edit(pts.result, fn)`.")
 
 
