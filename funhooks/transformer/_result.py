@@ -70,8 +70,8 @@ class _ReadResult:
 
 
 class _CallResult:
-    """A user's ``fn(module, args, _results)`` on the heads' _results, called by a forward hook
-    on the output projection; an editor's _results, summed over heads plus the projection's
+    """A user's ``fn(module, args, results)`` on the heads' results, called by a forward hook
+    on the output projection; an editor's results, summed over heads plus the projection's
     bias, replace the projection's output. Named after `fn`."""
 
     __slots__ = ("__name__", "edits", "fn", "n_heads")
@@ -86,7 +86,7 @@ class _CallResult:
         if not self.edits or new is None:
             return new
         if not isinstance(new, Tensor) or new.shape != value.shape:
-            raise ValueError(f"an editor of `result` returns a tensor shaped like the heads' _results, "
+            raise ValueError(f"an editor of `result` returns a tensor shaped like the heads' results, "
                              f"{tuple(value.shape)}, got {getattr(new, 'shape', type(new).__name__)}. Return one "
                              "of that shape (or None to leave it)")
         return (new.sum(-2) + _bias_of(module, new)).to(output.dtype)
