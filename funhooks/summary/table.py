@@ -339,6 +339,10 @@ class ModuleSummary:
             out += [line(c), "_" * rule]
         return "\n".join([*out, "", *self._totals()])
 
+    def __repr__(self) -> str:
+        return (f"ModuleSummary(model={self.model!r}, rows={len(self.rows)}, layers={len(self.layers)}, "
+                f"total={self.total:,}, trainable={self.trainable:,}, layout={self.layout!r})")
+
     def _repr_html_(self) -> str:
         """The table as HTML (what a notebook shows), in the summary's `layout`, with the totals in
         its caption. Built from shapes and counts alone: no tensor value is read."""

@@ -173,6 +173,9 @@ class ResidualStack:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def __repr__(self) -> str:
+        return f"ResidualStack(labels={_html.short(self.labels)}, resid=Tensor{tuple(self.resid.shape)}, normed={self.normed})"
+
     def __getitem__(self, label: str) -> torch.Tensor:
         """The row of `label`."""
         return self.resid[_index(self.labels, label, type(self).__name__)]

@@ -40,3 +40,10 @@ def test_a_summary_of_a_meta_model_is_displayed_without_values() -> None:
     summary = fh.module_summary(model, torch.empty(2, 4096, device="meta"))
     rows = seen(summary._repr_html_()).texts()
     assert rows[1] == ["Linear", "2 x 4096", "16,781,312", "True"]
+
+
+def test_the_plain_repr_stays_one_short_line() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(200)])
+    summary = fh.module_summary(model, torch.randn(2, 8), layout="full")
+    assert repr(summary) == ("ModuleSummary(model='Sequential', rows=200, layers=201, total=14,400, trainable=14,400, "
+                             "layout='full')")

@@ -65,3 +65,9 @@ def test_a_gpt2_logit_lens_is_displayed() -> None:
     lens = fh.transformer.logit_lens(model, rec)
     rows = seen(lens._repr_html_()).texts()
     assert [r[0] for r in rows[1:]] == list(lens.labels) and len(rows[0]) == 1 + 3
+
+
+def test_a_residual_stacks_repr_stays_short() -> None:
+    labels = tuple(f"blocks.{i}.resid_pre" for i in range(48))
+    stack = fh.transformer.ResidualStack(torch.zeros(48, 1, 1000, 64), labels)
+    assert len(repr(stack)) < 200 and "Tensor(48, 1, 1000, 64)" in repr(stack)
