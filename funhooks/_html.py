@@ -125,7 +125,8 @@ def _dims(shape: Sequence[int]) -> str:
 
 def describe(value: object) -> tuple[str, str, str]:
     """(shape, dtype, device) of a stored value, read from metadata only; a tuple, list or dict
-    of tensors gives its structure (``(2×8, None)``) and the dtypes and devices it holds."""
+    of tensors gives its structure (``(2×8, None)``) and the dtypes and devices it holds; any
+    other object its type's name (its repr might print tensors), a plain number or str itself."""
     dtypes: dict[str, None] = {}
     devices: dict[str, None] = {}
 
@@ -140,7 +141,9 @@ def describe(value: object) -> tuple[str, str, str]:
             return "[" + ", ".join(walk(x) for x in v) + "]"
         if isinstance(v, dict):
             return "{" + ", ".join(f"{k}: {walk(x)}" for k, x in v.items()) + "}"
-        return short(repr(v), 40)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return short(repr(v), 40)
+        return type(v).__name__  # its repr might print tensors
 
     shape = walk(value)
     return short(shape), ", ".join(dtypes), ", ".join(devices)

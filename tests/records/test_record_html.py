@@ -58,6 +58,15 @@ def test_describing_a_tensor_reads_none_of_its_values() -> None:
     assert _row(rec, "lm_head") == ["lm_head", "output", "1", "(1000000×1000000, None)", "bfloat16", "meta"]
 
 
+def test_other_stored_objects_show_their_type_and_plain_values_themselves() -> None:
+    class Holder:
+        def __repr__(self) -> str:
+            raise AssertionError("a display called the repr of a stored object")
+
+    rec = fh.Record({"a": {"kept": ({"x": Holder(), "n": 3, "s": "text"},)}})
+    assert _row(rec, "a")[3] == "{x: Holder, n: 3, s: 'text'}"
+
+
 def test_user_strings_are_escaped() -> None:
     evil = "<script>alert(1)</script>"
     rec = fh.Record({evil: {"out&<b>": (torch.zeros(2),)}})
