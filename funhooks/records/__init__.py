@@ -5,7 +5,7 @@ Modules: ``record`` (the Record: lookups, ``map``, pytree registration, save/loa
 several Records as one), ``node``
 (``RecordNode`` and how a lookup that misses explains itself), ``_file`` (the file format of
 ``Record.save``/``Record.load``), ``_compare`` (exact comparison of stored values).
-May import: ``errors``, ``_torch``, ``_frozen``. Nothing here knows about specs or runs.
+May import: ``errors``, ``_torch``, ``_html``, ``_frozen``. Nothing here knows about specs or runs.
 """
 
 from .node import Calls, RecordData, RecordNode, StoredValue

@@ -11,6 +11,7 @@ and dropping it are the ways to release device memory.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
 from typing import Any, TypeAlias, TypeVar, overload
@@ -18,7 +19,7 @@ from typing import Any, TypeAlias, TypeVar, overload
 import attrs
 import torch
 
-from funhooks import _frozen, _torch
+from funhooks import _frozen, _html, _torch
 from funhooks._frozen import Frozen
 from funhooks.errors import RecordKeyError
 
@@ -29,6 +30,7 @@ from .node import Calls, Notes, RecordData, RecordNode, StoredValue, explained, 
 __all__ = ["Record", "RecordNode", "merge", "trusted"]
 
 _D = TypeVar("_D")
+_SHOWN_CALLS = 16  # a display describes the first calls of a record; a generation may hold hundreds
 
 _NO_NOTES: Mapping[str, Notes] = {}  # never mutated (a plain dict: dynamo traces it)
 """A Record's notes on absences, by path: ``(name or None, sentence)`` pairs."""
@@ -294,8 +296,29 @@ class Record(Frozen):
                  for p, names in self._data.items()]
         return "Record({\n" + ",\n".join(lines) + "\n})" if lines else "Record({})"
 
+    def _repr_html_(self) -> str:
+        """The tree as an HTML table (what a notebook shows): per module path and record name, the
+        number of calls and the shape, dtype and device of the values. Reads no tensor value (a
+        CUDA tensor stays where it is); a record whose calls differ in shape lists the shapes."""
+        rows = ((path, name, calls) for path, names in self._data.items() for name, calls in names.items())
+        total = sum(len(names) for names in self._data.values())
+        lines = [_html_row(path, name, calls) for path, name, calls in itertools.islice(rows, _html.MAX_ROWS)]
+        return _html.table(("module", "record", "calls", "shape", "dtype", "device"), lines, total=total,
+                           caption=f"Record: {len(self._data)} module(s), {total} record(s)")
+
     def __reduce__(self) -> tuple[type[Record], tuple[RecordData]]:
         return (Record, (self._data,))
+
+
+def _html_row(path: str, name: str, calls: Calls) -> tuple[_html.Cell, str, str, str, str, str]:
+    """One row of a Record's display; the shapes of the first calls, each distinct one once."""
+    seen: dict[tuple[str, str, str], None] = {}
+    for value in calls[:_SHOWN_CALLS]:
+        seen[_html.describe(value)] = None
+    shapes, dtypes, devices = (" / ".join(dict.fromkeys(parts)) for parts in zip(*seen)) if seen else ("", "", "")
+    more = "" if len(calls) <= _SHOWN_CALLS else " / …"
+    return (_html.Cell(path or "(model)", indent=path.count(".") + bool(path)), name, str(len(calls)),
+            shapes + more, dtypes, devices)
 
 
 def trusted(data: RecordData,

@@ -22,14 +22,14 @@ touched, and in-place ops after a point are fine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import nn
 
-from funhooks import _frozen
+from funhooks import _frozen, _html
 from funhooks.errors import InterventionError, SpecError
 from funhooks.specs.selector import Where
 from funhooks.specs.spec import Located
@@ -67,6 +67,40 @@ class Attribution:
     """The metric on the clean input."""
     corrupt: torch.Tensor
     """The metric on the corrupted input."""
+
+    def __repr__(self) -> str:
+        return (f"Attribution(points={_html.short(self.points)}, table=Tensor{tuple(self.table.shape)}, "
+                f"clean={_metric(self.clean)}, corrupt={_metric(self.corrupt)})")
+
+    def html(self, tokens: Sequence[object] | None = None, *, digits: int = 3) -> _html.Html:
+        """The table as an HTML heatmap: one row per point (per point and head with ``heads=``),
+        one column per position labelled by `tokens` (the text of each position; None: its
+        index), each value rounded to `digits` decimals on a red (above 0) / blue (below 0)
+        background. A notebook shows the result; ``str()`` of it is the markup. Only the shown
+        rows are read to the host.
+
+        Raises:
+            ValueError: for `tokens` of another length than the table's positions.
+        """
+        table = self.table if self.table.ndim == 3 else self.table.unsqueeze(-1)
+        heads = self.table.ndim == 3
+        names = [f"{p} · head {h}" if heads else p for p in self.points for h in range(table.shape[2])]
+        shown = table.detach().movedim(2, 1).reshape(-1, table.shape[1])[: _html.MAX_ROWS].float().cpu()
+        values = shown.tolist()
+        scale = shown.abs().nan_to_num(0.0).max().item() if shown.numel() else 0.0
+        rows = [[_html.Cell(name), *(_html.Cell(_html.number(v, digits), _html.shade(v, scale), repr(v)) for v in row)]
+                for name, row in zip(names, values)]
+        header = ["point", *_html.labels("Attribution.html", tokens, table.shape[1])]
+        return _html.table(header, rows, total=len(names), row_header=True,
+                           caption=f"Attribution patching: clean {_metric(self.clean)}, corrupt {_metric(self.corrupt)}")
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+
+def _metric(value: torch.Tensor) -> str:
+    """A metric as a display writes it: its value when it is one number, else its shape."""
+    return _html.number(value.item()) if value.numel() == 1 else f"Tensor{tuple(value.shape)}"
 
 
 def attribution_patching(

@@ -45,7 +45,7 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _frozen
+from funhooks import _frozen, _html
 from funhooks.errors import ExtraError, InterventionError, SpecError
 from funhooks.records.record import Record
 from funhooks.specs.spec import Spec
@@ -107,6 +107,10 @@ class GenerationStep:
 
         return self.record.map(keep)
 
+    def __repr__(self) -> str:
+        return (f"GenerationStep(step={self.step}, token=Tensor{tuple(self.token.shape)}, "
+                f"record=<{len(self.record)} module(s)>, prompt={self.prompt}, calls={self.calls})")
+
 
 @_frozen.frozen
 @attrs.frozen(eq=False)
@@ -136,6 +140,29 @@ class Generation:
     def records(self) -> tuple[Record, ...]:
         """The Records of the steps, in step order."""
         return tuple(s.record for s in self.steps)
+
+    def __repr__(self) -> str:
+        batch = tuple(self.steps[0].token.shape) if self.steps else ()
+        return f"Generation(steps={len(self.steps)}, tokens=Tensor{(*batch, len(self.steps))})"
+
+    def html(self, *, vocab: _html.Vocab = None) -> _html.Html:
+        """The tokens step by step as an HTML table: one row per decode step (0: the prompt
+        pass), one column per sequence (the first 8), then the step's calls and what its Record
+        holds. `vocab` writes token ids (a list of strings indexed by id, or a function such as
+        ``tokenizer.decode``); None: the ids. Only the tokens reach the host."""
+        batch = self.steps[0].token.numel() if self.steps else 0
+        shown = min(batch, _SHOWN_SEQUENCES)
+        header = ["step", *(f"sequence {b}" for b in range(shown)), "calls", "record"]
+        rows = [[str(s.step), *(_html.label(t, vocab) for t in s.token.reshape(-1)[:shown].tolist()), str(s.calls),
+                 f"{len(s.record)} module(s)"] for s in self.steps[: _html.MAX_ROWS]]
+        caption = f"Generation: {len(self.steps)} step(s)" + (f", {batch} sequences" if batch > shown else "")
+        return _html.table(header, rows, caption=caption, total=len(self.steps), row_header=True)
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+
+_SHOWN_SEQUENCES = 8  # a generation's display shows the tokens of the first sequences
 
 
 def _prompt_length(args: tuple, kwargs: dict[str, Any], caller: str) -> int:

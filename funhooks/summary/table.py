@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeAlias
 import attrs
 import torch
 
-from funhooks import _frozen, _torch
+from funhooks import _frozen, _html, _torch
 from funhooks._frozen import Frozen
 
 __all__ = ["LAYOUTS", "NO_WEIGHT", "LayerRow", "Layout", "ModuleSummary", "Shape", "ShapeTree", "SummaryRow",
@@ -338,6 +338,23 @@ class ModuleSummary:
         for c in cells:
             out += [line(c), "_" * rule]
         return "\n".join([*out, "", *self._totals()])
+
+    def __repr__(self) -> str:
+        return (f"ModuleSummary(model={self.model!r}, rows={len(self.rows)}, layers={len(self.layers)}, "
+                f"total={self.total:,}, trainable={self.trainable:,}, layout={self.layout!r})")
+
+    def _repr_html_(self) -> str:
+        """The table as HTML (what a notebook shows), in the summary's `layout`, with the totals in
+        its caption. Built from shapes and counts alone: no tensor value is read."""
+        caption = " · ".join([self._header(), *self._totals()])
+        if self.layout == "full":
+            cells = _full_cells(self.layers)
+            rows: list[list[_html.Cell | str]] = [[_html.Cell(c[0].strip(), indent=r.depth), *c[1:]]
+                                                  for r, c in zip(self.layers, cells)]
+            return _html.table(_FULL_COLUMNS, rows, caption=caption)
+        fastai = [(r.type, _format_shape(r.shape), f"{r.params:,}" if r.params != NO_WEIGHT else "", str(r.trainable))
+                  for r in self.rows]
+        return _html.table([t for t, _ in _COLUMNS], fastai, caption=caption)
 
     def _full(self) -> str:
         cells = _full_cells(self.layers)

@@ -5,7 +5,7 @@ makes them where-values, ``views.py`` splits heads off; each head's weights and 
 (``heads.py``); the residual stream as a sum of its writers and direct logit attribution
 (``decompose.py``); the logit lens and unembedding (``lens.py``); figures of patching tables,
 attention patterns and logit lenses (``plots.py``).
-May import ``errors``, ``_torch``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
+May import ``errors``, ``_torch``, ``_html``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
 """
 
 from .architectures import Architecture, architecture, register

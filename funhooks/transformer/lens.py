@@ -21,7 +21,7 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _frozen, _torch
+from funhooks import _frozen, _html, _torch
 from funhooks.errors import RecordError, SelectorError
 from funhooks.records import Record
 
@@ -173,6 +173,9 @@ class ResidualStack:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def __repr__(self) -> str:
+        return f"ResidualStack(labels={_html.short(self.labels)}, resid=Tensor{tuple(self.resid.shape)}, normed={self.normed})"
+
     def __getitem__(self, label: str) -> torch.Tensor:
         """The row of `label`."""
         return self.resid[_index(self.labels, label, type(self).__name__)]
@@ -239,6 +242,45 @@ class LogitLens:
         """The `k` most probable tokens at every layer: ``.values`` their probabilities and
         ``.indices`` their ids, each ``(layers, ..., k)``."""
         return torch.topk(self.probs(), k, dim=-1)
+
+    def __repr__(self) -> str:
+        return f"LogitLens(labels={_html.short(self.labels)}, logits=Tensor{tuple(self.logits.shape)})"
+
+    def html(self, *, vocab: _html.Vocab = None, tokens: Sequence[object] | None = None, k: int = 3) -> _html.Html:
+        """The top token of every layer (rows) at every position (columns) as an HTML table, with
+        its probability; hovering a cell lists the top `k`. Shows the first example (index 0 of
+        every axis between the layers and the positions) and its last positions. `vocab` writes
+        token ids (a list of strings indexed by id, or a function such as ``tokenizer.decode``);
+        `tokens` labels the positions (one string each). Only the shown top-`k` numbers reach the host.
+
+        Raises:
+            ValueError: for `tokens` of another length than the positions.
+        """
+        logits = self.logits.detach()
+        first = logits.ndim > 3
+        while logits.ndim > 3:
+            logits = logits[:, 0]
+        logits = (logits if logits.ndim == 3 else logits.unsqueeze(1))[:, -_SHOWN_POSITIONS:]
+        top = torch.topk(logits.float().softmax(-1), min(k, logits.shape[-1]), dim=-1)
+        probs, ids = top.values.cpu().tolist(), top.indices.cpu().tolist()
+        positions = self.logits.shape[-2] if self.logits.ndim > 2 else 1
+        header = ["layer", *_html.labels("LogitLens.html", tokens, positions)[positions - logits.shape[1]:]]
+        rows = [[_html.Cell(name), *(_top_cell(p, i, vocab) for p, i in zip(layer_p, layer_i))]
+                for name, layer_p, layer_i in zip(self.labels, probs, ids)]
+        caption = "Logit lens: top token per layer and position" + (" (example 0)" if first else "")
+        return _html.table(header, rows, caption=caption, row_header=True)
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+
+_SHOWN_POSITIONS = 32  # a logit lens display shows the last positions
+
+
+def _top_cell(probs: list[float], ids: list[int], vocab: _html.Vocab) -> _html.Cell:
+    """A position's top token with its probability; its top `k` as the hover text."""
+    ranked = ", ".join(f"{_html.label(i, vocab)!r} {_html.number(p, 2)}" for p, i in zip(probs, ids))
+    return _html.Cell(f"{_html.label(ids[0], vocab)} {_html.number(probs[0], 2)}", _html.shade(probs[0], 1.0), ranked)
 
 
 def _depth(label: str) -> tuple[int, int]:
