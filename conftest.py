@@ -39,6 +39,14 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test and doctest starts from torch's seed 0: what it draws does not depend on
+    which tests ran before it in its process (pytest-xdist hands the files to two processes in
+    an order that changes from run to run)."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def _denormals_back_on():
     """torch before 2.5 compiles inductor's CPU kernels with -ffast-math, and loading one turns on
     flush-to-zero for the process, which later tests (Hypothesis's subnormal floats) trip on:

@@ -159,6 +159,7 @@ def _specs_reaching(model: nn.Module) -> list[list[fh.Spec]]:
     return [[scaled], [fh.outputs(first)], [fh.outputs([model, model[0]])]]
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_a_spec_closing_over_the_model_does_not_keep_it_alive() -> None:
     """Plans are cached per model; a spec whose function or predicate reaches the model
     itself must not pin it: once the user drops the model, it is freed."""

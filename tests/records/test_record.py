@@ -233,6 +233,7 @@ def test_record_pickles(device: torch.device) -> None:
     assert pickle.loads(pickle.dumps(rec)).equal(rec)
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_record_holds_no_reference_to_the_model() -> None:
     """After the run and the model are dropped, the model is collected while the Record lives."""
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -272,6 +273,7 @@ class Tracked(nn.Module):
         return _Tracked.apply(x)
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_detached_record_holds_no_reference_to_the_graph() -> None:
     """With detach=True no stored tensor has a grad_fn and the graph dies with the output."""
     model = nn.Sequential(nn.Linear(3, 3), Tracked(), nn.Tanh(), nn.Linear(3, 1))

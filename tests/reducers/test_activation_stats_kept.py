@@ -81,6 +81,7 @@ def test_an_output_sharing_a_larger_storage_is_copied() -> None:
 
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_a_freed_modules_knowledge_does_not_pass_to_a_new_module() -> None:
     """What ActivationStats learned of a module (nothing changes its output) goes with it: a
     new module, which may reuse the freed one's memory, is copied on its first step, so a

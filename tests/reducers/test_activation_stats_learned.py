@@ -132,6 +132,7 @@ def test_an_activation_swapped_for_an_in_place_one_mid_run_goes_on(route: str) -
     fh.testing.assert_no_hooks(model)
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_nothing_a_run_learned_outlives_it() -> None:
     """After a fit, no recording's knowledge is visible, and nothing keeps the model alive."""
     torch.manual_seed(0)

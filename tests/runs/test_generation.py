@@ -339,6 +339,7 @@ def test_a_steps_index_after_the_last_step_is_an_error_at_the_end(lm: tuple[nn.M
     fh.testing.assert_no_hooks(model)
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_a_named_iterator_left_suspended_leaves_nothing_on_the_model_and_closes(lm: tuple[nn.Module, str]) -> None:
     """A named `iter_generate` kept after `break` held its hooks until freed; now nothing is
     attached while the consumer holds a step, `with` closes it, and freeing it ends the worker."""

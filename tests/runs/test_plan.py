@@ -15,6 +15,8 @@ from torch import nn
 
 import funhooks as fh
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # each gc.collect() walks only what its test made
+
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)

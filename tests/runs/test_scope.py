@@ -214,6 +214,7 @@ def test_concurrent_runs_on_random_models_each_see_only_their_calls(model_x: tup
 # -- no residue --------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("frozen_heap")
 @RECORDS_IN_COMPILE
 @pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
 def test_runs_on_compiled_models_and_capture_functions_leave_nothing_in_the_process() -> None:

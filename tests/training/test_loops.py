@@ -106,6 +106,7 @@ def test_hooks_removed_when_the_generator_is_closed() -> None:
     fh.testing.assert_no_hooks(model)
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_a_suspended_or_abandoned_generator_leaves_nothing_attached_and_no_mode_changed() -> None:
     """While a generator waits at a yield nothing of it is on the model, and the model is in
     the mode the user left it in; an abandoned generator collected later (a notebook kept

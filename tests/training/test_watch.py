@@ -198,6 +198,7 @@ def test_gradient_statistics_follow_parameters_resized_in_place() -> None:
     assert abs(res.stats[0][0]["norm"] - grads.norm().item()) < 1e-5
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_watched_models_and_optimizers_are_freed() -> None:
     """What the watches keep between runs keeps neither the model alive nor an optimizer the
     user dropped (a new optimizer per run, as notebooks do, must not pile up Adam states)."""
