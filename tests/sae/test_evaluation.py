@@ -44,7 +44,7 @@ def test_on_an_activation_stream(tmp_path) -> None:
     pytest.importorskip("safetensors")
     model, sae = gpt2(), SAE()
     pts = fh.transformer.points(model)
-    writer = fh.ActivationWriter(model, fh.outputs("transformer.h.0"), str(tmp_path), flatten=True)
+    writer = fh.ActivationWriter(model, fh.outputs(pts.resid_post[0]), str(tmp_path), flatten=True)
     ds = fh.collect(writer, [torch.arange(12).reshape(2, 6) % 50, torch.arange(12, 24).reshape(2, 6) % 50])
     stream = fh.ActivationStream(ds, batch_size=10, shuffle=False)
     result = fh.sae.evaluate(sae, stream)

@@ -100,5 +100,5 @@ def test_max_rows_cuts_a_store_at_a_point():
 def test_module_paths_keep_their_names():
     """A spec at a module path is named after the module, as before."""
     model = tm.gpt2()
-    ds = fh.collect(fh.ActivationWriter(model, fh.outputs("transformer.h.0"), tempfile.mkdtemp()), _batches(1))
-    assert list(ds.columns) == ["transformer.h.0/output"]
+    ds = fh.collect(fh.ActivationWriter(model, fh.outputs("transformer.h.0.mlp"), tempfile.mkdtemp()), _batches(1))
+    assert list(ds.columns) == ["transformer.h.0.mlp/output"]

@@ -81,12 +81,12 @@ def _by_hand(model, name, rows, stream, token):
         centred = rows - rows.mean(-1, keepdim=True)
         sd = ((stream - stream.mean(-1, keepdim=True)) ** 2).mean(-1, keepdim=True).add(norm.eps).sqrt()
         normed = centred / sd * norm.weight
-        bias = norm.bias @ model.lm_head.weight[token]
+        bias = norm.bias @ model.get_output_embeddings().weight[token]
     else:
         norm = model.model.norm
         rms = stream.pow(2).mean(-1, keepdim=True).add(norm.variance_epsilon).sqrt()
         normed, bias = rows / rms * norm.weight, torch.zeros(())
-    return normed @ model.lm_head.weight[token], bias
+    return normed @ model.get_output_embeddings().weight[token], bias
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -107,10 +107,10 @@ def test_logit_attrs_equal_hand_math_and_sum_to_the_logit(name, attn, device):
     diff = fh.transformer.logit_attrs(model, d, tokens, wrong, position=2)
     logit = out.logits[:, 2]
     bias_diff = 0.0 if not hasattr(model, "transformer") else \
-        (model.transformer.ln_f.bias * (model.lm_head.weight[tokens] - model.lm_head.weight[wrong])).sum(-1)
+        (model.transformer.ln_f.bias * (model.get_output_embeddings().weight[tokens] - model.get_output_embeddings().weight[wrong])).sum(-1)
     if name.startswith("neox"):
         norm = model.gpt_neox.final_layer_norm
-        bias_diff = (norm.bias * (model.lm_head.weight[tokens] - model.lm_head.weight[wrong])).sum(-1)
+        bias_diff = (norm.bias * (model.get_output_embeddings().weight[tokens] - model.get_output_embeddings().weight[wrong])).sum(-1)
     torch.testing.assert_close(diff.sum(0) + bias_diff,
                                logit.gather(-1, tokens[:, None])[:, 0] - logit.gather(-1, wrong[:, None])[:, 0])
     heads = fh.transformer.stack_head_results(model, rec)

@@ -75,6 +75,6 @@ def test_writers_sum_to_every_resid_and_heads_to_attn_out(device, drawn):
                                atol=1e-5, rtol=1e-4)
     norm = model.get_submodule(pts.final_norm.paths[0][1])
     bias = getattr(norm, "bias", None)
-    bias_term = 0.0 if bias is None else bias @ model.lm_head.weight[5]
+    bias_term = 0.0 if bias is None else bias @ model.get_output_embeddings().weight[5]
     torch.testing.assert_close(fh.transformer.logit_attrs(model, whole, 5).sum(0) + bias_term,
                                out.logits[:, -1, 5], atol=1e-4, rtol=1e-4)
