@@ -51,7 +51,8 @@ def _hooked_transformer(model: torch.nn.Module) -> torch.nn.Module:
     cfg = tl.HookedTransformerConfig(
         n_layers=LAYERS, d_model=HIDDEN, n_ctx=POSITIONS, d_head=HIDDEN // HEADS, n_heads=HEADS, d_mlp=4 * HIDDEN,
         d_vocab=VOCAB, act_fn="gelu_new", normalization_type="LN", eps=model.config.layer_norm_epsilon,
-        positional_embedding_type="standard", use_hook_mlp_in=True, default_prepend_bos=False)
+        positional_embedding_type="standard", use_hook_mlp_in=True, use_attn_result=True,
+        default_prepend_bos=False)
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
 
     hooked = tl.HookedTransformer(cfg)
@@ -78,6 +79,9 @@ def test_every_row_of_the_table_holds_transformer_lens_value() -> None:
         for layer in range(LAYERS) if per_layer else [None]:
             theirs = cache[hook.replace(".L.", f".{layer}.")]
             ours = rec[name if layer is None else f"blocks.{layer}.{name}"]["output"]
+            if name == "pos_embed":  # the model's own (1, position, d_model); TransformerLens broadcasts it
+                assert ours.shape[0] == 1, hook
+                ours = ours.expand_as(theirs)
             assert theirs.shape == ours.shape, (hook, name)
             if name == "attn_scores":  # masked: -inf in TransformerLens, the dtype's minimum under eager
                 masked = ours < torch.finfo(ours.dtype).min / 2
