@@ -255,7 +255,7 @@ class Forward(Generic[_T]):
         self.module: Any = None
         self.inner: UserCall | None = None
         self.saved: object = None
-        self.users: Users[_T] = ()  # the runs it serves, outermost first (an `_Observing` one: its slot's frame)
+        self.users: Users[_T] = ()  # the runs it serves, outermost first (an `_Observing` one reads its slot's frame)
         self.bound_reduce_ex = self.reduce_ex  # made once: set as the module's `__reduce_ex__` while installed
 
     def __call__(self, *args: object, **kwargs: object) -> Any:
@@ -323,17 +323,16 @@ class Forward(Generic[_T]):
 
         A call in another thread may see the new users with the old class, or the other way
         round: ``_OneRun`` then takes the path of ``_Shared`` (each call's users filtered by
-        scope), and ``_Observing`` serves its slot's frame alone, a user before and after."""
+        scope), and ``_Observing`` serves its slot's frame alone, a user before and after. A
+        call that took ``_Shared``'s path before the swap reads ``users`` after it, so an
+        ``_Observing`` one keeps its one user, the slot's frame, until that run leaves
+        (``_uninstall``), never ``()`` while installed."""
         if len(users) > 1:
             kind: type[Forward[Any]] = _Shared
         elif self.slot is not None and users[0][0] is self.slot.frame and users[0][1] is self.own:
             kind = self.alone
         else:
             kind = _OneRun
-        if kind is _Observing:  # its user is its slot's frame: the class first, so no call sees `()` users
-            self.__class__ = self.alone
-            self.users = ()
-            return
         self.users = users
         if type(self) is not kind:
             self.__class__ = kind
@@ -504,6 +503,8 @@ def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | N
     for fwd in reversed(installed):
         if type(fwd) is _Observing:  # the common case: its one run is the slot's frame, `frame`
             _unwrap(fwd)
+            if fwd.users:  # left by `_serve` for a call racing the swap: the frame is not kept alive
+                fwd.users = ()
         else:
             _leave(fwd, frame)
     if slot is not None and slot.frame is frame:
