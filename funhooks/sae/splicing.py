@@ -196,6 +196,25 @@ def _place(where: object, name: str) -> tuple[str, tuple[tuple[str, str], ...]]:
                     f"without wildcards, got {where!r}. Pass one of those.")
 
 
+def _check_width(where: object, shape: Shape, sae: Any) -> None:
+    """Refuse, before any forward, an SAE whose ``d_in`` is not the width of the standard point
+    `where` on its model (a head point also takes an SAE as wide as all its heads). A module
+    path, a point whose width the model did not show, or an SAE that says no width is checked at
+    the point's first call instead (``_Run.encode``)."""
+    if not isinstance(where, Point) or not where.width or not shape.d_in:
+        return
+    flat = where.heads * where.width
+    fits = (where.width, flat) if where.heads else (where.width,)
+    if shape.d_in in fits:
+        return
+    wide = f"{where.heads} heads of width {where.width}, {flat} flattened" if where.heads else f"width {where.width}"
+    raise SpecError(
+        f"{_CALLER}: the SAE reads vectors of its width d_in={shape.d_in}, got `{where!r}` (module "
+        f"`{where.paths[0][1]}`), whose values on this model are of {wide}, for the {type(sae).__name__}. Splice "
+        f"it at the point it was trained on, or train one of width {' or '.join(map(str, fits))}."
+    )
+
+
 def splice(where: Point | str, sae: Any, *, edit: Edit | None = None, error: bool = True, record: bool = True,
            name: str = "sae") -> tuple[Spec, ...]:
     """The specs that run `sae` at `where`: record its features, and edit them.
@@ -217,8 +236,10 @@ def splice(where: Point | str, sae: Any, *, edit: Edit | None = None, error: boo
 
     Raises:
         SpecError: for an object without ``encode``/``decode``, a `where` that is not one
-            place, a bad edit; when called, for a value whose width is not the SAE's
-            ``d_in`` (raised before the SAE runs, as the cause of the run's HookError).
+            place, a bad edit, a standard point whose width on its model is not the SAE's
+            ``d_in`` (raised here, before any forward); at a module path, when called, for a
+            value whose width is not ``d_in`` (raised before the SAE runs, as the cause of the
+            run's HookError).
 
     Example:
         >>> import torch, transformers, funhooks as fh
@@ -250,6 +271,7 @@ def splice(where: Point | str, sae: Any, *, edit: Edit | None = None, error: boo
         if not isinstance(value, bool):
             raise SpecError(f"{_CALLER}: `{flag}` is a bool, got {value!r}. Pass True or False.")
     shown, labels = _place(where, name)
+    _check_width(where, shape, sae)
     edits = _edits(edit)
     run = _Run(sae, shape, shown, edits, error, record)
     specs: list[Spec] = []

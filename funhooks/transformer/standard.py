@@ -147,6 +147,15 @@ class Point(Located):
     """Taken by indexing: the repr names the layers."""
     tensor: bool = True
     """The module returns the value itself (not a tuple holding it): stored by the plain spec."""
+    width: int = 0
+    """The size of the value's last dimension on this model (``d_model`` for the residual stream,
+    ``d_head`` for ``q``/``k``/``v``/``z``, the MLP's width for ``mlp_pre``/``mlp_post``, the
+    vocabulary for ``logits``), read when the points are made; 0 where it is not read (an op's
+    value, a module of a registered family that is neither ``nn.Linear``, ``Conv1D``,
+    ``nn.Embedding`` nor a norm, layers of different widths)."""
+    heads: int = 0
+    """The size of the head dimension before the last (``q``/``k``/``v``/``z``/``result``);
+    0 for a value without one."""
 
     def __repr__(self) -> str:
         if not self.layered:
@@ -360,6 +369,28 @@ def _block_returns_tensor(block: nn.Module) -> bool:
     return int(transformers.__version__.split(".")[0]) >= 5
 
 
+def _width(module: nn.Module, side: Literal["in", "out"]) -> int:
+    """The width a module reads (`side` ``"in"``) or writes (``"out"``), from its weight: an
+    ``nn.Linear``, transformers' ``Conv1D`` (weight ``(d_in, d_out)``), an ``nn.Embedding`` or a
+    norm (a 1-d weight); 0 for another module."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
+        return 0
+    if isinstance(module, nn.Linear):
+        return module.in_features if side == "in" else module.out_features
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim if side == "out" else 0
+    if type(module).__name__ == "Conv1D" and weight.ndim == 2:
+        return int(weight.shape[0 if side == "in" else 1])
+    return int(weight.shape[0]) if weight.ndim == 1 else 0
+
+
+def _sized(point: Point, model: nn.Module, side: Literal["in", "out"]) -> Point:
+    """`point` with the width its modules read or write, where all its layers agree on one."""
+    found = {_width(model.get_submodule(path), side) for _, path in point.paths}
+    return attrs.evolve(point, width=found.pop()) if len(found) == 1 else point
+
+
 def points(model: nn.Module) -> Points:
     """The standard points of a Hugging Face transformer (or of a family you registered).
 
@@ -419,19 +450,21 @@ def points(model: nn.Module) -> Points:
     first = _join(base, arch.resid_in or arch.embed)
     whole = _block_returns_tensor(model.get_submodule(_join(blocks, "0"))) if n_layers else True
     resid_pre = Point("resid_pre", "output", ((0, first), *((L, _join(blocks, str(L - 1))) for L in layers[1:])),
-                      n_layers, tensor=whole)
+                      n_layers, tensor=whole, width=hidden)
     if parallel:
         resid_mid = each(None, "resid_mid", "", why=f"`resid_mid` is the stream between attention and MLP, which "
                          f"read the same input in the parallel blocks of {arch.name!r}")
     elif arch.post_norm:
-        resid_mid = each(arch.attn, "resid_mid", "output", tensor=False)
+        resid_mid = each(arch.attn, "resid_mid", "output", tensor=False, width=hidden)
     else:
-        resid_mid = each("", "resid_mid", "op", op=op("add", call=0))
+        resid_mid = each("", "resid_mid", "op", op=op("add", call=0), width=hidden)
     if len(arch.qkv) == 3:
-        q, k, v = (each(p, n, "output", view=Heads(h)) for p, n, h in zip(arch.qkv, "qkv", (n_heads, n_kv, n_kv)))
+        q, k, v = (each(p, n, "output", view=Heads(h), width=d_head, heads=h)
+                   for p, n, h in zip(arch.qkv, "qkv", (n_heads, n_kv, n_kv)))
     else:
         fused = Thirds if arch.fused == "thirds" else Interleaved
-        q, k, v = (each(arch.qkv[0], n, "output", view=fused(i, n_heads)) for i, n in enumerate("qkv"))
+        q, k, v = (each(arch.qkv[0], n, "output", view=fused(i, n_heads), width=d_head, heads=n_heads)
+                   for i, n in enumerate("qkv"))
     core = arch.qkv[0].rpartition(".")[0]  # the module calling the attention
     pattern = each(core, "pattern", "op", op=attention_pattern)
     scores = each(core, "attn_scores", "op", op=attention_scores)
@@ -440,23 +473,28 @@ def points(model: nn.Module) -> Points:
         blocks=select([_join(blocks, str(L)) for L in layers]),
         attn=select([_join(blocks, str(L), arch.attn) for L in layers]),
         mlp=select([_join(blocks, str(L), arch.mlp) for L in layers]),
-        embed=single(_join(base, arch.embed), "embed", "`embed` is the token embedding, which this model lacks"),
-        pos_embed=single(None if arch.pos_embed is None else _join(base, arch.pos_embed), "pos_embed",
-                         f"`pos_embed` is a learned position embedding, which {arch.name!r} models have not"),
+        embed=_sized(single(_join(base, arch.embed), "embed", "`embed` is the token embedding, which this model "
+                            "lacks"), model, "out"),
+        pos_embed=_sized(single(None if arch.pos_embed is None else _join(base, arch.pos_embed), "pos_embed",
+                                f"`pos_embed` is a learned position embedding, which {arch.name!r} models have not"),
+                         model, "out"),
         resid_pre=resid_pre,
         resid_mid=resid_mid,
-        resid_post=each("", "resid_post", "output", tensor=whole),
-        attn_out=each(arch.attn_out or arch.attn, "attn_out", "output", tensor=arch.attn_out is not None),
-        mlp_in=each(arch.mlp_in or arch.mlp, "mlp_in", "input"),
-        mlp_pre=each(arch.mlp_pre, "mlp_pre", "output", why=f"the architecture {arch.name!r} names no `mlp_pre`"),
-        mlp_post=each(arch.mlp_proj, "mlp_post", "input"),
-        mlp_out=each(arch.mlp_out or arch.mlp, "mlp_out", "output"),
+        resid_post=each("", "resid_post", "output", tensor=whole, width=hidden),
+        attn_out=each(arch.attn_out or arch.attn, "attn_out", "output", tensor=arch.attn_out is not None, width=hidden),
+        mlp_in=each(arch.mlp_in or arch.mlp, "mlp_in", "input", width=hidden),
+        mlp_pre=_sized(each(arch.mlp_pre, "mlp_pre", "output", why=f"the architecture {arch.name!r} names no "
+                            "`mlp_pre`"), model, "out"),
+        mlp_post=_sized(each(arch.mlp_proj, "mlp_post", "input"), model, "in"),
+        mlp_out=each(arch.mlp_out or arch.mlp, "mlp_out", "output", width=hidden),
         q=q, k=k, v=v,
-        z=each(arch.attn_proj, "z", "input", view=Heads(n_heads)),
-        result=each(arch.attn_proj, "result", "result", view=Heads(n_heads)),
+        z=each(arch.attn_proj, "z", "input", view=Heads(n_heads), width=d_head, heads=n_heads),
+        result=each(arch.attn_proj, "result", "result", view=Heads(n_heads), width=hidden, heads=n_heads),
         pattern=pattern, attn_scores=scores,
-        final_norm=single(None if arch.final_norm is None else _join(base, arch.final_norm), "final_norm",
-                          f"`final_norm` is the norm after the last block, which {arch.name!r} models have not"),
-        logits=single(arch.unembed, "logits", f"`logits` is the unembedding's output, which this "
-                      f"{type(model).__name__} has not (a model without its language-modelling head)"),
+        final_norm=_sized(single(None if arch.final_norm is None else _join(base, arch.final_norm), "final_norm",
+                                 f"`final_norm` is the norm after the last block, which {arch.name!r} models have "
+                                 "not"), model, "out"),
+        logits=_sized(single(arch.unembed, "logits", f"`logits` is the unembedding's output, which this "
+                             f"{type(model).__name__} has not (a model without its language-modelling head)"),
+                      model, "out"),
     )
