@@ -184,6 +184,16 @@ def _open(browser: str, page: Path, profile: str) -> tuple[subprocess.Popen[byte
     process = subprocess.Popen([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
                                 f"--user-data-dir={profile}", "--window-size=900,700", "--hide-scrollbars",
                                 page.as_uri()], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        return process, _connect(process)
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+
+
+def _connect(process: subprocess.Popen[bytes]) -> _Socket:
+    """A DevTools connection to the page target of `process`, once it says where DevTools listens."""
     assert process.stderr is not None
     deadline = time.monotonic() + 60
     port = None
@@ -198,7 +208,7 @@ def _open(browser: str, page: Path, profile: str) -> tuple[subprocess.Popen[byte
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
             targets = [t for t in json.load(response) if t.get("type") == "page" and t["url"].startswith("file:")]
         if targets:
-            return process, _Socket(targets[0]["webSocketDebuggerUrl"])
+            return _Socket(targets[0]["webSocketDebuggerUrl"])
         time.sleep(0.1)
     raise AssertionError("chromium opened no page")
 
