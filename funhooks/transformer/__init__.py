@@ -4,7 +4,8 @@ architectures (``architectures.py``) that users extend without editing funhooks;
 makes them where-values, ``views.py`` splits heads off; each head's weights and its ``result``
 (``heads.py``); the residual stream as a sum of its writers and direct logit attribution
 (``decompose.py``); the logit lens and unembedding (``lens.py``); figures of patching tables,
-attention patterns and logit lenses (``plots.py``).
+attention patterns and logit lenses (``plots.py``); an interactive attention-pattern viewer,
+self-contained HTML and JavaScript (``viewer.py``).
 May import ``errors``, ``_torch``, ``_html``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
 """
 
@@ -14,7 +15,8 @@ from .heads import HeadWeights, head_weights
 from .lens import LogitLens, ResidualStack, accumulated_resid, logit_lens, unembed
 from .plots import plot_logit_lens, plot_patching, plot_patterns
 from .standard import Point, Points, points
+from .viewer import PatternViewer, pattern_viewer
 
-__all__ = ["Architecture", "Decomposition", "HeadWeights", "LogitLens", "Point", "Points", "ResidualStack",
+__all__ = ["Architecture", "Decomposition", "HeadWeights", "LogitLens", "PatternViewer", "Point", "Points", "ResidualStack",
            "accumulated_resid", "architecture", "decompose_resid", "head_weights", "logit_attrs", "logit_lens",
-           "plot_logit_lens", "plot_patching", "plot_patterns", "points", "register", "stack_head_results", "unembed"]
+           "pattern_viewer", "plot_logit_lens", "plot_patching", "plot_patterns", "points", "register", "stack_head_results", "unembed"]
