@@ -229,9 +229,13 @@ def test_hovering_a_query_in_chromium_shows_its_keys_weights_and_tokens(browser:
     page = fh.transformer.pattern_viewer(pattern, tokens=TOKENS).save_html(tmp_path / "viewer.html")
     process, devtools = _open(browser, page, str(tmp_path / "profile"))
     try:
-        deadline = time.monotonic() + 30
-        while devtools.evaluate("document.readyState") != "complete" and time.monotonic() < deadline:
+        # the page's own document loaded and its script run (a target can still show the initial
+        # empty document, already "complete", while the file loads on a busy machine)
+        ready = "document.readyState === 'complete' && document.querySelector('select.fh-head') !== null"
+        deadline = time.monotonic() + 60
+        while not devtools.evaluate(ready) and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert devtools.evaluate(ready), "the viewer's page did not load within 60 s"
         select = ("(function (cls, v) { const s = document.querySelector('select.' + cls); s.value = v;"
                   " s.dispatchEvent(new Event('change')); })")
         devtools.evaluate(f"{select}('fh-layer', '{layer}')")
