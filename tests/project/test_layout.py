@@ -54,16 +54,21 @@ def _package(module: str, path: Path) -> str:
     return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
 
+def _from_base(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` in `package` takes its names from."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join([*parts, node.module] if node.module else parts)
+
+
 def _imports(name: str, path: Path, known: set[str]) -> list[tuple[int, str, tuple[str, ...]]]:
     """Every funhooks import of `name`, anywhere in its source: (line, module, names taken)."""
     package = _package(name, path)
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, node.module] if node.module else parts)
+            base = _from_base(package, node)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 found.append((node.lineno, sub, ()) if sub in known else (node.lineno, base, (alias.name,)))

@@ -23,7 +23,7 @@ import ast
 import re
 from pathlib import Path
 
-from test_layout import ROOT, _docs, _modules, _package, _unit
+from test_layout import ROOT, _docs, _from_base, _modules, _package, _unit
 
 # Packages left out of the checks (none: every package has had its privacy pass).
 EXEMPT: tuple[str, ...] = ()
@@ -84,10 +84,7 @@ def _bindings(name: str, path: Path, known: set[str]) -> list[tuple[int, str, st
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, node.module] if node.module else parts)
+            base = _from_base(package, node)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 if sub in known:
