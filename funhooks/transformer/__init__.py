@@ -6,7 +6,7 @@ makes them where-values, ``views.py`` splits heads off; each head's weights and 
 (``decompose.py``); the logit lens and unembedding (``lens.py``); figures of patching tables,
 attention patterns and logit lenses (``plots.py``); an interactive attention-pattern viewer,
 self-contained HTML and JavaScript (``viewer.py``).
-May import ``errors``, ``_torch``, ``_html``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
+May import ``errors``, ``_torch``, ``_html``, ``_viewer``, ``_frozen``, ``records``, ``specs``, ``runs`` and ``reducers``.
 """
 
 from .architectures import Architecture, architecture, register

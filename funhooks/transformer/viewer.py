@@ -4,23 +4,21 @@ CDN, no network, no build step), shown by a notebook (``_repr_html_``) or saved 
 row lists its keys' weights with their tokens in a side panel.
 
 The pattern is embedded as JSON, its values rounded to 4 decimals; tokens reach the page only
-through that JSON (``<``, ``>`` and ``&`` written as ``\\u003c`` ...: a token ``</script>``
-cannot end the script) and are set as text, never as markup. Cost: the pattern of one example
+through that JSON (written safely by ``funhooks/_viewer.py``, which every viewer shares: a token
+``</script>`` cannot end the script) and are set as text, never as markup. Cost: the pattern of one example
 is copied to the host once, when the viewer is made.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
 import attrs
 import torch
 
 from funhooks import _html
+from funhooks._viewer import Page, Viewer, rounded
 from funhooks.errors import RecordError
 from funhooks.records import Record
 
@@ -30,9 +28,6 @@ _DIGITS = 4
 """Decimals of the weights the page holds and shows."""
 _PATTERN_PATH = re.compile(r"blocks\.(\d+)\.pattern")
 _SCRIPT = """
-(function () {
-  const root = document.getElementById("%(id)s");
-  const data = JSON.parse(root.querySelector("script.fh-data").textContent);
   const layer = root.querySelector("select.fh-layer"), head = root.querySelector("select.fh-head");
   const grid = root.querySelector("table.fh-grid"), panel = root.querySelector("div.fh-panel");
   const offset = data.keys.length - data.queries;
@@ -93,18 +88,11 @@ _SCRIPT = """
   layer.addEventListener("change", draw);
   head.addEventListener("change", draw);
   draw();
-})();
 """
-_STYLE = "display:inline-block;font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12px"
-
-
-def _json(value: object) -> str:
-    """`value` as JSON that is safe inside a ``<script>``: no ``<``, ``>`` or ``&`` is left to end it."""
-    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 @attrs.frozen
-class PatternViewer:
+class PatternViewer(Viewer):
     """An interactive view of attention patterns: a notebook shows it (``_repr_html_``),
     :meth:`save_html` writes it as a standalone page. Made by :func:`pattern_viewer`.
 
@@ -118,36 +106,18 @@ class PatternViewer:
     tokens: tuple[str, ...]
     layers: tuple[str, ...]
 
-    def html(self) -> _html.Html:
-        """The viewer as an HTML fragment: a ``<div>`` holding its controls, its data (JSON)
-        and its script. Each call gets its own element id, so a page can hold several."""
+    def page(self) -> Page:
+        """What the page shows: the layer and head controls, the heatmap, the side panel, the data."""
         layers, heads, queries, _ = self.pattern.shape
-        values = self.pattern.double().round(decimals=_DIGITS).tolist()
         data = {"layers": list(self.layers), "heads": heads, "queries": queries, "keys": list(self.tokens),
-                "pattern": values}
-        ident = "fh-pattern-" + uuid.uuid4().hex
-        script = _SCRIPT % {"id": ident, "digits": _DIGITS}
-        return _html.Html(
-            f'<div id="{ident}" class="fh-pattern-viewer" style="{_STYLE}">'
-            '<div style="margin-bottom:6px"><b>Attention pattern</b> '
-            '<label>layer <select class="fh-layer"></select></label> '
-            '<label>head <select class="fh-head"></select></label></div>'
-            '<div style="display:flex;gap:16px;align-items:flex-start">'
-            '<table class="fh-grid" style="border-collapse:collapse"></table>'
-            '<div class="fh-panel" style="min-width:220px"></div></div>'
-            f'<script type="application/json" class="fh-data">{_json(data)}</script>'
-            f"<script>{script}</script></div>")
-
-    def _repr_html_(self) -> str:
-        return self.html()
-
-    def save_html(self, path: str | Path) -> Path:
-        """Write the viewer as a standalone page (it works offline, opened from disk); returns the path."""
-        page = ('<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>funhooks: attention pattern</title>'
-                f"</head><body>{self.html()}</body></html>\n")
-        target = Path(path)
-        target.write_text(page, encoding="utf-8")
-        return target
+                "pattern": rounded(self.pattern, _DIGITS)}
+        return Page("pattern", "Attention pattern",
+                    '<label>layer <select class="fh-layer"></select></label> '
+                    '<label>head <select class="fh-head"></select></label>',
+                    '<div style="display:flex;gap:16px;align-items:flex-start">'
+                    '<table class="fh-grid" style="border-collapse:collapse"></table>'
+                    '<div class="fh-panel" style="min-width:220px"></div></div>',
+                    data, _SCRIPT % {"digits": _DIGITS})
 
 
 def _from_record(source: Record, example: int) -> tuple[torch.Tensor, tuple[str, ...]]:
