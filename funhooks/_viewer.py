@@ -1,7 +1,7 @@
 """The one home of what every interactive viewer page shares: a viewer's fragment (its own
 element id, its data as JSON, its script), the standalone page ``save_html`` writes and the
 notebook's ``_repr_html_``. The viewers themselves (``transformer/viewer.py``,
-``transformer/patching_viewer.py``, ``circuits/edge_viewer.py``) say only what they show.
+``transformer/patching.py``, ``circuits/viewer.py``) say only what they show.
 
 Data reaches a page only as JSON inside a ``<script type="application/json">``, with ``<``,
 ``>`` and ``&`` written as ``\\u003c`` ...: no string in it (a token ``</script>``) can end
