@@ -6,7 +6,8 @@ edges: the page holds 1,000 by default and says how many there are in all). It l
 first of them (k chosen in the page) sorted by ``|score|``, by score or by score ascending,
 filtered by a node's name or by a layer, and draws them as a layered graph (an SVG written by
 the page's script): the embeddings at the top, then each layer's heads and its MLP, the logits
-at the bottom; a head is one node, its writer and its q, k and v readers. Hovering an edge (in
+at the bottom; a head is one node, its writer and its q, k and v readers (under grouped-query
+attention a k or v reader is drawn at its key-value head's index). Hovering an edge (in
 the list or the drawing) highlights it and its two endpoints and shows its score (4
 decimals). Node names reach the page only as JSON data and are set as text, never as markup.
 Cost: the `top` scores are read to the host once, when the viewer is made.
@@ -47,6 +48,7 @@ _SCRIPT = """
     Object.keys(attrs).forEach(function (k) { e.setAttribute(k, attrs[k]); });
     return e;
   }
+  function fmt(s) { return s === null ? "nan" : s.toFixed(%(digits)d); }
   function colour(s, alpha) { return (s >= 0 ? "rgba(214,39,40," : "rgba(31,119,180,") + alpha + ")"; }
   layer.appendChild(new Option("all", "all"));
   data.layers.forEach(function (name) { layer.appendChild(new Option(name, name)); });
@@ -74,7 +76,7 @@ _SCRIPT = """
       const c = svg.querySelector('rect[data-node="' + n + '"]');
       if (c) c.classList.add("fh-on");
     });
-    panel.replaceChildren(cell("div", e[0] + " \\u2192 " + e[1] + ": " + e[2].toFixed(%(digits)d),
+    panel.replaceChildren(cell("div", e[0] + " \\u2192 " + e[1] + ": " + fmt(e[2]),
                                "font-weight:bold"));
   }
   function drawList(shown) {
@@ -92,7 +94,7 @@ _SCRIPT = """
       tr.appendChild(cell("td", String(rank + 1), "color:#777;padding:1px 6px"));
       tr.appendChild(cell("td", e[0], "padding:1px 6px"));
       tr.appendChild(cell("td", e[1], "padding:1px 6px"));
-      tr.appendChild(cell("td", e[2].toFixed(%(digits)d), "text-align:right;padding:1px 6px;background:" +
+      tr.appendChild(cell("td", fmt(e[2]), "text-align:right;padding:1px 6px;background:" +
                           colour(e[2], (Math.abs(e[2]) / peak).toFixed(3))));
       tr.addEventListener("mouseover", function () { highlight(i); });
       list.appendChild(tr);
@@ -135,7 +137,7 @@ _SCRIPT = """
                                "stroke-width": (1 + 5 * Math.abs(e[2]) / peak).toFixed(2), "data-edge": i});
       path.classList.add("fh-link");
       const title = el("title", {});
-      title.textContent = e[0] + " \\u2192 " + e[1] + ": " + e[2].toFixed(%(digits)d);
+      title.textContent = e[0] + " \\u2192 " + e[1] + ": " + fmt(e[2]);
       path.appendChild(title);
       path.addEventListener("mouseover", function () { highlight(i); });
       svg.appendChild(path);

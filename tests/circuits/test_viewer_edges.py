@@ -121,3 +121,9 @@ def test_in_chromium_the_list_sorts_filters_and_hovering_highlights_the_endpoint
         assert devtools.evaluate("document.querySelector('div.fh-panel').textContent") == \
             f"{writer} \u2192 {reader}: {round(score, 4):.4f}"
         screenshot(devtools, "div.fh-edge-viewer", IMAGES / "edge-viewer.png")
+        devtools.evaluate("document.querySelector('svg.fh-graph path.fh-link[data-edge=\"0\"]')"
+                          ".dispatchEvent(new MouseEvent('mouseover', {bubbles: true}))")   # an edge of the drawing
+        first = held[0]
+        assert devtools.evaluate("document.querySelector('div.fh-panel').textContent") == \
+            f"{first[0]} \u2192 {first[1]}: {round(first[2], 4):.4f}"
+        assert devtools.evaluate("document.querySelector('tr.fh-edge.fh-on').dataset.edge") == "0"
