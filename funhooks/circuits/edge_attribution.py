@@ -100,8 +100,10 @@ class Edges:
         as ``(writer, reader, score)``, largest first."""
         order = self._order(absolute)[:k]
         n_readers = len(self.readers)
-        return [(self.writers[int(i) // n_readers], self.readers[int(i) % n_readers],
-                 float(self.table.flatten()[i])) for i in order]
+        # one copy to the host of the k indices and their scores (not one sync per edge on CUDA)
+        scores = self.table.flatten()[order].double().tolist()
+        return [(self.writers[i // n_readers], self.readers[i % n_readers], score)
+                for i, score in zip(order.tolist(), scores)]
 
     def circuit(self, n: int, *, absolute: bool = True) -> torch.Tensor:
         """The `n` top edges as a ``(writers, readers)`` bool mask: the ``kept`` of
