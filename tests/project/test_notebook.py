@@ -11,6 +11,7 @@ notebooks are stored without outputs: the suite makes them.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ import funhooks  # noqa: E402
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.ipynb"))
 CELL_TIMEOUT_S = 180
 STARTUP_TIMEOUT_S = 120
+ANSI = r"\x1b\[[0-9;]*m"
+"""The colours of IPython's tracebacks."""
 WHERE = "import sys, funhooks; print(sys.executable); print(funhooks.__file__)"
 """A last cell the test adds to its copy of a notebook: which interpreter and funhooks the kernel ran."""
 
@@ -68,7 +71,7 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def _ran(executed: dict[str, object], name: str) -> object:
     nb = executed[name]
     if isinstance(nb, Exception):
-        pytest.fail(f"{name} failed in the kernel:\n{nb}")
+        pytest.fail(f"{name} failed in the kernel:\n{re.sub(ANSI, '', str(nb))}")
     return nb
 
 
