@@ -48,10 +48,11 @@ def _stored(path: Path) -> object:
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Each notebook, executed (its cells with their outputs), by file name."""
-    # the kernel's environment: one thread (the CI machine is shared), and the backend a
-    # notebook uses (ipykernel's inline one; CI exports MPLBACKEND=Agg for the scripts)
+    # the kernel's environment: one thread (the CI machine is shared), the backend a notebook
+    # uses (ipykernel's inline one; CI exports MPLBACKEND=Agg for the scripts), and an IPython
+    # profile of its own (no startup file or config of the user's, nothing written to their home)
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", IPYTHONDIR=str(tmp_path_factory.mktemp("ipython")))
     done = {}
     for path in NOTEBOOKS:
         nb = _stored(path)
