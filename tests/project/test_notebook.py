@@ -2,7 +2,7 @@
 
 Each notebook is executed once, top to bottom, by ``nbclient`` in an IPython kernel (ipykernel's
 own ``python3`` kernel spec, resolved to this interpreter: no kernel registered on the machine is
-used), in an empty directory, without the network. A cell that raises fails the run. Cells tagged
+used), in an empty directory, with the Hugging Face hub offline. A cell that raises fails the run. Cells tagged
 ``display`` must show HTML (a ``text/html`` output: funhooks' ``_repr_html_``), cells tagged
 ``figure`` a picture (``image/png``); no cell writes to stderr (a warning a user would see). The
 notebooks are stored without outputs: the suite makes them.
@@ -50,9 +50,10 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Each notebook, executed (its cells with their outputs), by file name."""
     # the kernel's environment: one thread (the CI machine is shared), the backend a notebook
     # uses (ipykernel's inline one; CI exports MPLBACKEND=Agg for the scripts), and an IPython
-    # profile of its own (no startup file or config of the user's, nothing written to their home)
+    # profile of its own (no startup file or config of the user's, nothing written to their home);
+    # the Hugging Face hub offline: a notebook that would download something fails
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    env.update(OMP_NUM_THREADS="1", IPYTHONDIR=str(tmp_path_factory.mktemp("ipython")))
+    env.update(OMP_NUM_THREADS="1", IPYTHONDIR=str(tmp_path_factory.mktemp("ipython")), HF_HUB_OFFLINE="1")
     done = {}
     for path in NOTEBOOKS:
         nb = _stored(path)
@@ -89,6 +90,7 @@ def test_there_is_a_notebook() -> None:
     assert "tour.ipynb" in {p.name for p in NOTEBOOKS}
     tour = _stored(next(p for p in NOTEBOOKS if p.name == "tour.ipynb"))
     assert len(_tagged(tour, "display")) >= 6 and _tagged(tour, "figure")
+    assert tour.metadata.kernelspec.name == "python3"  # the kernel Jupyter opens it with
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
