@@ -88,6 +88,11 @@ class Viewer(abc.ABC):
     def _repr_html_(self) -> str:
         return self.html()
 
+    def __repr__(self) -> str:
+        """One short line: a tensor by its shape, a long sequence by its length (never the values in full)."""
+        fields = ", ".join(f"{f.name}={_brief(getattr(self, f.name))}" for f in attrs.fields(type(self)))  # type: ignore[arg-type]  # every viewer is an attrs class
+        return f"{type(self).__name__}({fields})"
+
     def save_html(self, path: str | Path) -> Path:
         """Write the viewer as a standalone page (it works offline, opened from disk); returns the path."""
         page = self.page()
@@ -96,6 +101,14 @@ class Viewer(abc.ABC):
         target = Path(path)
         target.write_text(text, encoding="utf-8")
         return target
+
+
+def _brief(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)}"
+    if isinstance(value, (tuple, list)) and len(value) > 4:
+        return f"<{len(value)} items>"
+    return _html.short(repr(value), 40)
 
 
 def _fragment(page: Page) -> _html.Html:

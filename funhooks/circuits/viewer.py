@@ -172,7 +172,7 @@ _CSS = ("<style>.fh-edge-viewer .fh-node{fill:#fff;stroke:#555;stroke-width:1}"
         ".fh-edge-viewer text{pointer-events:none}</style>")
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class EdgeViewer(Viewer):
     """An interactive view of edge scores: a notebook shows it (``_repr_html_``),
     :meth:`save_html` writes it as a standalone page. Made by :func:`edge_viewer`.

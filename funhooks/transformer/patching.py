@@ -137,7 +137,7 @@ _SCRIPT = """
 """
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class PatchingViewer(Viewer):
     """An interactive view of a patching table: a notebook shows it (``_repr_html_``),
     :meth:`save_html` writes it as a standalone page. Made by :func:`patching_viewer`.

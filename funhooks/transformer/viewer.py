@@ -91,7 +91,7 @@ _SCRIPT = """
 """
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class PatternViewer(Viewer):
     """An interactive view of attention patterns: a notebook shows it (``_repr_html_``),
     :meth:`save_html` writes it as a standalone page. Made by :func:`pattern_viewer`.

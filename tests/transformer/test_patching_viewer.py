@@ -121,3 +121,13 @@ def test_in_chromium_a_cell_shows_its_point_token_head_and_value(browser: str, t
         assert top == [[str(i + 1), layers[r], str(p), json.dumps(tokens[p]), f"{round(float(shown[r, p]), 4):.4f}"]
                        for i, (r, p) in enumerate(cells)]
         screenshot(devtools, "div.fh-patching-viewer", IMAGES / "patching-viewer.png")
+
+
+def test_plain_text_reprs_of_the_viewers_are_one_short_line() -> None:
+    """A notebook's text/plain of a viewer (and `print`) names shapes, never the values in full."""
+    viewers = [fh.transformer.pattern_viewer(torch.rand(12, 12, 32, 32), tokens=[f"t{i}" for i in range(32)]),
+               fh.transformer.patching_viewer(torch.rand(12, 32, 12), tokens=[f"t{i}" for i in range(32)])]
+    for viewer in viewers:
+        text = repr(viewer)
+        assert "\n" not in text and len(text) < 200, text
+        assert "Tensor(12, " in text and "<32 items>" in text
