@@ -10,6 +10,8 @@ import io
 import math
 import re
 import sys
+import warnings
+from collections.abc import Callable
 
 import pytest
 import reducer_kit as kit
@@ -194,3 +196,34 @@ def test_the_table_reads_only_the_last_steps_numbers(no_matplotlib: None) -> Non
     with pytest.raises((NotImplementedError, RuntimeError)):  # stacked with the last: not on one device
         partly_acts.stats  # noqa: B018
     assert seen(partly_acts._repr_html_()).texts() == seen(acts._repr_html_()).texts()
+
+
+def _syncs(show: Callable[[], str]) -> int:
+    """How many times `show` waits for the GPU (each copy of a value to the host does)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            show()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def test_on_a_gpu_the_table_copies_the_last_step_alone_whatever_the_steps(device: torch.device,
+                                                                           no_matplotlib: None) -> None:
+    """The tables of 2 and 8 recorded steps wait for the GPU the same number of times (the last
+    step's numbers, one copy each), and show the numbers the result gives."""
+    if device.type != "cuda":
+        pytest.skip("host syncs are a CUDA notion")
+    counts = []
+    for steps in (2, 8):
+        model = kit.mlp(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        results = fh.fit(model, kit.batches(steps, device=device), MSE, opt,
+                         (fh.ActivationStats(), fh.GradientStats(), fh.UpdateRatio(), fh.DeadUnits()), progress=False)
+        counts.append([_syncs(res._repr_html_) for res in results])
+        acts = results[0]
+        assert seen(acts._repr_html_()).texts()[1][2] == _shown(acts.stats[-1][0]["mean"])
+    assert counts[0] == counts[1] and all(n >= 1 for n in counts[0]), counts
