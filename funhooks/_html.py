@@ -6,6 +6,8 @@ Every string that comes from a user (a module path, a token, a record name) is e
 once, by :func:`table`. Describing a stored value (:func:`describe`) reads only its metadata
 (shape, dtype, device): no tensor value is read, so a CUDA tensor never syncs with the host and
 a meta tensor describes itself. Shaded cells (:func:`shade`) are for values a display shows.
+A picture goes inside the HTML (:func:`image`: a PNG as a ``data:`` URI; :func:`heatmap`: SVG
+drawn here), never as a second format beside it (NOTE [one picture per display]).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import TypeAlias
 import attrs
 import torch
 
-__all__ = ["Cell", "Html", "MAX_ROWS", "Svg", "Vocab", "describe", "heatmap", "image", "label", "labels", "note", "number",
-           "largest", "png", "shade", "short", "significant", "stack", "table"]
+__all__ = ["Cell", "Html", "MAX_ROWS", "Svg", "Vocab", "describe", "heatmap", "image", "label", "labels", "largest", "note",
+           "number", "png", "shade", "short", "significant", "stack", "table"]
 
 MAX_ROWS = 400
 """A display lists at most this many rows, then says how many it left out."""
