@@ -175,6 +175,15 @@ class Table:
                 start += len(r)
         return self._rows
 
+    def last(self) -> dict[str, list[float]]:
+        """``{path: row as floats}`` of the last recorded step alone (one copy of its rows, or
+        none when every row was read already); ``{}`` without steps."""
+        if not self.entries:
+            return {}
+        if self._rows is not None:
+            return self._rows[-1]
+        return Table(self.entries[-1:], self.finish).rows()[0]
+
     def column(self, idx: int | str, k: int, caller: str) -> list[float]:
         """Value `k` of layer `idx` at every step; NaN where the layer had none."""
         path = self.paths[index(self.paths, idx, caller)]

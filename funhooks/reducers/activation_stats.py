@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar, cast
 import attrs
 import torch
 
-from funhooks import _frozen
+from funhooks import _frozen, _html
 from funhooks.errors import ReducerError
 from funhooks.specs.selector import Selector
 from funhooks.specs.spec import Spec, observe
 from funhooks.training.step import Step
 
-from . import _exact, _shared
+from . import _display, _exact, _shared
 from ._exact import REDUCE_IN_HOOK_NUMEL
 from ._shared import roll, unroll
 from .hook_callback import HookCallback
@@ -428,5 +428,27 @@ class ActivationStatsResult:
         return plot.plot_layer_stats(self, idx, figsize=figsize)
 
     def __repr__(self) -> str:
-        return f"ActivationStatsResult({len(self.kept)} steps, paths={list(self.paths)}, with_hist={self.with_hist})"
+        return (f"ActivationStatsResult({len(self.kept)} steps, paths={_html.short(list(self.paths))}, "
+                f"with_hist={self.with_hist})")
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: per module, the steps it ran on and its mean, std and % near zero
+        at the last recorded step (only that step's numbers are read for the table), then the
+        mean, std and % near zero of every module over the steps (the ``plot`` extra)."""
+        shown: dict[str, _ModuleStats | None] = {}
+        if self.kept:
+            shown = dict(zip(self.kept[-1].paths, ActivationStatsResult(self.kept[-1:], False).stats[0]))
+        counts = _display.steps_per_path(e.paths for e in self.kept)
+        it = self.iterations[-1] if self.kept else -1
+        rows: list[list[_html.Cell | str]] = []
+        for p in self.paths:
+            s = shown.get(p)
+            values = (None, None, None) if s is None else (s["mean"], s["std"], s["near_zero"])
+            rows.append([p, str(counts[p]), *(_display.value(v, it, scale=scale)
+                                               for v, scale in zip(values, (1.0, 1.0, 100.0)))])
+        from . import plot
+
+        caption = _display.caption("ActivationStats", self.iterations, len(self.paths), "module")
+        return _display.html("ActivationStats", ("module", "steps", "mean", "std", "% near zero"), rows,
+                             caption=caption, draw=(lambda: plot.plot_activation_stats(self)) if self.kept else None)
 

@@ -24,13 +24,13 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _frozen
+from funhooks import _frozen, _html
 from funhooks.errors import ReducerError
 from funhooks.specs.selector import Selector, select
 from funhooks.specs.spec import Spec, observe
 from funhooks.training.step import Step
 
-from . import _shared
+from . import _display, _shared
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -333,4 +333,18 @@ class DeadUnitsResult(_shared.Steps):
         return plot.plot_dead_units(self, model=model, figsize=figsize)
 
     def __repr__(self) -> str:
-        return f"DeadUnitsResult({len(self)} steps, paths={list(self.paths)})"
+        return f"DeadUnitsResult({len(self)} steps, paths={_html.short(list(self.paths))})"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: per layer, the steps it ran on, the % of its units dead at the last
+        recorded step (only that step's fractions are read) and dead on every step it ran, then
+        :meth:`plot` (the ``plot`` extra)."""
+        last = dict(zip(self.entries[-1].paths, DeadUnitsResult(self.entries[-1:]).dead[0])) if self.entries else {}
+        throughout = self.dead_throughout() if self.entries else {}
+        it = self.iterations[-1] if self.entries else -1
+        counts = _display.steps_per_path(e.paths for e in self.entries)
+        rows: list[list[_html.Cell | str]] = [[p, str(counts[p]), _display.value(last.get(p), it, scale=100.0),
+                 _display.value(throughout[p], it, scale=100.0)] for p in self.paths]
+        return _display.html("DeadUnits", ("layer", "steps", "% dead", "% dead throughout"), rows,
+                             caption=_display.caption("DeadUnits", self.iterations, len(self.paths), "layer"),
+                             draw=self.plot if self.entries else None)

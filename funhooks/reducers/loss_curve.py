@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, NamedTuple, TypeAlias, TypeVar
 import attrs
 import torch
 
-from funhooks import _frozen
+from funhooks import _frozen, _html
 from funhooks.errors import ReducerError
 from funhooks.specs.spec import Spec
 from funhooks.training.step import Step
 
-from . import _shared
+from . import _display, _shared
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -184,3 +184,17 @@ class LossCurveResult:
 
     def __repr__(self) -> str:
         return f"LossCurveResult({len(self)} steps, last ema={self.last:.4g})"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the number of steps, the last loss and moving average, the lowest
+        loss and its iteration, then :meth:`plot` (the ``plot`` extra)."""
+        rows: list[list[_html.Cell | str]] = []
+        if self.losses:
+            low = min(range(len(self.losses)), key=lambda i: (math.isnan(self.losses[i]), self.losses[i]))
+            it = self.iterations
+            rows = [["last loss", _display.value(self.losses[-1], it[-1])],
+                    ["moving average", _display.value(self.last, it[-1])],
+                    [f"lowest loss (iteration {it[low]})", _display.value(self.losses[low], it[low])]]
+        caption = (f"LossCurve: {len(self)} step(s), iterations {self.iterations[0]}–{self.iterations[-1]}, "
+                   f"beta {self.beta:g}" if self.losses else "LossCurve: no steps")
+        return _display.html("LossCurve", ("", "value"), rows, caption=caption, draw=self.plot if self.losses else None)

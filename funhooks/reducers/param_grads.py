@@ -27,10 +27,11 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _frozen
+from funhooks import _frozen, _html
 from funhooks.specs.selector import Selector
 from funhooks.training.watch import Layers, OptimizerWatch
 
+from . import _display
 from . import _layered
 from . import _params
 from . import _shared
@@ -211,4 +212,18 @@ class GradientStatsResult(_layered.TableResult):
         return plot.plot_gradient_stats(self, model=model, figsize=figsize)
 
     def __repr__(self) -> str:
-        return f"GradientStatsResult({len(self)} steps, paths={list(self.paths)})"
+        return f"GradientStatsResult({len(self)} steps, paths={_html.short(list(self.paths))})"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: per layer, the steps it had gradients on and its gradient norm,
+        mean, std and % zeros at the last recorded step (only that step's numbers are read for
+        the table), then :meth:`plot` (the ``plot`` extra)."""
+        last = self.table.last()
+        it = self.iterations[-1] if len(self) else -1
+        counts = _display.steps_per_path(e.paths for e in self.table.entries)
+        rows: list[list[_html.Cell | str]] = [
+            [p, str(counts[p]), *(_display.value(last[p][k] if p in last else None, it, scale=scale)
+                                  for k, scale in enumerate((1.0, 1.0, 1.0, 100.0)))] for p in self.paths]
+        caption = _display.caption("GradientStats", self.iterations, len(self.paths), "layer")
+        return _display.html("GradientStats", ("layer", "steps", "norm", "mean", "std", "% zeros"), rows,
+                             caption=caption, draw=self.plot if len(self) else None)

@@ -8,7 +8,8 @@ figure state, needs no display, and ``fig.savefig("x.png")`` works anywhere.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["color_dim", "figure", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats", "plot_loss",
-           "plot_update_ratio"]
+__all__ = ["color_dim", "figure", "plot_activation_stats", "plot_dead_units", "plot_gradient_stats", "plot_layer_stats",
+           "plot_loss", "plot_update_ratio"]
 
 _LAYER_STATS_TITLES = ("mean", "std", "% near zero")
 
@@ -46,6 +47,9 @@ class _ActivationStatsLike(_PerLayer, Protocol):
     def layer_stats(self, idx: int | str) -> tuple[list[float], list[float], list[float]]: ...
 
     def hist(self, idx: int | str) -> torch.Tensor: ...
+
+    @property
+    def stats(self) -> Sequence[Sequence[Mapping[str, Any] | None]]: ...
 
 
 class _GradientStatsLike(_PerLayer, Protocol):
@@ -357,5 +361,45 @@ def plot_loss(result: _LossCurveLike, *, epoch_len: int | None = None,
     ax.set_ylabel("loss")
     ax.set_title("Training loss")
     ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_activation_stats(result: _ActivationStatsLike, *, figsize: tuple[float, float] = (12, 3.5)) -> Figure:
+    """Mean, std and % near zero of every module over the recorded steps, one line per module
+    (:func:`plot_layer_stats` draws one module): the picture under an
+    :class:`~funhooks.ActivationStatsResult`'s notebook display.
+
+    Args:
+        result: an :class:`~funhooks.ActivationStatsResult`.
+        figsize: the figure size in inches.
+
+    Returns:
+        A matplotlib Figure with three Axes; a step on which a module did not run leaves a gap.
+
+    Raises:
+        ExtraError: without matplotlib (install ``funhooks[plot]``).
+
+    Example:
+        >>> import torch, funhooks as fh
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = fh.fit(model, [(torch.randn(8, 2), torch.randn(8, 1))] * 3, nn.functional.mse_loss, opt,
+        ...              fh.ActivationStats())
+        >>> fig = fh.plot.plot_activation_stats(res)
+        >>> [ax.get_title() for ax in fig.axes], [line.get_label() for line in fig.axes[0].lines]
+        (['mean', 'std', '% near zero'], ['0', '2'])
+    """
+    fig = figure("plot_activation_stats", figsize)
+    axes = fig.subplots(1, len(_LAYER_STATS_TITLES))
+    stats = result.stats  # every step read once (layer_stats would read them once per module)
+    for k, (ax, title, key) in enumerate(zip(axes, _LAYER_STATS_TITLES, ("mean", "std", "near_zero"))):
+        scale = 100.0 if k == 2 else 1.0
+        series = [(p, [math.nan if step[i] is None else scale * step[i][key] for step in stats])  # type: ignore[index]
+                  for i, p in enumerate(result.paths)]
+        _lines(ax, result.iterations, series)
+        ax.set_title(title)
+    fig.suptitle("Activations per module, at each recorded step")
     fig.tight_layout()
     return fig

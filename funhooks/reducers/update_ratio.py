@@ -27,10 +27,11 @@ import attrs
 import torch
 from torch import nn
 
-from funhooks import _frozen
+from funhooks import _frozen, _html
 from funhooks.specs.selector import Selector
 from funhooks.training.watch import Layers, OptimizerWatch
 
+from . import _display
 from . import _layered
 from . import _params
 from . import _shared
@@ -66,6 +67,11 @@ class _After:
         table = [torch.stack((torch.linalg.vector_norm(a.sub_(b), dim=1), torch.linalg.vector_norm(b, dim=1)), 1)
                  for a, b in zip(plan.groups.stacks(plan.flat), before)]
         return dict(zip(layers.paths, plan.groups.by_layer([t.square_() for t in table]).unbind(0)))
+
+
+def _log10(ratio: float) -> float:
+    """log10 of a ratio: ``-inf`` for a zero update, NaN for NaN."""
+    return math.log10(ratio) if ratio > 0 else -math.inf if ratio == 0 else math.nan
 
 
 def _finish(sums: torch.Tensor) -> torch.Tensor:
@@ -166,7 +172,7 @@ class UpdateRatioResult(_layered.TableResult):
 
     def log10(self) -> list[list[float]]:
         """``ratios`` in log10 (``-inf`` for a zero update)."""
-        return [[math.log10(r) if r > 0 else -math.inf if r == 0 else math.nan for r in row] for row in self.ratios]
+        return [[_log10(r) for r in row] for row in self.ratios]
 
     def plot(self, *, model: nn.Module | None = None, figsize: tuple[float, float] = (8, 4)) -> Figure:
         """log10 of every layer's ratio over the steps, with the 1e-3 rule of thumb (``plot`` extra).
@@ -183,4 +189,21 @@ class UpdateRatioResult(_layered.TableResult):
         return plot.plot_update_ratio(self, model=model, figsize=figsize)
 
     def __repr__(self) -> str:
-        return f"UpdateRatioResult({len(self)} steps, paths={list(self.paths)})"
+        return f"UpdateRatioResult({len(self)} steps, paths={_html.short(list(self.paths))})"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: per layer, the steps it was updated on and its ratio (and log10) at
+        the last recorded step (only that step's numbers are read for the table), then
+        :meth:`plot` (the ``plot`` extra)."""
+        last = self.table.last()
+        it = self.iterations[-1] if len(self) else -1
+        counts = _display.steps_per_path(e.paths for e in self.table.entries)
+        rows: list[list[_html.Cell | str]] = []
+        for p in self.paths:
+            ratio = last[p][0] if p in last else None
+            log = None if ratio is None else _log10(ratio)
+            rows.append([p, str(counts[p]), _display.value(ratio, it), _display.value(log, it)])
+        caption = _display.caption("UpdateRatio", self.iterations, len(self.paths), "layer")
+        return _display.html("UpdateRatio", ("layer", "steps", "|update| / |param|", "log10"), rows,
+                             caption=caption + f"; healthy near {HEALTHY_RATIO:g} (log10 {math.log10(HEALTHY_RATIO):g})",
+                             draw=self.plot if len(self) else None)

@@ -82,17 +82,46 @@ class Attribution:
         Raises:
             ValueError: for `tokens` of another length than the table's positions.
         """
+        names, values, total = self._shown()
+        scale = _html.largest(values)
+        rows = [[_html.Cell(name), *(_html.Cell(_html.number(v, digits), _html.shade(v, scale), repr(v)) for v in row)]
+                for name, row in zip(names, values)]
+        header = ["point", *_html.labels("Attribution.html", tokens, self.table.shape[1])]
+        return _html.table(header, rows, total=total, row_header=True, caption=self._caption())
+
+    def svg(self, tokens: Sequence[object] | None = None) -> _html.Svg:
+        """The table as a picture: an SVG heatmap, one row of cells per point (per point and
+        head with ``heads=``), one column per position labelled underneath by `tokens` (None:
+        its index), coloured as :meth:`html` colours its cells, the exact value on hover. For a
+        table too wide to read as numbers (a long prompt, every head). A notebook shows it as
+        an image (``_repr_svg_``); ``str()`` of it is the markup, a standalone ``.svg`` file.
+        Only the shown rows are read to the host; self-contained (no script, nothing fetched).
+
+        Raises:
+            ValueError: for `tokens` of another length than the table's positions.
+
+        Example:
+            >>> import torch, funhooks as fh
+            >>> result = fh.Attribution(torch.tensor([[0.5, -1.0]]), ("h.0",), torch.tensor(1.0), torch.tensor(0.0))
+            >>> picture = result.svg(tokens=["The", " cat"])
+            >>> picture.startswith("<svg"), "rgba(31,119,180,1.00)" in picture, ">The</text>" in picture
+            (True, True, True)
+        """
+        names, values, total = self._shown()
+        columns = _html.labels("Attribution.svg", tokens, self.table.shape[1])
+        return _html.heatmap(values, names, columns, caption=self._caption(), total=total)
+
+    def _shown(self) -> tuple[list[str], list[list[float]], int]:
+        """The names and values of the rows a display shows (the first ``MAX_ROWS``, read to the
+        host in one copy) and how many rows there are in all."""
         table = self.table if self.table.ndim == 3 else self.table.unsqueeze(-1)
         heads = self.table.ndim == 3
         names = [f"{p} · head {h}" if heads else p for p in self.points for h in range(table.shape[2])]
         shown = table.detach().movedim(2, 1).reshape(-1, table.shape[1])[: _html.MAX_ROWS].float().cpu()
-        values = shown.tolist()
-        scale = shown.abs().nan_to_num(0.0).max().item() if shown.numel() else 0.0
-        rows = [[_html.Cell(name), *(_html.Cell(_html.number(v, digits), _html.shade(v, scale), repr(v)) for v in row)]
-                for name, row in zip(names, values)]
-        header = ["point", *_html.labels("Attribution.html", tokens, table.shape[1])]
-        return _html.table(header, rows, total=len(names), row_header=True,
-                           caption=f"Attribution patching: clean {_metric(self.clean)}, corrupt {_metric(self.corrupt)}")
+        return names[: _html.MAX_ROWS], shown.tolist(), len(names)
+
+    def _caption(self) -> str:
+        return f"Attribution patching: clean {_metric(self.clean)}, corrupt {_metric(self.corrupt)}"
 
     def _repr_html_(self) -> str:
         return self.html()
