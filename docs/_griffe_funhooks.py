@@ -1,4 +1,4 @@
-"""A Griffe extension for the API site (mkdocs.yml), for two habits of funhooks' sources that
+"""A Griffe extension for the API site (mkdocs.yml): three habits of funhooks' sources that
 Griffe's static analysis does not know.
 
 - Docstrings title their doctests ``Example:``, which Griffe's Google parser reads as an
