@@ -295,7 +295,7 @@ def layer_info(model: nn.Module, *xb: object) -> list[LayerRow]:
         (batch dimension 1); `same` says whether that call kept its input's size.
 
     Raises:
-        Whatever `model` raises on the inputs.
+        Exception: whatever `model` raises on the inputs.
 
     Example:
         >>> import torch, funhooks as fh
@@ -395,7 +395,7 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
 
     Raises:
         ValueError: for a `depth` or `layout` outside those above, before the model runs.
-        Whatever `model` raises on the inputs.
+        Exception: whatever `model` raises on the inputs.
 
     Example:
         >>> import torch, funhooks as fh
