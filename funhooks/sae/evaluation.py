@@ -39,7 +39,7 @@ from funhooks.runs import capture
 from funhooks.specs import ablate, outputs
 from funhooks.transformer import Point
 
-from .protocol import Shape, as_read, shape_of
+from .protocol import Shape, as_read, encoded, shape_of
 from .splicing import splice
 
 __all__ = ["Evaluation", "Reconstruction", "evaluate"]
@@ -156,7 +156,7 @@ def _rows(sae: Any, shape: Shape, x: Tensor, keep: Tensor | None, sums: _Sums) -
                         f"width {width} (shape {tuple(x.shape)}) for the {type(sae).__name__}. Evaluate it on "
                         "the activations of the point it was trained on.")
     xs = x if shape.device is None and shape.dtype is None else x.to(device=shape.device, dtype=shape.dtype)
-    f = sae.encode(xs)
+    f = encoded(sae, xs)
     x_hat = sae.decode(f)
     if xs.ndim > f.ndim:  # heads the SAE flattened itself
         xs, x_hat = xs.flatten(f.ndim - 1), x_hat.flatten(f.ndim - 1)

@@ -9,7 +9,8 @@ checked by the shapes its calls return. Its place (device and dtype) is that of 
 parameter or buffer: activations are moved there before ``encode`` and results back after.
 Per-head values ``(..., heads, d_head)`` reach an SAE as wide as all the heads flattened, unless
 it flattens them itself (SAELens' ``hook_z`` SAEs, ``hook_z_reshaping_mode``): it gets them as
-they are.
+they are. Features come dense: a sparse ``encode`` (SAELens' TopK training SAEs with
+``use_sparse_activations``) is made dense before an edit, a record or a sum sees it.
 
 Cost: reading the widths and the place is attribute loads, once per splice; per call, the
 heads' check is a few shape reads.
@@ -26,7 +27,7 @@ from torch import Tensor
 from funhooks import _frozen
 from funhooks.errors import SpecError
 
-__all__ = ["Autoencoder", "Shape", "as_read", "shape_of"]
+__all__ = ["Autoencoder", "Shape", "as_read", "encoded", "shape_of"]
 
 
 @runtime_checkable
@@ -104,3 +105,13 @@ def as_read(sae: object, d_in: int, x: Tensor, caller: str) -> tuple[Tensor, int
             "flattened activations."
         )
     return x, x.shape[-1]
+
+
+
+def encoded(sae: Autoencoder, x: Tensor) -> Tensor:
+    """``sae.encode(x)``, dense: a sparse result (SAELens' TopK training SAEs with
+    ``use_sparse_activations`` return a COO tensor) is made dense, as the feature edits, the
+    recorded features and ``evaluate``'s sums take it; ``decode`` takes either. The rule
+    ``splice`` and ``evaluate`` share (not re-exported by ``funhooks.sae``)."""
+    f = sae.encode(x)
+    return f.to_dense() if f.layout != torch.strided else f

@@ -37,7 +37,7 @@ from funhooks.specs import Spec, edit, observe
 from funhooks.transformer import Point
 
 from .edits import Edit
-from .protocol import Shape, as_read, shape_of
+from .protocol import Shape, as_read, encoded, shape_of
 
 __all__ = ["FEATURES", "splice"]
 
@@ -103,7 +103,7 @@ class _Run:
         device, dtype = self.shape.device, self.shape.dtype
         if (device is not None and x.device != device) or (dtype is not None and x.dtype != dtype):
             x = x.to(device=device, dtype=dtype)
-        return x, self.sae.encode(x)
+        return x, encoded(self.sae, x)
 
     def edited(self, f: Tensor) -> Tensor:
         new = f

@@ -18,6 +18,7 @@ sae_lens = pytest.importorskip("sae_lens", reason="sae_lens is not installed (th
 transformer_lens = pytest.importorskip("transformer_lens")
 
 RESID, Z = "blocks.0.hook_resid_post", "blocks.1.attn.hook_z"
+SPARSE = "ignore:Sparse invariant checks are implicitly disabled:UserWarning"  # torch's notice on a COO tensor
 TOKENS = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
 ARCHITECTURES = {
     "standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig, {}),
@@ -25,6 +26,9 @@ ARCHITECTURES = {
     "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig, {"k": 8}),
     "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig, {}),
     "gated": (sae_lens.GatedSAE, sae_lens.GatedSAEConfig, {}),
+    # a training SAE whose encode returns a sparse COO tensor: funhooks makes its features dense
+    "topk, sparse activations": (sae_lens.TopKTrainingSAE, sae_lens.TopKTrainingSAEConfig,
+                                 {"k": 8, "use_sparse_activations": True}),
 }
 
 
@@ -73,11 +77,28 @@ def _equal_to_saelens(model, sae, hook: str) -> None:
     fh.testing.assert_no_hooks(model)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", SPARSE)
 @pytest.mark.parametrize("architecture", list(ARCHITECTURES))
 def test_each_architecture_spliced_is_saelens_own_run_of_it(architecture: str) -> None:
     model = _model()
     _equal_to_saelens(model, _sae(architecture, RESID), RESID)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", SPARSE)
+def test_an_sae_whose_encode_is_sparse_records_and_evaluates_as_its_dense_twin() -> None:
+    """SAELens' TopK training SAE with ``use_sparse_activations`` returns sparse features: the
+    recorded features, an edit and every evaluation number are those of the same weights with
+    dense features (a sparse tensor took no edit and no sum before)."""
+    model, sparse = _model(), _sae("topk, sparse activations", RESID)
+    dense = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(d_in=32, d_sae=64, k=8))
+    dense.load_state_dict(sparse.state_dict())
+    assert sparse.encode(torch.randn(3, 32)).is_sparse and not dense.encode(torch.randn(3, 32)).is_sparse
+    runs = [fh.capture(model, fh.sae.splice(RESID, sae, edit=fh.sae.steer(3, 5.0)))(TOKENS) for sae in (sparse, dense)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1][f"{RESID}.sae"]["features"], runs[1][1][f"{RESID}.sae"]["features"])
+    ours, want = (fh.sae.evaluate(sae, [TOKENS], model=model, where=RESID) for sae in (sparse, dense))
+    assert (ours.mse, ours.l0, ours.ce_spliced, ours.kl) == (want.mse, want.l0, want.ce_spliced, want.kl)
+    assert torch.equal(ours.density, want.density)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
