@@ -39,7 +39,7 @@ from funhooks.runs import capture
 from funhooks.specs import ablate, outputs
 from funhooks.transformer import Point
 
-from .protocol import Shape, shape_of
+from .protocol import Shape, as_read, encoded, shape_of
 from .splicing import splice
 
 __all__ = ["Evaluation", "Reconstruction", "evaluate"]
@@ -150,15 +150,16 @@ class _Sums:
 
 def _rows(sae: Any, shape: Shape, x: Tensor, keep: Tensor | None, sums: _Sums) -> None:
     """Encode and decode `x` (rows: its leading dims, or those of `keep`) into `sums`."""
-    if shape.d_in and x.ndim >= 2 and x.shape[-1] != shape.d_in and x.shape[-2] * x.shape[-1] == shape.d_in:
-        x = x.flatten(-2)  # heads, for an SAE as wide as all of them
-    if shape.d_in and x.shape[-1] != shape.d_in:
+    x, width = as_read(sae, shape.d_in, x, _CALLER)  # heads, for an SAE as wide as all of them
+    if shape.d_in and width != shape.d_in:
         raise SpecError(f"{_CALLER}: the SAE reads vectors of its width d_in={shape.d_in}, got activations of "
-                        f"width {x.shape[-1]} (shape {tuple(x.shape)}) for the {type(sae).__name__}. Evaluate it on "
+                        f"width {width} (shape {tuple(x.shape)}) for the {type(sae).__name__}. Evaluate it on "
                         "the activations of the point it was trained on.")
     xs = x if shape.device is None and shape.dtype is None else x.to(device=shape.device, dtype=shape.dtype)
-    f = sae.encode(xs)
+    f = encoded(sae, xs)
     x_hat = sae.decode(f)
+    if xs.ndim > f.ndim:  # heads the SAE flattened itself
+        xs, x_hat = xs.flatten(f.ndim - 1), x_hat.flatten(f.ndim - 1)
     lead = 1 if keep is None else keep.ndim
     flat = (lambda t: t.reshape(-1, *t.shape[-1:])) if keep is None else (lambda t: t.reshape(-1, *t.shape[lead:]))
     xs, f, x_hat = flat(xs), flat(f), flat(x_hat)

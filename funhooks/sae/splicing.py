@@ -37,7 +37,7 @@ from funhooks.specs import Spec, edit, observe
 from funhooks.transformer import Point
 
 from .edits import Edit
-from .protocol import Shape, shape_of
+from .protocol import Shape, as_read, encoded, shape_of
 
 __all__ = ["FEATURES", "splice"]
 
@@ -91,20 +91,19 @@ class _Run:
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """`x` in the SAE's place (its heads flattened for an SAE as wide as all of them, as
-        SAELens' ``hook_z`` SAEs are), and its features."""
+        SAELens' ``hook_z`` SAEs are, unless the SAE flattens them itself), and its features."""
         d = self.shape.d_in
-        if d and x.ndim >= 2 and x.shape[-1] != d and x.shape[-2] * x.shape[-1] == d:
-            x = x.flatten(-2)
-        if d and x.shape[-1] != d:
+        x, width = as_read(self.sae, d, x, _CALLER)
+        if d and width != d:
             raise SpecError(
-                f"{_CALLER}: the SAE reads vectors of its width d_in={d}, got values of width {x.shape[-1]} "
+                f"{_CALLER}: the SAE reads vectors of its width d_in={d}, got values of width {width} "
                 f"(shape {tuple(x.shape)}) at `{self.shown}` for the {type(self.sae).__name__}. Splice it at the "
                 f"point it was trained on, or train one of width {x.shape[-1]}."
             )
         device, dtype = self.shape.device, self.shape.dtype
         if (device is not None and x.device != device) or (dtype is not None and x.dtype != dtype):
             x = x.to(device=device, dtype=dtype)
-        return x, self.sae.encode(x)
+        return x, encoded(self.sae, x)
 
     def edited(self, f: Tensor) -> Tensor:
         new = f

@@ -101,11 +101,14 @@ def test_bad_arguments_are_refused() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
-def test_equal_to_saelens_evaluation_functions_on_the_same_sae_and_model() -> None:
+@pytest.mark.parametrize("hook", ["blocks.0.hook_resid_post", "blocks.0.attn.hook_z"])
+def test_equal_to_saelens_evaluation_functions_on_the_same_sae_and_model(hook: str) -> None:
     """SAELens evaluates on a TransformerLens model: funhooks evaluates the same SAE on that same
-    model at the same hook point (a module path), and the numbers agree."""
-    sae_lens = pytest.importorskip("sae_lens", reason="sae_lens is not installed (it installs into a venv of "
-                                   "its own: pip install sae-lens)")
+    model at the same hook point (a module path), and the numbers agree; at ``hook_z`` an SAE
+    flattening the heads itself, as SAELens loads its attention SAEs (its evals turn that off
+    and flatten the heads for it)."""
+    sae_lens = pytest.importorskip("sae_lens", reason="sae_lens is not installed (the `sae` extra: pip "
+                                   "install 'funhooks[sae]')")
     transformer_lens = pytest.importorskip("transformer_lens")
     from sae_lens import evals
 
@@ -113,25 +116,29 @@ def test_equal_to_saelens_evaluation_functions_on_the_same_sae_and_model() -> No
     model = transformer_lens.HookedTransformer(transformer_lens.HookedTransformerConfig(
         n_layers=2, d_model=32, n_ctx=16, d_head=8, n_heads=4, d_vocab=50, act_fn="gelu", normalization_type="LN"))
     model.eval()
-    hook = "blocks.0.hook_resid_post"
-    sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64))
+    heads = hook.endswith("hook_z")
+    sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64,
+                                                          reshape_activations="hook_z" if heads else "none"))
     with torch.no_grad():
         for p in sae.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     tokens = torch.randint(0, 50, (4, 10), generator=torch.Generator().manual_seed(0))
+    sae.turn_off_forward_pass_hook_z_reshaping()  # SAELens' evals flatten the heads themselves
     theirs = evals.get_recons_loss(sae, model, evals.ActivationScaler(), tokens, compute_kl=True, compute_ce_loss=True,
                                    hook_name=hook)
+    _, cache = model.run_with_cache(tokens, names_filter=hook)
+    x = cache[hook].reshape(-1, 32)
+    calc = evals.ExplainedVarianceCalculator()
+    with torch.no_grad():
+        calc.add_batch(sae.decode(sae.encode(x)), x)
+    if heads:
+        sae.turn_on_forward_pass_hook_z_reshaping()
     ours = fh.sae.evaluate(sae, [tokens], model=model, where=hook)
     assert ours.ce_clean == pytest.approx(float(theirs["ce_loss_without_sae"].mean()), rel=1e-5)
     assert ours.ce_spliced == pytest.approx(float(theirs["ce_loss_with_sae"].mean()), rel=1e-5)
     assert ours.ce_ablated == pytest.approx(float(theirs["ce_loss_with_ablation"].mean()), rel=1e-5)
     assert ours.kl == pytest.approx(float(theirs["kl_div_with_sae"].mean()), rel=1e-4)
     assert ours.kl_ablated == pytest.approx(float(theirs["kl_div_with_ablation"].mean()), rel=1e-4)
-    _, cache = model.run_with_cache(tokens, names_filter=hook)
-    x = cache[hook].reshape(-1, 32)
-    calc = evals.ExplainedVarianceCalculator()
-    with torch.no_grad():
-        calc.add_batch(sae.decode(sae.encode(x)), x)
     assert ours.explained_variance == pytest.approx(calc.compute(), rel=1e-5)
 
 

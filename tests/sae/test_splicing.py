@@ -152,8 +152,8 @@ def test_bad_input_is_refused_with_the_fix() -> None:
 def test_an_saelens_sae_splices_as_it_is() -> None:
     """SAELens' ``SAE`` follows the protocol: its widths come from ``cfg``, its features are its
     own ``encode``, an ablation is its own ``decode`` of the edited features plus the error term."""
-    sae_lens = pytest.importorskip("sae_lens", reason="sae_lens is not installed (it installs into a venv of its "
-                                   "own: pip install sae-lens)")
+    sae_lens = pytest.importorskip("sae_lens", reason="sae_lens is not installed (the `sae` extra: pip "
+                                   "install 'funhooks[sae]')")
     sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64))
     with torch.no_grad():
         for p in sae.parameters():
