@@ -467,8 +467,8 @@ def record_shapes(model: nn.Module, where: Where | None, args: tuple[object, ...
     modules = _torch.walk(model)
     params = [p for m in modules for p in _torch.own_parameters(m).values() if p is not None]
     buffers = [b for m in modules for b in _torch.own_buffers(m).values() if b is not None]
-    # a sharded model (FSDP2, or DTensor parameters) swaps its own parameters in and out around
-    # each call: it runs for real (what `_torch.is_sharded` says, from the walk above)
+    # a sharded model (an FSDP2 module, or DTensor parameters: tensor parallelism) swaps its own
+    # parameters in and out around each call: it runs for real
     sharded = any(map(_torch.is_fsdp_module, modules)) or any(map(_torch.is_dtensor, params))
     count_flops = count_flops and not sharded
     specs: tuple[Spec, ...] = ()

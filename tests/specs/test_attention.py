@@ -6,6 +6,7 @@ under SDPA runs that call eagerly and gives what eager attention with the same e
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -308,3 +309,31 @@ def test_a_query_that_sees_no_key_has_a_zero_pattern_under_sdpa() -> None:
     assert torch.all(eager[1, :, :2].sum(-1) > 0.99)     # a softmax row, not zeros
     torch.testing.assert_close(eager[:, :, 2:], pattern[:, :, 2:])
     torch.testing.assert_close(eager[0], pattern[0])
+
+
+def test_a_pattern_run_changes_only_its_own_calls_and_leaves_the_model_as_it_was() -> None:
+    """Issue 36 item 23: the eager attention of a pattern run is the run's calls' alone. While it
+    is open, the same model called from another thread gives the bare SDPA output bit for bit
+    (this thread's: the eager model's); after it, and after a run that raised, the model is
+    SDPA as before (its config untouched, no hooks, the bare output again)."""
+    eager, where, _ = _model("gpt2", "eager")
+    sdpa, _, _ = _model("gpt2", "sdpa")
+    spec = fh.op_outputs(where, fh.attention_pattern)
+    with torch.no_grad():
+        bare, eager_out = sdpa(TOKENS).logits, eager(TOKENS).logits
+        assert not torch.equal(bare, eager_out)
+        other: dict[str, torch.Tensor] = {}
+        with fh.with_hooks(sdpa, spec) as run:
+            thread = threading.Thread(target=lambda: other.update(out=sdpa(TOKENS).logits))
+            thread.start()
+            thread.join()
+            out = sdpa(TOKENS).logits
+        assert torch.equal(other["out"], bare)
+        assert torch.equal(out, eager_out)
+        assert len(_layers(run.record, where, "attention_pattern")) == 2
+        with pytest.raises(ValueError, match="stop"), fh.with_hooks(sdpa, spec):
+            sdpa(TOKENS)
+            raise ValueError("stop")
+        assert sdpa.config._attn_implementation == "sdpa"
+        fh.testing.assert_no_hooks(sdpa)
+        assert torch.equal(sdpa(TOKENS).logits, bare)
