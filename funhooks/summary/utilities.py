@@ -345,7 +345,7 @@ def _subtree_ids(model: nn.Module, own: dict[int, list[nn.Parameter]]) -> dict[i
             found = below[key] = set(map(id, own[key]))  # a module met again (shared) adds nothing twice, nor a cycle
             for child in _torch.children(module).values():
                 if child is not None:
-                    found |= gather(child)
+                    found |= gather(_torch.unwrap(child))  # a compiled submodule: the module it wraps
         return below[key]
 
     gather(model)
