@@ -314,7 +314,7 @@ def test_a_query_that_sees_no_key_has_a_zero_pattern_under_sdpa() -> None:
 def test_a_pattern_run_changes_only_its_own_calls_and_leaves_the_model_as_it_was() -> None:
     """Issue 36 item 23: the eager attention of a pattern run is the run's calls' alone. While it
     is open, the same model called from another thread gives the bare SDPA output bit for bit
-    (this thread's: the eager model's); after it, and after a run that raised, the model is
+    (this thread's: the eager model's, bit for bit under transformers 5); after it, and after a run that raised, the model is
     SDPA as before (its config untouched, no hooks, the bare output again)."""
     eager, where, _ = _model("gpt2", "eager")
     sdpa, _, _ = _model("gpt2", "sdpa")
@@ -329,7 +329,9 @@ def test_a_pattern_run_changes_only_its_own_calls_and_leaves_the_model_as_it_was
             thread.join()
             out = sdpa(TOKENS).logits
         assert torch.equal(other["out"], bare)
-        assert torch.equal(out, eager_out)
+        if _TRANSFORMERS_5:  # 4.x's GPT-2 divides by the scale where SDPA multiplies
+            assert torch.equal(out, eager_out)
+        torch.testing.assert_close(out, eager_out)
         assert len(_layers(run.record, where, "attention_pattern")) == 2
         with pytest.raises(ValueError, match="stop"), fh.with_hooks(sdpa, spec):
             sdpa(TOKENS)
