@@ -75,7 +75,6 @@ __all__ = [
     "is_fsdp_module",
     "own_class",
     "is_fsdp_hook",
-    "is_sharded",
     "sharding_kept",
     "fsdp_parameters",
 ]
@@ -441,13 +440,6 @@ def is_fsdp_hook(hook: object) -> bool:
     """True for a hook FSDP itself registered (its function lives in ``torch.distributed.fsdp``)."""
     fn = getattr(hook, "__func__", hook)
     return (getattr(fn, "__module__", None) or "").startswith(_FSDP_HOMES)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True when `model` holds an FSDP2 module or a ``DTensor`` parameter (tensor parallelism)."""
-    if _loaded(_DTENSOR_HOMES, "DTensor") is None:
-        return False
-    return any(is_fsdp_module(m) for m in model.modules()) or any(is_dtensor(p) for p in model.parameters())
 
 
 @contextlib.contextmanager

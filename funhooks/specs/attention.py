@@ -13,19 +13,29 @@ op=fh.attention_pattern)``. Each is one value per attention call inside the sele
   receives: causal and padding masks (boolean, or additive floats), and grouped-query keys
   (repeated per query head) handled; scores are ``-inf`` where masked, and a query that sees
   no key (a padding position of a left-padded batch) gets a pattern row of 0, as SDPA's output
-  is 0 there (eager's ``softmax`` spreads such a row over the keys). An edit of either
-  runs that call eagerly: the (edited) scores, their softmax, the (edited) pattern, its
-  dropout when the call has ``dropout_p > 0``, then ``pattern @ value``; a call nothing edits
-  is SDPA's own, so recording changes no output.
+  is 0 there (eager's ``softmax`` spreads such a row over the keys).
+
+**An SDPA call whose pattern or scores a run reads or edits runs as eager attention**: the
+(edited) scores, their softmax, the (edited) pattern, its dropout when the call has
+``dropout_p > 0``, then ``pattern @ value`` is the call's output, in place of SDPA's fused
+kernel, so the pattern costs what eager attention costs, not eager attention's work beside
+SDPA's. That output is eager attention's (bit for bit on a float32 CPU forward of Hugging
+Face's GPT-2, Llama, NeoX and BERT under transformers 5, the padding rows above aside): it differs from SDPA's own by
+float rounding (about 1e-7 of the values in float32), so a forward that records a pattern
+under SDPA gives what the model loaded with ``attn_implementation="eager"`` gives, not
+exactly what a bare SDPA forward gives. Calls no such spec takes (other modules, the same
+module called from another thread) are SDPA's own.
 
 Under any other implementation (flex, flash) no such call is made, and the run's "op spec
 matched nothing" error says to load the model with ``attn_implementation="eager"`` or
 ``"sdpa"``. A single-token decode step of a grouped-query Hugging Face model (which packs the
 query heads of a key head into the query axis before SDPA) is read as it is packed.
 
-Cost: under eager, what ``fh.op_outputs(where, "softmax")`` costs. Under SDPA, the scores and
-their softmax once per call (eager attention's work, beside SDPA's own), plus ``pattern @
-value`` for an edited call.
+Cost: under eager, what ``fh.op_outputs(where, "softmax")`` costs. Under SDPA, eager
+attention's work (scores, softmax, ``pattern @ value``) in place of SDPA's kernel, plus the
+causal mask where the call asks for one; both run inside the op mode of the selected module
+(one Python ``__torch_function__`` per torch function it calls), which is most of what is left
+over a bare eager forward on small models (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -136,23 +146,22 @@ def _scores(a: dict[str, Any]) -> tuple[torch.Tensor, bool]:
 
 
 def _sdpa(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
-    """An SDPA call read as scores -> softmax -> pattern -> ``pattern @ value``; the call
-    itself when nothing was edited."""
+    """An SDPA call run as eager attention: scores -> softmax -> pattern -> ``pattern @
+    value``, each point handed to `at` (SDPA's own kernel, `func`, is not run: its output would
+    be this one to rounding, at the cost of the attention computed twice)."""
     a = _bind(args, kwargs)
     scores, masked = _scores(a)
-    new_scores = at(_SCORES, scores)
+    scores = at(_SCORES, scores)
     dtype = a["query"].dtype
-    pattern = torch.softmax(new_scores, -1) if dtype == torch.float32 else torch.softmax(
-        new_scores, -1, dtype=torch.float32).to(dtype)
+    pattern = torch.softmax(scores, -1) if dtype == torch.float32 else torch.softmax(
+        scores, -1, dtype=torch.float32).to(dtype)
     if masked:  # a query that sees no key: SDPA gives it zeros, softmax NaNs
         pattern = pattern.nan_to_num(0.0)
-    new_pattern = at(_PATTERN, pattern)
-    if new_scores is scores and new_pattern is pattern:
-        return func(*args, **kwargs)
+    pattern = at(_PATTERN, pattern)
     if a["dropout_p"] > 0:
-        new_pattern = torch.nn.functional.dropout(new_pattern, a["dropout_p"])
+        pattern = torch.nn.functional.dropout(pattern, a["dropout_p"])
     value = _heads(a["value"], a["query"], a["enable_gqa"])
-    return torch.matmul(new_pattern.to(value.dtype), value)
+    return torch.matmul(pattern.to(value.dtype), value)
 
 
 attention_pattern = _AttentionOp(_PATTERN)

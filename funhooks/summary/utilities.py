@@ -264,10 +264,17 @@ def num_features_model(m: nn.Module) -> int:
     return out[1]
 
 
-def _row(path: str, module: nn.Module, calls: tuple[Track, ...]) -> LayerRow:
+def _row(path: str, module: nn.Module, calls: tuple[Track, ...],
+         counted: tuple[int, bool] | None = None) -> LayerRow:
     """fastai 2.8's ``_track`` row: parameter count and trainable only for a module with a
-    ``weight`` attribute (``hasattr``, so a BatchNorm without affine gives ``0, False``)."""
-    params, trainable = total_params(module) if hasattr(module, "weight") else (NO_WEIGHT, NO_WEIGHT)
+    ``weight`` attribute (``hasattr``, so a BatchNorm without affine gives ``0, False``).
+    `counted`: its :func:`total_params`, where the caller has them."""
+    params: int | str
+    trainable: bool | str
+    if not hasattr(module, "weight"):
+        params, trainable = NO_WEIGHT, NO_WEIGHT
+    else:
+        params, trainable = total_params(module) if counted is None else counted
     track = calls[-1] if calls else NOT_RUN
     return LayerRow(path, _torch.own_class(module).__name__, params, trainable, track.shape, track.same)
 
@@ -311,25 +318,35 @@ def _depth(path: str) -> int:
     return path.count(".") + 1 if path else 0
 
 
-def _count(params: Sequence[nn.Parameter]) -> tuple[int, int]:
-    """``(count, trainable count)``, each parameter once."""
-    unique = list({id(p): p for p in params}.values())
-    return sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad)
+class _Sizes:
+    """Each parameter's size, read once, by id; and those that require no grad (usually none):
+    a subtree's counts are then two sums over the ids it holds, at C speed."""
+
+    __slots__ = ("frozen", "sizes")
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.sizes = {id(p): p.numel() for p in params}
+        self.frozen = {id(p) for p in params if not p.requires_grad}
+
+    def count(self, ids: set[int]) -> tuple[int, int]:
+        """``(count, trainable count)`` of the parameters `ids` (each once)."""
+        total = sum(map(self.sizes.__getitem__, ids))
+        return total, total - sum(map(self.sizes.__getitem__, ids & self.frozen)) if self.frozen else total
 
 
-def _subtree_params(model: nn.Module, own: dict[int, list[nn.Parameter]]) -> dict[int, list[nn.Parameter]]:
-    """Per module (by id), the parameters of its subtree: each module's `own` added to its
-    ancestors' in one walk of the tree, not one walk per module."""
-    below: dict[int, list[nn.Parameter]] = {}
+def _subtree_ids(model: nn.Module, own: dict[int, list[nn.Parameter]]) -> dict[int, set[int]]:
+    """Per module (by id), the ids of the parameters of its subtree: each module's `own` added to
+    its ancestors' in one walk of the tree, not one walk per module."""
+    below: dict[int, set[int]] = {}
 
-    def gather(module: nn.Module) -> list[nn.Parameter]:
-        if id(module) not in below:
-            found = list(own[id(module)])
-            below[id(module)] = found  # a module met again (shared) adds nothing twice, nor a cycle
+    def gather(module: nn.Module) -> set[int]:
+        key = id(module)
+        if key not in below:
+            found = below[key] = set(map(id, own[key]))  # a module met again (shared) adds nothing twice, nor a cycle
             for child in _torch.children(module).values():
                 if child is not None:
-                    found += gather(child)
-        return below[id(module)]
+                    found |= gather(_torch.unwrap(child))  # a compiled submodule: the module it wraps
+        return below[key]
 
     gather(model)
     return below
@@ -419,14 +436,20 @@ def module_summary(model: nn.Module, *xb: object, depth: int | None = None, layo
     own = {id(m): list({id(p): p for p in _torch.own_parameters(m).values() if p is not None}.values())
            for _, m in modules}
     params = list({id(p): p for found_here in own.values() for p in found_here}.values())  # every module's: each once
-    subtree = _subtree_params(inner, own)
-    layers = tuple(_layer(p, m, found, root_inputs, calls[p], _count(subtree[id(m)]), _count(own[id(m)])[0])
+    sizes = _Sizes(params)
+    subtree = _subtree_ids(inner, own)
+    layers = tuple(_layer(p, m, found, root_inputs, calls[p], sizes.count(subtree[id(m)]),
+                          sum(map(sizes.sizes.__getitem__, map(id, own[id(m)]))))
                    for p, m in modules if depth is None or _depth(p) <= depth)
     leaves = [(p, m) for p, m in modules if is_leaf(p, m)]
+    # a leaf's `parameters()` are its own: `total_params` from the sizes read above
+    rows = tuple(_row(p, m, calls[p], (sum(map(sizes.sizes.__getitem__, map(id, own[id(m)]))),
+                                        any(q.requires_grad for q in own[id(m)])))
+                 for p, m in leaves)
     return ModuleSummary(
         model=_torch.own_class(inner).__name__,
         input_shapes=tuple(shape_tree(x) for x in xb),
-        rows=tuple(_row(p, m, calls[p]) for p, m in leaves),
+        rows=rows,
         total=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
         kwarg_shapes=tuple((k, shape_tree(v)) for k, v in kwargs.items()),

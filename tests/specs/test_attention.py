@@ -6,6 +6,7 @@ under SDPA runs that call eagerly and gives what eager attention with the same e
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ from torch import nn
 
 import funhooks as fh
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 from tests.transformer_models import bert, gpt2, llama, neox
+
+_TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 TOKENS = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
 PADDING = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
@@ -47,15 +50,21 @@ def _layers(rec: fh.Record, where: str, name: str) -> list[torch.Tensor]:
 def test_the_sdpa_pattern_equals_the_eager_pattern(family: str) -> None:
     """`op_outputs(attn, fh.attention_pattern)` records (batch, head, query, key) patterns
     under SDPA equal to eager's (HF's `output_attentions`), causal, padded and GQA alike, and
-    recording leaves SDPA's output as it was."""
+    the recorded calls run as eager attention: the output is the eager model's, bit for bit
+    under transformers 5 (4.x's GPT-2 divides by the scale where SDPA multiplies) (issue 36
+    item 23: a pattern costs eager attention, not eager's work beside SDPA's)."""
     eager, where, kwargs = _model(family, "eager")
     sdpa, _, _ = _model(family, "sdpa")
     with torch.no_grad():
-        expected = eager(TOKENS, output_attentions=True, **kwargs).attentions
+        eager_out = eager(TOKENS, output_attentions=True, **kwargs)
+        expected = eager_out.attentions
         bare = _output(sdpa(TOKENS, **kwargs))
         with fh.with_hooks(sdpa, fh.op_outputs(where, fh.attention_pattern)) as run:
             out = _output(sdpa(TOKENS, **kwargs))
-    assert torch.equal(out, bare)
+    if _TRANSFORMERS_5:
+        assert torch.equal(out, _output(eager_out))
+    torch.testing.assert_close(out, _output(eager_out))
+    torch.testing.assert_close(out, bare)
     for got, want in zip(_layers(run.record, where, "attention_pattern"), expected, strict=True):
         assert got.shape == (2, 4, 6, 6)
         torch.testing.assert_close(got, want)
@@ -300,3 +309,33 @@ def test_a_query_that_sees_no_key_has_a_zero_pattern_under_sdpa() -> None:
     assert torch.all(eager[1, :, :2].sum(-1) > 0.99)     # a softmax row, not zeros
     torch.testing.assert_close(eager[:, :, 2:], pattern[:, :, 2:])
     torch.testing.assert_close(eager[0], pattern[0])
+
+
+def test_a_pattern_run_changes_only_its_own_calls_and_leaves_the_model_as_it_was() -> None:
+    """Issue 36 item 23: the eager attention of a pattern run is the run's calls' alone. While it
+    is open, the same model called from another thread gives the bare SDPA output bit for bit
+    (this thread's: the eager model's, bit for bit under transformers 5); after it, and after a run that raised, the model is
+    SDPA as before (its config untouched, no hooks, the bare output again)."""
+    eager, where, _ = _model("gpt2", "eager")
+    sdpa, _, _ = _model("gpt2", "sdpa")
+    spec = fh.op_outputs(where, fh.attention_pattern)
+    with torch.no_grad():
+        bare, eager_out = sdpa(TOKENS).logits, eager(TOKENS).logits
+        assert not torch.equal(bare, eager_out)
+        other: dict[str, torch.Tensor] = {}
+        with fh.with_hooks(sdpa, spec) as run:
+            thread = threading.Thread(target=lambda: other.update(out=sdpa(TOKENS).logits))
+            thread.start()
+            thread.join()
+            out = sdpa(TOKENS).logits
+        assert torch.equal(other["out"], bare)
+        if _TRANSFORMERS_5:  # 4.x's GPT-2 divides by the scale where SDPA multiplies
+            assert torch.equal(out, eager_out)
+        torch.testing.assert_close(out, eager_out)
+        assert len(_layers(run.record, where, "attention_pattern")) == 2
+        with pytest.raises(ValueError, match="stop"), fh.with_hooks(sdpa, spec):
+            sdpa(TOKENS)
+            raise ValueError("stop")
+        assert sdpa.config._attn_implementation == "sdpa"
+        fh.testing.assert_no_hooks(sdpa)
+        assert torch.equal(sdpa(TOKENS).logits, bare)

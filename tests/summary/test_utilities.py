@@ -401,6 +401,18 @@ def test_compiled_and_wrapped_models_are_looked_through() -> None:
     assert [r.path for r in fh.layer_info(nn.DataParallel(m), x)] == [r.path for r in fh.layer_info(m, x)]
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")  # dynamo's import
+def test_a_compiled_submodule_is_looked_through_by_the_summary() -> None:
+    """A submodule wrapped by `torch.compile` counts as the module it wraps: the summary's
+    rows, totals and FLOPs are the plain model's (its parameter walk raised KeyError)."""
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    wrapped = nn.Sequential(plain[0], torch.compile(plain[1]))
+    x = torch.randn(4, 8)
+    got, want = fh.module_summary(wrapped, x, layout="full"), fh.module_summary(plain, x, layout="full")
+    assert got.layers == want.layers and got.rows == want.rows
+    assert (got.total, got.flops) == (want.total, want.flops) == (144, 1024)
+
+
 def test_tuple_outputs_give_a_tree_of_shapes() -> None:
     """An LSTM row holds the shapes of (output, (h, c)); the table prints them nested."""
     (row,) = fh.layer_info(nn.LSTM(4, 5, batch_first=True), torch.randn(3, 7, 4))

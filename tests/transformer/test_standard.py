@@ -135,14 +135,16 @@ def _attention(model, name, specs):
 def test_pattern_and_scores_under_sdpa_equal_eager(name):
     """Under the default SDPA implementation `pattern` and `attn_scores` are (batch, head, query,
     key) tensors equal to eager's (causal, GQA, parallel NeoX, BERT with padding); scores are -inf
-    where SDPA masks and the dtype's minimum where eager does; recording changes no output."""
+    where SDPA masks and the dtype's minimum where eager does; the recorded attention calls run as
+    eager attention, so the output is the eager model's (SDPA's own to rounding)."""
     eager, sdpa = BUILDERS[name]("eager"), BUILDERS[name]("sdpa")
     pts = fh.transformer.points(sdpa)
     specs = [fh.outputs(pts.pattern), fh.outputs(pts.attn_scores)]
     want_out, want = _attention(eager, name, specs)
     got_out, got = _attention(sdpa, name, specs)
-    torch.testing.assert_close(got_out, _attention(sdpa, name, [])[0], rtol=0, atol=0)
-    torch.testing.assert_close(got_out, want_out)
+    exact = int(transformers.__version__.split(".")[0]) >= 5  # 4.x's GPT-2 divides by the scale
+    torch.testing.assert_close(got_out, want_out, **({"rtol": 0, "atol": 0} if exact else {}))
+    torch.testing.assert_close(got_out, _attention(sdpa, name, [])[0])
     assert list(got) == list(want) == [f"blocks.{L}.{n}" for L in range(2) for n in ("attn_scores", "pattern")]
     for layer in range(2):
         pattern = got[f"blocks.{layer}.pattern"]["output"]
