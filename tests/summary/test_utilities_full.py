@@ -345,7 +345,7 @@ def test_layers_agree_with_fastai_rows_and_totals(pair: tuple[nn.Module, torch.T
 def test_bench_summary_smoke(tmp_path) -> None:
     """benchmarks/bench_summary.py runs (smoke mode): its checks (funhooks' total and FLOPs)
     pass before anything is timed, and torchinfo's numbers are recorded beside them."""
-    from test_benchmarks import assert_common_keys, run_quick
+    from bench_kit import assert_common_keys, run_quick
 
     proc, result = run_quick("bench_summary.py", tmp_path)
     assert proc.returncode == 0, proc.stderr
