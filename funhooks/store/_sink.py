@@ -25,7 +25,7 @@ reuse a freed block for an aligned request of the same size (torch's CPU tensors
 aligned), and a small allocation placed between two freed blocks keeps them apart. A
 worker that ran torch calls (the statistics) moved small blocks between the threads' caches
 and left such separators: peak resident memory while ``collect`` wrote 4 MiB batches was
-17-81 MiB over the start from run to run, against 17-29 MiB now (``benchmarks/bench_store.py``,
+20-85 MiB over the start from run to run, against 16-29 MiB now (``benchmarks/bench_store.py``,
 "collect rss"). The worker's calls (``write``, ``zlib.crc32``, BLAKE2b) allocate nothing
 from that heap.
 """
