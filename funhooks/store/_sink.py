@@ -52,8 +52,9 @@ __all__ = ["CALLER", "Sink"]
 
 CALLER = "ActivationWriter"
 _T = TypeVar("_T")
-_OPEN: dict[tuple[str, int], weakref.ref[Sink]] = {}
-"""(real directory, rank) -> the sink that has it open in this process."""
+_OPEN: dict[tuple[str, int], tuple[weakref.ref[Sink], _Held]] = {}
+"""(real directory, rank) -> the sink that has it open in this process, and what it holds (a
+sink being collected, its finalizer not yet run, may still hold the lock)."""
 
 
 class _Held:
@@ -64,9 +65,9 @@ class _Held:
         self.shard: _shards.ShardFile | None = None
 
     def close(self) -> None:
-        if self.shard is not None:
-            self.shard.discard()
-            self.shard = None
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            shard.discard()
         self.lock.release()
 
 
@@ -85,9 +86,11 @@ class Sink:
         self.directory, self.rank, self.fsync = directory, rank, fsync
         key = (os.path.realpath(directory), rank)
         previous = _OPEN.get(key)
-        earlier = None if previous is None else previous()
+        earlier = None if previous is None else previous[0]()
         if earlier is not None:
             earlier.close()
+        elif previous is not None:  # collected, maybe on another thread that has yet to run its finalizer
+            previous[1].close()
         self._held = _Held(_manifest.RankLock(directory, rank, CALLER))
         self._moments: stats.Accumulator | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -102,7 +105,7 @@ class Sink:
         except BaseException:
             self.close()
             raise
-        _OPEN[key] = weakref.ref(self)
+        _OPEN[key] = (weakref.ref(self), self._held)
         self.version = 0
         self.closed = False
         self.failed: str | None = None
@@ -179,7 +182,7 @@ class Sink:
             assert self._moments is not None
             self._moments.add(piece)
         finally:
-            concurrent.futures.wait([written])
+            _wait(written)
         self._io("writing", written.result)
 
     def _submit(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
@@ -279,6 +282,19 @@ _MAX_PENDING = 1
 """``background`` tasks the worker may have unfinished before another waits for the oldest: one
 input fingerprint of ``collect``, that of the batch the model runs on (a write waits for it
 anyway: the worker runs its tasks in order)."""
+
+
+def _wait(future: concurrent.futures.Future[_T]) -> None:
+    """Wait until `future` is done, through a KeyboardInterrupt (raised again after): the worker
+    reads rows the caller may free once this returns."""
+    interrupted: KeyboardInterrupt | None = None
+    while not future.done():
+        try:
+            concurrent.futures.wait([future])
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 class _Task(Generic[_T]):
