@@ -76,7 +76,7 @@ WRITE_ROUNDS = 7
 RSS_SIZES = (100, 1_000, 10_000)
 RSS_BATCH, RSS_WIDTH = 64, 256  # 64 KiB per batch: 10,000 batches = 625 MiB on disk
 READ_BATCH, READ_CALLS = 256, 50
-COLLECT_RSS_SIZES, COLLECT_RSS_REPEATS, COLLECT_ROWS = (16, 64, 256), 3, 1024  # 1024 x 1024 float32: 4 MiB
+COLLECT_RSS_SIZES, COLLECT_RSS_REPEATS, COLLECT_ROWS = (16, 64, 256), 5, 1024  # 1024 x 1024 float32: 4 MiB
 QUICK = {"batches": 4, "batch": 8, "width": 16, "rows_per_shard": 12, "rounds": 2, "rss_sizes": (10, 20),
          "read_calls": 3, "collect_rss_sizes": (4, 8), "collect_rss_repeats": 1}
 

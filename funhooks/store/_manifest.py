@@ -338,7 +338,7 @@ class RankLock:
         self._fd = fd
 
     def release(self) -> None:
-        if self._fd is not None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
             with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
+                os.close(fd)

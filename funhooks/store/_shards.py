@@ -207,27 +207,25 @@ class ShardFile:
             self.discard()
             raise
 
-    def write(self, rows: Mapping[str, torch.Tensor]) -> list[tuple[str, memoryview]]:
-        """Write the next rows: each column's tensor is contiguous, on the CPU, same length.
-        Returns each column's bytes as written, for :meth:`digest` (called in the same order,
-        before :meth:`finish`; the caller keeps `rows` alive until then)."""
-        n = 0
-        written = []
-        for c in self.columns:
-            t = rows[c.name]
-            n = t.shape[0]
-            if n:
-                self._file.seek(self._data + self._begin[c.name] + self.rows * c.row_bytes)
-                data = _buffer(t)
-                self._file.write(data)
-                written.append((c.name, data))
-        self.rows += n
-        return written
+    def buffers(self, rows: Mapping[str, torch.Tensor]) -> list[tuple[str, memoryview]]:
+        """Each column's bytes in `rows` (contiguous CPU tensors of one length), in file order,
+        without a copy: what :meth:`write` writes and :meth:`digest` checksums (valid while the
+        caller keeps `rows` alive)."""
+        return [(c.name, _buffer(rows[c.name])) for c in self.columns]
 
-    def digest(self, written: list[tuple[str, memoryview]]) -> None:
-        """Add bytes :meth:`write` wrote to their columns' running CRC-32s (``zlib.crc32``
-        releases the GIL: another thread may do this while the next rows are made)."""
-        for name, data in written:
+    def write(self, buffers: Sequence[tuple[str, memoryview]], rows: int) -> None:
+        """Write the next `rows` rows, as :meth:`buffers` gave them: a ``seek`` and a ``write``
+        per column, which allocate nothing (the store's worker thread calls this)."""
+        if rows:
+            for c, (_, data) in zip(self.columns, buffers, strict=True):
+                self._file.seek(self._data + self._begin[c.name] + self.rows * c.row_bytes)
+                self._file.write(data)
+        self.rows += rows
+
+    def digest(self, buffers: Sequence[tuple[str, memoryview]]) -> None:
+        """Add the next rows' bytes (as :meth:`buffers` gave them, in write order) to their
+        columns' running CRC-32s."""
+        for name, data in buffers:
             self._crc32s[name] = zlib.crc32(data, self._crc32s[name])
 
     def finish(self, *, fsync: bool) -> _Finished:

@@ -12,14 +12,22 @@ its temporary and releases its lock when it is garbage collected.
 
 Costs: memory holds no rows (they go from the activation to the file) beyond the
 statistics' buffers (``stats.Buffers``: a chunk per floating-point column, one working
-chunk) and what the worker thread has yet to finish: at most ``_MAX_PENDING`` tasks, of
-which one digest of written rows. So while the caller makes batch ``i + 1``, the worker
-holds batch ``i``'s rows at most (and, under ``collect``, batch ``i + 1``'s inputs, which
-the caller holds anyway): two batches and a constant, however slow the worker and however
-long the run. See ``_shards.py`` for the per-batch and per-shard I/O. No shard is read
-back: its checksums and statistics are computed from the rows as they are written, on
-that worker (``zlib.crc32`` and torch's reductions release the GIL), and a shard is
-committed once they are done.
+chunk). Each piece of rows is written by the worker thread while this thread takes its
+CRC-32s and statistics; ``append`` returns once both are done, so the worker holds no rows
+after it: the caller lets go of batch ``i`` before it makes batch ``i + 1``. The worker's
+only other task is ``collect``'s input fingerprint of the batch the model is running on
+(at most ``_MAX_PENDING`` unfinished). No shard is read back: its checksums and statistics
+are computed from the rows as they are written, and a shard is committed once they are
+done. See ``_shards.py`` for the per-batch and per-shard I/O.
+
+Why the worker only writes (and CRCs fingerprints): glibc's ``malloc`` (2.36 here) does not
+reuse a freed block for an aligned request of the same size (torch's CPU tensors are 64-byte
+aligned), and a small allocation placed between two freed blocks keeps them apart. A
+worker that ran torch calls (the statistics) moved small blocks between the threads' caches
+and left such separators: peak resident memory while ``collect`` wrote 4 MiB batches was
+20-85 MiB over the start from run to run, against 16-29 MiB now (``benchmarks/bench_store.py``,
+"collect rss"). The worker's calls (``write``, ``zlib.crc32``, BLAKE2b) allocate nothing
+from that heap.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import os
 import pathlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 import torch
 
@@ -44,8 +52,9 @@ __all__ = ["CALLER", "Sink"]
 
 CALLER = "ActivationWriter"
 _T = TypeVar("_T")
-_OPEN: dict[tuple[str, int], weakref.ref[Sink]] = {}
-"""(real directory, rank) -> the sink that has it open in this process."""
+_OPEN: dict[tuple[str, int], tuple[weakref.ref[Sink], _Held]] = {}
+"""(real directory, rank) -> the sink that has it open in this process, and what it holds (a
+sink being collected, its finalizer not yet run, may still hold the lock)."""
 
 
 class _Held:
@@ -56,9 +65,9 @@ class _Held:
         self.shard: _shards.ShardFile | None = None
 
     def close(self) -> None:
-        if self.shard is not None:
-            self.shard.discard()
-            self.shard = None
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            shard.discard()
         self.lock.release()
 
 
@@ -77,17 +86,17 @@ class Sink:
         self.directory, self.rank, self.fsync = directory, rank, fsync
         key = (os.path.realpath(directory), rank)
         previous = _OPEN.get(key)
-        earlier = None if previous is None else previous()
+        earlier = None if previous is None else previous[0]()
         if earlier is not None:
             earlier.close()
+        elif previous is not None:  # collected, maybe on another thread that has yet to run its finalizer
+            previous[1].close()
         self._held = _Held(_manifest.RankLock(directory, rank, CALLER))
         self._moments: stats.Accumulator | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_pid = 0
         self._pending: collections.deque[concurrent.futures.Future[object]] = collections.deque()
-        """The worker's tasks not known to be done, oldest first (at most ``_MAX_PENDING``)."""
-        self._digest: concurrent.futures.Future[object] | None = None
-        """The last digest (checksums and statistics of written rows) handed to the worker."""
+        """The ``background`` tasks not known to be done, oldest first (at most ``_MAX_PENDING``)."""
         self._reuse = stats.Buffers()
         """The statistics' buffers, kept from shard to shard."""
         self._finalizer = weakref.finalize(self, _Held.close, self._held)
@@ -96,7 +105,7 @@ class Sink:
         except BaseException:
             self.close()
             raise
-        _OPEN[key] = weakref.ref(self)
+        _OPEN[key] = (weakref.ref(self), self._held)
         self.version = 0
         self.closed = False
         self.failed: str | None = None
@@ -148,7 +157,8 @@ class Sink:
         return int(self.header["rows_per_shard"])
 
     def append(self, rows: Mapping[str, torch.Tensor], batch: int, first_row: int) -> None:
-        """Write one batch's rows (from its row `first_row` on); commit every shard that fills."""
+        """Write one batch's rows (from its row `first_row` on); commit every shard that fills.
+        Returns when every row is written: nothing of `rows` is held after."""
         n = next(iter(rows.values())).shape[0] if rows else 0
         done = 0
         while done < n:
@@ -156,32 +166,45 @@ class Sink:
             if shard is None:
                 shard = self._io("opening", self._open_shard)
             take = min(n - done, shard.capacity - shard.rows)
-            piece = {k: v[done:done + take] for k, v in rows.items()}
-            written = self._io("writing", shard.write, piece)
-            assert self._moments is not None
-            if self._digest is not None:  # the worker holds the rows it has not digested: one piece at most
-                self._digest.result()
-            self._digest = self.background(_digest, shard, written, self._moments, piece)
+            self._write(shard, {k: v[done:done + take] for k, v in rows.items()}, take)
             done += take
             if shard.rows == shard.capacity:
                 self._commit((batch, first_row + done) if done < n else (batch + 1, 0))
         self.version += 1
 
-    def background(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
-        """``fn(*args)`` on the sink's worker thread, after everything submitted before it (the
-        shards' checksums and statistics, ``collect``'s input fingerprints). Waits first until
-        fewer than ``_MAX_PENDING`` tasks are unfinished, so the worker holds few arguments;
-        an error of a task waited for raises here."""
+    def _write(self, shard: _shards.ShardFile, piece: Mapping[str, torch.Tensor], rows: int) -> None:
+        """`piece`'s rows into `shard`: the file written on the worker thread while this one
+        takes their CRC-32s and statistics (both release the GIL); returns when both are done."""
+        buffers = shard.buffers(piece)
+        written = self._submit(shard.write, buffers, rows)
+        try:
+            shard.digest(buffers)
+            assert self._moments is not None
+            self._moments.add(piece)
+        finally:
+            _wait(written)
+        self._io("writing", written.result)
+
+    def _submit(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
+        """``fn(*args)`` on the worker thread, after everything submitted before it. The
+        worker lets go of `args` before the future is done."""
         if self._worker is None or self._worker_pid != os.getpid():  # a forked child has no thread of it
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="funhooks-store")
             self._worker_pid = os.getpid()
             self._pending.clear()
-            self._digest = None
+        return self._worker.submit(_Task(fn, args).run)
+
+    def background(self, fn: Callable[..., _T], *args: object) -> concurrent.futures.Future[_T]:
+        """``fn(*args)`` on the sink's worker thread, after everything submitted before it
+        (``collect``'s input fingerprints; `fn` should allocate nothing from the C heap:
+        see the module's docstring). Waits first until fewer than ``_MAX_PENDING`` such tasks
+        are unfinished, so the worker holds few arguments; an error of a task waited for
+        raises here."""
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()
         while len(self._pending) >= _MAX_PENDING:
             self._pending.popleft().result()
-        future = self._worker.submit(fn, *args)
+        future = self._submit(fn, *args)
         self._pending.append(cast("concurrent.futures.Future[object]", future))
         return future
 
@@ -197,14 +220,11 @@ class Sink:
             self._worker = None
 
     def _settle(self) -> None:
-        """Wait for every task handed to the worker, the checksums and statistics of every row
-        written so far among them (their errors raise here)."""
-        self._digest = None
+        """Wait for every task handed to the worker through ``background`` (their errors raise here)."""
         while self._pending:
             self._pending.popleft().result()
 
     def _open_shard(self) -> _shards.ShardFile:
-        self._settle()  # the statistics' chunk buffers pass from shard to shard
         about = {"format": _manifest.FORMAT, "version": _manifest.FORMAT_VERSION, "rank": self.rank,
                  "shard": self.shards}
         meta = {"format": "pt", "funhooks": json.dumps(about)}
@@ -258,14 +278,32 @@ class Sink:
             raise StoreError(self.failed) from e
 
 
-_MAX_PENDING = 2
-"""Tasks the worker may have unfinished before another waits for the oldest: a digest of one
-piece of rows and one input fingerprint of ``collect`` (memory stays flat however fast rows
-come). A digest also waits for the one before it."""
+_MAX_PENDING = 1
+"""``background`` tasks the worker may have unfinished before another waits for the oldest: one
+input fingerprint of ``collect``, that of the batch the model runs on (a write waits for it
+anyway: the worker runs its tasks in order)."""
 
 
-def _digest(shard: _shards.ShardFile, written: list[tuple[str, memoryview]], moments: stats.Accumulator,
-            rows: Mapping[str, torch.Tensor]) -> None:
-    """One piece's checksums and statistics (on the sink's worker thread, in write order)."""
-    shard.digest(written)
-    moments.add(rows)
+def _wait(future: concurrent.futures.Future[_T]) -> None:
+    """Wait until `future` is done, through a KeyboardInterrupt (raised again after): the worker
+    reads rows the caller may free once this returns."""
+    interrupted: KeyboardInterrupt | None = None
+    while not future.done():
+        try:
+            concurrent.futures.wait([future])
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
+
+
+class _Task(Generic[_T]):
+    """``fn(*args)`` for the worker, which drops its references to them before the future is
+    done: the caller, which holds them too, frees them on its own thread."""
+
+    def __init__(self, fn: Callable[..., _T], args: tuple[object, ...]) -> None:
+        self._call = [(fn, args)]
+
+    def run(self) -> _T:
+        fn, args = self._call.pop()
+        return fn(*args)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, TypeAlias, TypeVar
 
 import torch
@@ -61,10 +61,13 @@ def _mask_of(mask: str | _Mask | None, batch: _Batch, index: int) -> torch.Tenso
     )
 
 
-def _remaining(inputs: Iterable[_Batch], start: int) -> Iterator[tuple[int, _Batch]]:
+def _remaining(inputs: Iterable[_Batch], start: int) -> Generator[tuple[int, _Batch], None, None]:
+    """``(index, batch)`` from batch `start` on. Holds no batch it gave: the caller's loop lets
+    go of one before the next is made."""
     if isinstance(inputs, Sequence):  # indexable: the written batches are not even loaded
-        return ((i, inputs[i]) for i in range(start, len(inputs)))
-    return itertools.islice(enumerate(inputs), start, None)
+        yield from ((i, inputs[i]) for i in range(start, len(inputs)))
+    else:
+        yield from itertools.islice(enumerate(inputs), start, None)
 
 
 class _Inputs:
@@ -84,6 +87,8 @@ class _Inputs:
         self.recorded: Mapping[str, Any] | None = committed if ok else None
         self.directory, self.batches, self.fingerprint = directory, 0, _fingerprint.START
         self.sink = sink
+        self._parts: _fingerprint.Parts = []
+        """The bytes of the batch being digested on the worker, held until ``release``."""
 
     def see(self, index: int, batch: _Batch) -> Mapping[str, object]:
         """Take batch `index` into the fingerprint (once); refuse inputs the store was not written from."""
@@ -96,11 +101,16 @@ class _Inputs:
                 self._check(self.fingerprint)
             self._last = _done(self.fingerprint)
         else:
-            self._last = self.sink.background(self._chain, batch)  # one worker: digests run in batch order
+            self._parts = _fingerprint.parts(batch)  # this thread takes the bytes, the worker only digests them
+            self._last = self.sink.background(self._chain, self._parts)  # one worker: in batch order
         return _Seen(self.batches, self._last)
 
-    def _chain(self, batch: _Batch) -> str:
-        self.fingerprint = _fingerprint.chain(self.fingerprint, batch)  # only the worker writes it now
+    def release(self) -> None:
+        """Let go of the last batch's bytes (here, not on the worker thread: see ``_sink.py``)."""
+        self._parts = []
+
+    def _chain(self, batch: _fingerprint.Parts) -> str:
+        self.fingerprint = _fingerprint.chain_parts(self.fingerprint, batch)  # only the worker writes it now
         return self.fingerprint
 
     def end(self) -> None:
@@ -227,7 +237,7 @@ def collect(writer: ActivationWriter, inputs: Iterable[_Batch], *, mask: str | _
     fn = capture(writer.model, writer.specs)
     model = writer.model
     total = len(inputs) - first if isinstance(inputs, Sized) else None
-    batches = wrap((b for b in _remaining(inputs, first)), total=total, desc="collect",
+    batches = wrap(_remaining(inputs, first), total=total, desc="collect",
                    progress=progress)
     track = sink.committed_inputs is not None or not sink.rows  # a store written without a record keeps none
     try:
@@ -240,11 +250,12 @@ def collect(writer: ActivationWriter, inputs: Iterable[_Batch], *, mask: str | _
                 if index < state.next_batch:
                     continue
                 keep = _mask_of(mask, batch, index)
-                _, record = _call(fn, batch)
+                record = _call(fn, batch)[1]  # the output goes (the record holds what is written)
                 if max_rows is not None:
                     keep, _ = _budget_mask(record, writer, keep, max_rows - state.rows)
                 state = writer.write(state, index, record, mask=keep)
-                del record, keep  # this batch's activations go now, not when the next batch's are made
+                del record, keep, batch  # this batch's activations go now, not when the next batch's are made
+                seen.release()  # its fingerprint is done: the write waited for the worker
             else:
                 seen.end()
     finally:
