@@ -95,6 +95,8 @@ def _with_bar(steps: Generator[T, None, None], total: int | None, desc: str) -> 
                 loss = getattr(step, "loss", None)
                 if loss is not None:
                     bar.set_postfix(loss=f"{float(loss):.4g}", refresh=False)
+                del loss
+            del step  # the loop does not keep step i (a batch, its output) alive while step i + 1 is made
     finally:
         steps.close()
         bar.close()

@@ -63,13 +63,15 @@ class _Inputs(collections.abc.Sequence):
         return torch.from_numpy(memory)
 
 
-def test_nothing_of_a_batch_is_alive_when_collect_makes_the_next(tmp_path):
+@pytest.mark.parametrize("progress", [False, True], ids=["no bar", "progress bar"])
+def test_nothing_of_a_batch_is_alive_when_collect_makes_the_next(tmp_path, progress, capsys):
     """Before, batch i's input (the loop's generator), its output (the loop's `_` and the worker,
-    digesting it while the next batch ran) were alive when batch i + 1 was made."""
+    digesting it while the next batch ran) were alive when batch i + 1 was made; with a progress
+    bar, its loop kept the last step (index, batch) alive too."""
     model = _Model()
     inputs = _Inputs(model, 12)
     writer = fh.ActivationWriter(model, fh.outputs("lin"), tmp_path, rows_per_shard=40, fsync=False)
-    ds = fh.collect(writer, inputs, progress=False)
+    ds = fh.collect(writer, inputs, progress=progress)
     assert len(ds) == 12 * 16
     assert inputs.alive == [(0, 0)] * 12
     assert torch.equal(ds[17]["lin/output"], model.lin(inputs[1]).detach()[1])
