@@ -31,6 +31,13 @@ _STYLE = "display:inline-block;font-family:ui-monospace,SFMono-Regular,Menlo,mon
 
 _RUN = """
 (function (root, data) {
+  // an element holding `text` as text (never markup), styled by `style`: every viewer's cells
+  function cell(tag, text, style) {
+    const c = document.createElement(tag);
+    c.textContent = text;
+    if (style) c.style.cssText = style;
+    return c;
+  }
 %(script)s
 })(document.getElementById("%(id)s"),
    JSON.parse(document.getElementById("%(id)s").querySelector("script.fh-data").textContent));
@@ -62,7 +69,8 @@ class Page:
     """What one viewer shows: its `kind` (the ``fh-<kind>-viewer`` class of its ``<div>``),
     its `title` (bold, and the standalone page's ``<title>``), its `controls` and `body`
     (markup written by funhooks, holding no user string), its `data` (JSON) and its `script`:
-    the body of a JavaScript function of ``root`` (the viewer's element) and ``data``."""
+    the body of a JavaScript function of ``root`` (the viewer's element) and ``data``, in which
+    ``cell(tag, text, style)`` makes an element holding `text` as text."""
 
     kind: str
     title: str

@@ -37,12 +37,6 @@ _SCRIPT = """
   const sort = root.querySelector("select.fh-sort"), layer = root.querySelector("select.fh-layer");
   const filter = root.querySelector("input.fh-filter"), NS = svg.namespaceURI;
   root.querySelector("div.fh-caption").textContent = data.caption;
-  function cell(tag, text, style) {
-    const c = document.createElement(tag);
-    c.textContent = text;
-    if (style) c.style.cssText = style;
-    return c;
-  }
   function el(tag, attrs) {
     const e = document.createElementNS(NS, tag);
     Object.keys(attrs).forEach(function (k) { e.setAttribute(k, attrs[k]); });

@@ -33,12 +33,6 @@ _SCRIPT = """
   const grid = root.querySelector("table.fh-grid"), panel = root.querySelector("div.fh-panel");
   const best = root.querySelector("table.fh-top");
   root.querySelector("div.fh-caption").textContent = data.caption;
-  function cell(tag, text, style) {
-    const c = document.createElement(tag);
-    c.textContent = text;
-    if (style) c.style.cssText = style;
-    return c;
-  }
   function fmt(v) { return v === null ? "nan" : v.toFixed(%(digits)d); }
   function colour(v) {
     if (v === null) return "#ccc";

@@ -31,12 +31,6 @@ _SCRIPT = """
   const layer = root.querySelector("select.fh-layer"), head = root.querySelector("select.fh-head");
   const grid = root.querySelector("table.fh-grid"), panel = root.querySelector("div.fh-panel");
   const offset = data.keys.length - data.queries;
-  function cell(tag, text, style) {
-    const c = document.createElement(tag);
-    c.textContent = text;
-    if (style) c.style.cssText = style;
-    return c;
-  }
   data.layers.forEach(function (name, i) { layer.appendChild(new Option(name, i)); });
   for (let h = 0; h < data.heads; h++) head.appendChild(new Option(String(h), h));
   function rows() { return data.pattern[+layer.value][+head.value]; }
