@@ -31,11 +31,21 @@ matched nothing" error says to load the model with ``attn_implementation="eager"
 ``"sdpa"``. A single-token decode step of a grouped-query Hugging Face model (which packs the
 query heads of a key head into the query axis before SDPA) is read as it is packed.
 
-Cost: under eager, what ``fh.op_outputs(where, "softmax")`` costs. Under SDPA, eager
-attention's work (scores, softmax, ``pattern @ value``) in place of SDPA's kernel, plus the
-causal mask where the call asks for one; both run inside the op mode of the selected module
-(one Python ``__torch_function__`` per torch function it calls), which is most of what is left
-over a bare eager forward on small models (see docs/benchmarks.md).
+**A run that only records patterns needs no op mode** on a Hugging Face attention module
+(``eager_weights``): such a module returns ``(output, weights)`` and, under eager attention in
+eval mode, the weights are the pattern. So the call is run as eager attention (as it is under
+eager; under SDPA the same forward on a twin of the module, made for the call, whose config
+says eager) and the pattern taken from its output: the same values and the same output as
+above, without watching the 30-odd torch functions the attention calls. Editing a pattern,
+reading the scores, train mode, a query that sees no key, or a module someone else wrapped
+take the op mode as described.
+
+Cost: a recorded pattern on a Hugging Face attention module, what eager attention costs plus a
+stored value (and under SDPA the mask in eager's form); otherwise, under eager, what
+``fh.op_outputs(where, "softmax")`` costs, and under SDPA, eager attention's work (scores,
+softmax, ``pattern @ value``) in place of SDPA's kernel, plus the causal mask where the call asks
+for one, both inside the op mode of the selected module (one Python ``__torch_function__`` per
+torch function it calls, about 0.2 of a small model's forward; see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -49,7 +59,8 @@ import torch
 
 from funhooks import _frozen
 
-from .ops import At, Derived
+from . import eager_weights
+from .ops import At, Derived, Reading
 
 __all__ = ["attention_pattern", "attention_scores"]
 
@@ -100,6 +111,21 @@ class _AttentionOp(Derived):
         if op == "softmax":
             return _eager(func, args, kwargs, at)
         return _sdpa(func, args, kwargs, at)
+
+
+    def in_output(self, cls: type) -> bool:
+        """The pattern, for Hugging Face's attention modules, which return it (``eager_weights``)."""
+        return self.name == _PATTERN and eager_weights.attention_class(cls)
+
+    def reading(self, module: Any, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Reading:
+        """A pattern is read off a Hugging Face attention module's output, the call run as
+        eager attention (``eager_weights``), where that holds."""
+        return eager_weights.reading(module, inner, args, kwargs) if self.name == _PATTERN else Reading.OPS
+
+    def read(self, reading: Reading, module: Any, inner: Callable[..., Any], args: tuple,
+             kwargs: dict) -> tuple[Any, Any]:
+        """The call run as eager attention: its output and its pattern (``eager_weights``)."""
+        return eager_weights.read(reading, module, inner, args, kwargs)
 
 
 def _eager(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:

@@ -20,6 +20,7 @@ each here); see ``funhooks/runs/_core/op_mode.py``.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, TypeAlias
 
@@ -32,8 +33,8 @@ from .editing import Intervention, Nth
 from .selector import Where, select
 from .spec import Located, Spec, check_bools, check_flags, check_fn
 
-__all__ = ["OP_NAMES", "PROPERTY_READS", "Derived", "Op", "OpAction", "OpLike", "around_spec", "as_op", "op", "op_edit",
-           "op_inputs", "op_name", "op_outputs", "At"]
+__all__ = ["OP_NAMES", "PROPERTY_READS", "At", "Derived", "Op", "OpAction", "OpLike", "Reading", "around_spec", "as_op",
+           "op", "op_edit", "op_inputs", "op_name", "op_outputs"]
 
 
 OP_NAMES: dict[Callable[..., object], str] = {}
@@ -105,6 +106,18 @@ runs the specs taking `point` (the :attr:`Op.name` of a derived op) and returns 
 computation goes on with (edited, or `value` itself)."""
 
 
+class Reading(enum.Enum):
+    """How one module call gives a :class:`Derived` value (:meth:`Derived.reading`)."""
+
+    OPS = enum.auto()
+    """Off the torch functions it calls, through the op mode: always possible."""
+    OUTPUT = enum.auto()
+    """Off the call's output, the call made as it is."""
+    TWIN = enum.auto()
+    """Off the output of the same forward run on a twin of the module made for the call
+    (a Hugging Face attention module's eager twin, ``eager_weights``)."""
+
+
 @_frozen.frozen
 @attrs.frozen(repr=False)
 class Derived(Op):
@@ -135,6 +148,22 @@ class Derived(Op):
     def run(self, op: str, func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:
         """``func(*args, **kwargs)`` (a call of the op named `op`, one of ``reads``), computed
         through the points of this value's kind, each handed to `at`."""
+        raise NotImplementedError
+
+    def in_output(self, cls: type) -> bool:
+        """Whether calls of modules of class `cls` may give this value in their output, so
+        that a run that only records it may read it there (:meth:`reading`) instead of
+        watching the ops; asked when a plan is made."""
+        return False
+
+    def reading(self, module: Any, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Reading:
+        """How the call ``inner(*args, **kwargs)`` of `module` gives this value; asked only
+        where :meth:`in_output` said it may, and only for runs that record the value alone."""
+        return Reading.OPS
+
+    def read(self, reading: Reading, module: Any, inner: Callable[..., Any], args: tuple,
+             kwargs: dict) -> tuple[Any, Any]:
+        """The call's output and this value, read the way `reading` (not ``OPS``) says."""
         raise NotImplementedError
 
 

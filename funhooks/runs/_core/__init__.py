@@ -27,6 +27,9 @@ or leaves the module (``forward``), and every hooked call runs the ``__call__`` 
     module(x) -> PyTorch's _call_impl (fast path) -> Forward.__call__
         _Observing (its plan's one run, observers only): the run in scope, outside
                transforms? -> the module's own forward, then the observers' entries
+        _Reading (its plan's one run, only recording the attention pattern): the run in
+               scope, and the call gives its pattern run eagerly (a Hugging Face attention
+               module in eval mode)? -> that call, its pattern stored; else as _OneRun
         _OneRun / _Shared (one run with editors or ops; several runs): the users in scope?
                no -> the module's own forward
                yes -> the runner: forward-pre editors, forward-pre observers, the module's

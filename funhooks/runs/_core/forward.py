@@ -12,6 +12,9 @@ leaves the module, never per call:
 
 - :class:`_Observing`: its plan's one run alone, with observers only (the common case): the
   module's forward, then the observers;
+- :class:`_Reading`: its plan's one run alone, whose only specs on the module record a value
+  the module's output may give (the attention pattern of a Hugging Face attention module):
+  that value read there, with no op mode, where the call gives it; else as ``_OneRun``;
 - :class:`_OneRun`: one run with editors, op specs or backward events, or a run entered
   inside a ``torch.func`` transform, or a compiled module's one run: every call through the
   forward's *runner* (:func:`call`, the full hot loop, or ``trace.compiled_call``);
@@ -43,13 +46,14 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import TransformError
+from funhooks.specs.ops import Derived, Reading
 from funhooks.specs.selector import path_label
 
 from . import op_mode, scope
@@ -64,6 +68,8 @@ _ATTRIBUTE: dict[type, str] = {}
 _active = scope.active
 _peek = _torch.peek_transform
 _graph_task = _torch.graph_task_id
+_compiling = _torch.is_compiling
+_OPS = Reading.OPS
 _LOCK = threading.RLock()
 """Guards wrapping and unwrapping: runs entered in two threads at once share the wrappers."""
 
@@ -79,6 +85,11 @@ class Table(Protocol):
     @property
     def obs(self) -> tuple[PostEntry, ...]:
         """The observers, read when `plain`."""
+
+    @property
+    def reading(self) -> bool:
+        """True for a table whose op entries only record a value the module's output may give
+        (``Hooked.reading``): its plan's one run is then :class:`_Reading`."""
 
 
 _T = TypeVar("_T", bound=Table, covariant=True)
@@ -219,7 +230,8 @@ class Forward(Generic[_T]):
     hooked module and reuses it run after run, holding the module only weakly between runs.
 
     Its class is its state (NOTE [a state per class]). ``Forward(...)`` makes the one its
-    plan's run uses alone: :class:`_Observing` for a plan's table of observers, else
+    plan's run uses alone: :class:`_Observing` for a plan's table of observers,
+    :class:`_Reading` for one that only records a value the output may give, else
     :class:`_OneRun`. While installed: ``module``, ``inner`` (what ``module.<attr>`` was) and
     ``saved`` (the instance attribute it replaced, if any); between runs ``inner`` is None,
     and a call that looked it up just before it was removed calls whatever the module holds now.
@@ -340,8 +352,11 @@ class Forward(Generic[_T]):
 
 def _alone(own: Table | None, slot: Slot | None) -> type[Forward[Any]]:
     """The state of a forward its plan's one run uses alone: observing when the plan's table
-    has observers only (and the run is the slot's)."""
-    return _Observing if slot is not None and own is not None and own.plain else _OneRun
+    has observers only, reading when it only records a value the output may give (and the
+    run is the slot's)."""
+    if slot is None or own is None:
+        return _OneRun
+    return _Observing if own.plain else _Reading if own.reading else _OneRun
 
 
 def _in_turn(observers: Sequence[PostEntry]) -> PostEntry:
@@ -356,7 +371,16 @@ def _in_turn(observers: Sequence[PostEntry]) -> PostEntry:
     return observe
 
 
-class _Observing(Forward[_T]):
+class _Slotted(Forward[_T]):
+    """A state serving its plan's one run alone, whose frame it reads in the plan's slot."""
+
+    __slots__ = ()
+
+    def current_users(self) -> Users[_T]:
+        return ((self.slot.frame, self.own),)  # type: ignore[union-attr, return-value]
+
+
+class _Observing(_Slotted[_T]):
     """Its plan's one run alone, the slot's frame, with observers only: the module's forward,
     then the observers (``fh.outputs``: ``entries.output_entry``'s store). A call inside a
     transform, or while the run's own spec function runs, takes the checked path of
@@ -374,8 +398,27 @@ class _Observing(Forward[_T]):
             return output
         return self._outside(self.current_users(), args, kwargs)
 
-    def current_users(self) -> Users[_T]:
-        return ((self.slot.frame, self.own),)  # type: ignore[union-attr, return-value]
+
+class _Reading(_Slotted[_T]):
+    """Its plan's one run alone, the slot's frame, whose entries on the module only record a
+    value its output may give (``Hooked.reading``: the attention pattern): where the call
+    gives it (``Derived.reading``), the call and the value with no op mode
+    (``op_mode.read``); any other call takes the checked path of :func:`call`."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        frame = self.slot.frame  # type: ignore[union-attr]
+        inner, module = self.inner, self.module
+        if frame in _active() and not frame.calling and inner is not None and _peek() is None \
+                and not _compiling():
+            hooked = cast(Hooked, self.own)
+            derived = cast(Derived, hooked.op_entries[0].derived)
+            reading = derived.reading(module, inner, args, kwargs)
+            if reading is not _OPS:
+                return op_mode.read(derived, reading, module, inner, ((frame, hooked),), args, kwargs,
+                                    _graph_task() != -1)
+        return self._outside(self.current_users(), args, kwargs)
 
 
 class _OneRun(Forward[_T]):
@@ -501,7 +544,7 @@ def uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | No
 
 def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | None) -> None:
     for fwd in reversed(installed):
-        if type(fwd) is _Observing:  # the common case: its one run is the slot's frame, `frame`
+        if isinstance(fwd, _Slotted):  # the common case: its one run is the slot's frame, `frame`
             _unwrap(fwd)
             if fwd.users:  # left by `_serve` for a call racing the swap: the frame is not kept alive
                 fwd.users = ()
@@ -512,7 +555,7 @@ def _uninstall(frame: Frame, installed: Sequence[Forward[Table]], slot: Slot | N
 
 
 def _leave(fwd: Forward[Table], frame: Frame) -> None:
-    """`frame` leaves `fwd`, not an ``_Observing`` one (those have their slot's frame alone)."""
+    """`frame` leaves `fwd`, not a ``_Slotted`` one (those have their slot's frame alone)."""
     kind = type(fwd)
     if kind is _OneRun and fwd.users and fwd.users[0][0] is frame:
         _unwrap(fwd)

@@ -46,14 +46,15 @@ class Frame:
     """One run's mutable state: what its entries stored, and the hooks they registered."""
 
     __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "missed", "open", "plan",
-                 "values", "watches")
+                 "took", "values", "watches")
 
     def __init__(self, plan: Layout, caller: str, level: int | None = None,
                  values: dict[str, object] | None = None) -> None:
         self.plan = plan
         self.values: dict[str, object] = {} if values is None else values  # `fh.arg` name -> this call's value
         self.counts: dict[object, int] = {}  # intervention entry -> how often it applied in this frame
-        self.missed: dict[object, Miss | None] = {}  # op entry -> None once it took an op, else why not
+        self.took: set[object] = set()  # the op entries that took an op in some call
+        self.missed: dict[object, Miss] = {}  # op entry -> why it took none in the first call that took none
         self.caller = caller
         self.buffer: list[Stored] = []
         self.grad_hooks: list[Handle] = []
@@ -77,8 +78,9 @@ class Frame:
     def check(self) -> None:
         """Raise when an op spec took no op in any call of its module (``op_mode``): the
         error says what the first such call called."""
-        for miss in self.missed.values():
-            if miss is not None:
+        took = self.took
+        for entry, miss in self.missed.items():
+            if entry not in took:
                 raise _unmatched(self.caller, miss)
 
     def record(self) -> Record:

@@ -6,7 +6,10 @@ spec's ``(hook, role)``; where the hot loop runs it, from :data:`_PLACES`, keyed
 forward-pre editors, forward-pre observers; the op entries run *during* the module's own
 forward (``around``); editors (interventions among them), gradient watchers, observers;
 backward hooks around it. ``plain`` is True only for a table of observers: its plan's one
-run then calls them straight after the module's forward (``forward._Observing``).
+run then calls them straight after the module's forward (``forward._Observing``);
+``reading`` only for a table whose entries record one value the module's output may give
+(the attention pattern): its plan's one run then reads it there where it can
+(``forward._Reading``).
 
 Cost: built once per plan and module; reading it is attribute loads.
 """
@@ -94,6 +97,17 @@ def _by_op(op_entries: list[OpEntry]) -> dict[str, tuple[OpEntry, ...]]:
     return {name: tuple(found) for name, found in ops.items()}
 
 
+def _reads_output(op_entries: list[OpEntry], cls: type) -> bool:
+    """Whether the entries only record one derived value that the output of a module of class
+    `cls` may give (``Derived.in_output``: the attention pattern of a Hugging Face attention
+    module), each at its first call or every call: a call then needs no op mode where the value
+    can be read there (``op_mode.call``, ``forward._Reading``)."""
+    return bool(op_entries) and all(
+        entry.derived is not None and entry.derived.in_output(cls) and entry.name == op_entries[0].name
+        and entry.store_out is not None and entry.store_in is None and entry.edit is None and not entry.call
+        for entry in op_entries)
+
+
 class Hooked:
     """One plan's entries for one module, sorted by when the hot loop runs them: forward-pre
     editors, then forward-pre observers; op entries during the module's forward; the module;
@@ -101,26 +115,30 @@ class Hooked:
     every editor); backward hooks around it, editors first (so backward observers see the
     edited gradients too)."""
 
-    __slots__ = ("around", "backward", "backward_pre", "edits", "grads", "obs", "ops", "path", "plain", "pre_edits",
-                 "pre_obs")
+    __slots__ = ("around", "backward", "backward_pre", "edits", "grads", "obs", "op_entries", "ops", "path", "plain",
+                 "pre_edits", "pre_obs", "reading", "reads_output")
 
-    def __init__(self, path: str, specs: Iterable[Selected], *, copies: bool = False,
+    def __init__(self, path: str, cls: type, specs: Iterable[Selected], *, copies: bool = False,
                  watch: PreEntry | None = None) -> None:
-        """Args: `specs`: the specs selecting the module; `copies`: the specs store copies (inside compiled graphs and
-        transforms); `watch`: the entry hooking the FSDP-sharded parameters this module
-        manages (``sharded``)."""
+        """Args: `cls`: the module's class; `specs`: the specs selecting the module; `copies`:
+        the specs store copies (inside compiled graphs and transforms); `watch`: the entry
+        hooking the FSDP-sharded parameters this module manages (``sharded``)."""
         self.path = path
         placed = _placed(specs, copies)
         at = placed.get
         self.pre_edits: tuple[PreEntry, ...] = tuple(at(_Place.PRE_EDIT, ()))
         self.pre_obs: tuple[PreEntry, ...] = (*(() if watch is None else (watch,)), *at(_Place.PRE_OBSERVE, ()))
-        self.ops = _by_op(at(_Place.AROUND, []))  # op name -> its entries
+        op_entries: list[OpEntry] = at(_Place.AROUND, [])
+        self.op_entries = tuple(op_entries)
+        self.ops = _by_op(op_entries)  # op name -> its entries
         self.around = bool(self.ops)  # whether the module's forward runs inside an op mode
+        self.reads_output = _reads_output(op_entries, cls)  # whether it may read its op value off the output instead
         self.edits: tuple[PostEntry, ...] = tuple(at(_Place.EDIT, ()))
         self.grads: tuple[PostEntry, ...] = tuple(at(_Place.GRAD, ()))
         self.obs: tuple[PostEntry, ...] = tuple(at(_Place.OBSERVE, ()))
         self.backward: tuple[BackwardEntry, ...] = (*at(_Place.BACKWARD_EDIT, ()), *at(_Place.BACKWARD_OBSERVE, ()))
         self.backward_pre: tuple[BackwardEntry, ...] = (*at(_Place.BACKWARD_PRE_EDIT, ()),
                                                         *at(_Place.BACKWARD_PRE_OBSERVE, ()))
-        self.plain = not (self.pre_edits or self.pre_obs or self.edits or self.grads or self.backward
-                          or self.backward_pre or self.ops)
+        others = bool(self.pre_edits or self.pre_obs or self.edits or self.grads or self.backward or self.backward_pre)
+        self.plain = not (others or self.ops)
+        self.reading = self.reads_output and not (others or self.obs)

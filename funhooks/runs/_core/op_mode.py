@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from funhooks import _torch
 from funhooks.errors import TransformError
-from funhooks.specs.ops import OP_NAMES, At, Derived, Op, OpAction, op_name
+from funhooks.specs.ops import OP_NAMES, At, Derived, Op, OpAction, Reading, op_name
 from funhooks.specs.selector import path_label
 from funhooks.specs.spec import Spec
 
@@ -44,7 +44,7 @@ from .frame import Frame
 from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
 
-__all__ = ["OpEntry", "call", "op_entry"]
+__all__ = ["OpEntry", "call", "op_entry", "read"]
 
 _named = OP_NAMES.get
 """A torch function's op name once seen (one builtin call per op in the hot loop), else None."""
@@ -70,6 +70,13 @@ class _OpTable(Protocol):
 
     @property
     def ops(self) -> dict[str, tuple[OpEntry, ...]]: ...
+
+    @property
+    def op_entries(self) -> tuple[OpEntry, ...]: ...
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether its entries only record a derived value the module's output may give."""
 
 
 _OpUsers = Sequence[tuple[Frame, _OpTable]]
@@ -215,15 +222,14 @@ class _Mode(TorchFunctionMode):
         none (or fewer calls than its ``call`` index) what this call called, for the error
         ``Frame.check`` raises if no call of the run takes one."""
         for frame, hooked in self.users:
-            missed = frame.missed
-            for entries in hooked.ops.values():
-                for entry in entries:
-                    n = self.counts.get(entry, 0)
-                    if n > (entry.call or 0):
-                        missed[entry] = None
-                    elif entry not in missed:
-                        missed[entry] = Miss(entry.spec, entry.name, entry.call, module, path, n,
-                                             self.outside.get(entry, 0), sorted(self.seen))
+            missed, took = frame.missed, frame.took
+            for entry in hooked.op_entries:
+                n = self.counts.get(entry, 0)
+                if n > (entry.call or 0):
+                    took.add(entry)
+                elif entry not in missed:
+                    missed[entry] = Miss(entry.spec, entry.name, entry.call, module, path, n,
+                                         self.outside.get(entry, 0), sorted(self.seen))
 
 
 def _store_inputs(taken: list[tuple[Frame, OpEntry]], args: tuple) -> None:
@@ -241,20 +247,41 @@ def _store_output(taken: list[tuple[Frame, OpEntry]], output: object) -> None:
 def call(module: nn.Module, inner: UserCall, users: _OpUsers, path: str, args: tuple, kwargs: dict,
          replay: bool) -> object:
     """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
-    tables have op entries); then note which op specs matched (``Frame.check``)."""
+    tables have op entries); then note which op specs matched (``Frame.check``). Where every
+    user only records a value the call's output gives (``Hooked.reads_output``: the attention
+    pattern, read off a Hugging Face attention module run eagerly), no mode: :func:`read`."""
     compiling = _torch.is_compiling()
     if compiling:
         for frame, hooked in users:
-            for entries in hooked.ops.values():
-                for entry in entries:
-                    if not entry.deep:
-                        raise TransformError(
-                            f"{frame.caller}: inside `torch.compile`d code an op spec also takes its module's "
-                            f"submodules' ops, as frames cannot be walked there, got {entry.spec!r} on module "
-                            f"{path_label(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
-                        )
+            for entry in hooked.op_entries:
+                if not entry.deep:
+                    raise TransformError(
+                        f"{frame.caller}: inside `torch.compile`d code an op spec also takes its module's "
+                        f"submodules' ops, as frames cannot be walked there, got {entry.spec!r} on module "
+                        f"{path_label(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
+                    )
+    elif all(hooked.reads_output for _, hooked in users):
+        derived = cast(Derived, users[0][1].op_entries[0].derived)
+        if all(hooked.op_entries[0].name == derived.name for _, hooked in users):
+            reading = derived.reading(module, inner, args, kwargs)
+            if reading is not Reading.OPS:
+                return read(derived, reading, module, inner, users, args, kwargs, replay)
     mode = _Mode(module, users, None if compiling else sys._getframe(), replay)
     with mode:
         output = inner(*args, **kwargs)
     mode.note(module, path)
+    return output
+
+
+def read(derived: Derived, reading: Reading, module: nn.Module, inner: UserCall, users: _OpUsers, args: tuple,
+         kwargs: dict, replay: bool) -> object:
+    """A call whose only op entries record `derived`, read off the call's output with no op
+    mode (``Derived.read``: the attention pattern of a Hugging Face attention module, run as
+    eager attention); each entry took its one value."""
+    output, value = derived.read(reading, module, inner, args, kwargs)
+    for frame, hooked in users:
+        for entry in hooked.op_entries:
+            if not replay:
+                cast(Callable[[Frame, object], None], entry.store_out)(frame, value)
+            frame.took.add(entry)
     return output

@@ -446,12 +446,13 @@ def _wrap(resolved: _Resolved, found: walk.Walk, slot: forward.Slot, caller: str
         attr = forward.attribute(type(module))
         placed = found.placed.get(mid)
         if placed is None or placed.owner is None:
-            table = Hooked(path, selected, watch=_watch_entry(resolved.watches, mid) if resolved.watches else None)
+            watch = _watch_entry(resolved.watches, mid) if resolved.watches else None
+            table = Hooked(path, type(module), selected, watch=watch)
             items.append((ref, forward.Forward(module, attr, forward.call, table, slot), table))
             continue
         keys, start = placed.keys
         copies = _copies(selected, twins)
-        item = trace.Inside(ref, ".".join(keys[start:]), attr, Hooked(path, copies, copies=True),
+        item = trace.Inside(ref, ".".join(keys[start:]), attr, Hooked(path, type(module), copies, copies=True),
                             trace.stores_of(copies))
         inside.setdefault(id(placed.owner), (placed.owner, []))[1].append(item)
     wrappers: list[forward.Item[trace.Compiled]] = [
@@ -515,7 +516,8 @@ class Plan:
         for ref, fwd, h in self.items:
             if (module := ref()) is not None:
                 entries = _copies(self._targets[id(module)].selected, twins)
-                hooked = Hooked(h.path, entries, copies=True, watch=_watch_entry(self._watches, id(module)))
+                hooked = Hooked(h.path, type(module), entries, copies=True,
+                                watch=_watch_entry(self._watches, id(module)))
                 items.append((ref, forward.Forward(module, fwd.attr, forward.call), hooked))
         return items
 
@@ -532,7 +534,8 @@ class Plan:
         for mid, (path, ref, entries) in self._targets.items():
             if (module := ref()) is not None:
                 copies = _copies(entries, twins)
-                users: list[trace.User] = [(0, Hooked(path, copies, copies=True), trace.stores_of(copies))]
+                table = Hooked(path, type(module), copies, copies=True)
+                users: list[trace.User] = [(0, table, trace.stores_of(copies))]
                 keys = walk.keys_of(path, self._placed.get(mid)).keys
                 modules.append((".".join(keys), forward.attribute(type(module)), path, users))
         return trace.layout(modules)

@@ -197,6 +197,7 @@ class Compiled:
 
     __slots__ = ("caller", "items", "recorders")
     plain = False  # never the observers-only fast path of a wrapped forward
+    reading = False  # nor the output-reading one
     obs: tuple[PostEntry, ...] = ()  # so never read
 
     def __init__(self, items: list[Inside], caller: str) -> None:

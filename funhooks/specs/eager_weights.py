@@ -1,0 +1,153 @@
+"""A Hugging Face attention module's pattern read off its own output: no op mode on the call.
+
+Since transformers 4.48 an attention module of Hugging Face's (``GPT2Attention``,
+``LlamaAttention``, ``GPTNeoXAttention`` ...) picks its attention function on each call from
+``self.config._attn_implementation`` and returns ``(attn_output, attn_weights)``; under eager
+attention the weights are the softmax probabilities, after a dropout that is off in eval mode.
+So a run that only *records* such a module's pattern (``fh.outputs(pts.pattern)``,
+``fh.op_outputs(attn, fh.attention_pattern)``) need not watch the torch functions the module
+calls through an op mode (one Python ``__torch_function__`` for each of its 30-odd views,
+transposes and matmuls, about 0.2 of a small model's forward): it runs the call eagerly and
+takes the weights from its output.
+
+- under eager attention: the module's own call, as it is;
+- under SDPA: the same forward run on a *twin* of the module, made for this call alone: an
+  instance of the module's class sharing its ``__dict__``'s entries (so its parameters,
+  submodules and hooks), whose ``config`` answers ``"eager"`` for ``_attn_implementation``
+  and everything else from the model's config; the attention mask Hugging Face built for
+  SDPA (``None`` for an unpadded causal batch, which SDPA runs as ``is_causal``; or boolean,
+  True where a query sees a key) is handed over in eager attention's form (additive: 0 where
+  seen, the dtype's minimum where not). The call's output is then eager attention's, the one
+  the model loaded with ``attn_implementation="eager"`` gives, as when the op mode runs an
+  SDPA call whose pattern is read as eager attention (``attention``). Nothing is set on the
+  module, its config or the process: the same module called meanwhile from another thread
+  (or by a run that does not read its pattern) runs SDPA as usual.
+
+Only where that is known to hold: the module is in eval mode; its config names ``"eager"``
+or ``"sdpa"``; its class's forward reads ``_attn_implementation`` (transformers' attention
+interface); the call goes to that forward (no other wrapper in between); under SDPA the mask
+comes by keyword, as Hugging Face's layers pass it, and every query sees some key. Where a
+query sees none (a padding position of a left-padded batch), SDPA's output there is 0 and so
+is its pattern row, while eager's softmax spreads the row over the keys: such a call goes
+through the op mode, which keeps SDPA's zeros (``attention``); telling costs one reduction of
+the boolean mask and, on a GPU, a wait for it. Any other call, and every call that edits a
+pattern or reads the scores, goes through the op mode as before.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from funhooks.errors import SelectorError
+
+from .ops import Reading
+
+__all__ = ["attention_class", "read", "reading"]
+
+_EAGER, _SDPA = "eager", "sdpa"
+_MASK, _HIDDEN = "attention_mask", "hidden_states"
+
+
+class _EagerConfig:
+    """A model config as one call of a twin reads it: ``_attn_implementation`` is ``"eager"``,
+    every other attribute the config's own."""
+
+    __slots__ = ("_config",)
+    _attn_implementation = _EAGER
+
+    def __init__(self, config: object) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def attention_class(cls: type) -> bool:
+    """Whether `cls` is a Hugging Face attention module's class that picks its attention per
+    call: its forward reads ``_attn_implementation`` (decided when a plan is made)."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(inspect.unwrap(forward) if callable(forward) else None, "__code__", None)
+    return code is not None and "_attn_implementation" in code.co_names
+
+
+def reading(module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Reading:
+    """How the call ``inner(*args, **kwargs)`` of `module` gives its pattern: off its output as
+    called (eager attention), off a twin's (SDPA), or through the op mode (see the module's
+    docstring); `module`'s class is one :func:`attention_class` accepts."""
+    if module.training:
+        return Reading.OPS
+    implementation = getattr(module.__dict__.get("config"), "_attn_implementation", None)
+    if implementation != _EAGER and implementation != _SDPA:
+        return Reading.OPS
+    if getattr(inner, "__self__", None) is not module or getattr(inner, "__func__", None) is not type(module).forward:
+        return Reading.OPS
+    if implementation == _EAGER:
+        return Reading.OUTPUT
+    mask = kwargs.get(_MASK)
+    hidden = args[0] if len(args) == 1 else kwargs.get(_HIDDEN) if not args else None
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        return Reading.OPS
+    if mask is None:
+        return Reading.TWIN
+    if not isinstance(mask, torch.Tensor) or mask.dtype == torch.bool and not bool(mask.any(-1).all()):
+        return Reading.OPS  # a query that sees no key: its pattern row is 0, as SDPA's output there
+    return Reading.TWIN
+
+
+def _eager_mask(module: nn.Module, mask: torch.Tensor | None, hidden: torch.Tensor,
+                kwargs: dict) -> torch.Tensor | None:
+    """SDPA's mask in eager attention's form: additive, 0 where a query sees a key and the
+    dtype's minimum where not (what Hugging Face builds for an eager model); ``None`` with a
+    causal module and more than one query is SDPA's ``is_causal``."""
+    dtype = hidden.dtype if hidden.is_floating_point() else torch.float32
+    if mask is None:
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        n = hidden.size(-2)
+        if not causal or n == 1:
+            return None
+        return torch.full((1, 1, n, n), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu_(1)
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def _twin(module: nn.Module) -> nn.Module:
+    """An instance of `module`'s class for one call: the module's attributes (parameters,
+    submodules and hooks shared), with a config that says eager attention."""
+    twin = object.__new__(type(module))
+    state = twin.__dict__
+    state.update(module.__dict__)
+    state["config"] = _EagerConfig(state["config"])
+    return twin
+
+
+def _weights(module: nn.Module, output: object) -> torch.Tensor:
+    weights = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+    if not isinstance(weights, torch.Tensor):
+        raise SelectorError(
+            f"fh.attention_pattern: {type(module).__name__} picks its attention by `config._attn_implementation` "
+            f"but did not return the attention weights as its second output under eager attention (got "
+            f"{type(weights).__name__}). Read the pattern with `fh.op_outputs(<its path>, \"softmax\")`, or report "
+            "the model's class to funhooks."
+        )
+    return weights
+
+
+def read(reading: Reading, module: nn.Module, inner: Callable[..., Any], args: tuple,
+         kwargs: dict) -> tuple[object, torch.Tensor]:
+    """The call run as eager attention, the way `reading` (``OUTPUT`` or ``TWIN``) says: its
+    output, and its pattern."""
+    if reading is Reading.OUTPUT:
+        output = inner(*args, **kwargs)
+        return output, _weights(module, output)
+    mask = kwargs.get(_MASK)
+    hidden = args[0] if args else kwargs[_HIDDEN]
+    kwargs = {**kwargs, _MASK: _eager_mask(module, mask, hidden, kwargs)}
+    output = type(module).forward(_twin(module), *args, **kwargs)
+    return output, _weights(module, output)
