@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import funhooks as fh
-from browser_kit import browser, opened  # noqa: F401  (browser: a fixture)
+from browser_kit import browser, keep, opened  # noqa: F401  (browser: a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "docs" / "images"
@@ -130,8 +130,7 @@ def test_the_front_page_and_the_reference_in_chromium(site: Path, browser: str, 
         _wait(devtools, "getComputedStyle(document.querySelector('.md-sidebar--primary')).visibility === 'visible'")
         shot = devtools.call("Page.captureScreenshot", format="png",
                              clip=dict(x=0, y=0, width=1280, height=860, scale=1))
-        IMAGES.mkdir(parents=True, exist_ok=True)
-        (IMAGES / "site.png").write_bytes(base64.b64decode(shot["data"]))
+        keep(IMAGES / "site.png", base64.b64decode(shot["data"]))
 
         assert [u for u in devtools.evaluate(fetched) if not u.startswith("file:")] == []
         devtools.call("Page.navigate", url=(site / "reference" / "runs.html").as_uri())
