@@ -128,6 +128,9 @@ def test_the_front_page_and_the_reference_in_chromium(site: Path, browser: str, 
         devtools.call("Emulation.setDeviceMetricsOverride", width=1280, height=860, deviceScaleFactor=1, mobile=False)
         # a desktop's width: the nav shows as a sidebar, not a drawer
         _wait(devtools, "getComputedStyle(document.querySelector('.md-sidebar--primary')).visibility === 'visible'")
+        # the theme fades the nav in: a screenshot taken meanwhile catches it half drawn
+        devtools.evaluate("document.head.insertAdjacentHTML('beforeend', "
+                          "'<style>*{transition:none!important;animation:none!important}</style>'), true")
         shot = devtools.call("Page.captureScreenshot", format="png",
                              clip=dict(x=0, y=0, width=1280, height=860, scale=1))
         keep(IMAGES / "site.png", base64.b64decode(shot["data"]))
