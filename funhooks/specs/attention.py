@@ -122,10 +122,10 @@ class _AttentionOp(Derived):
         eager attention (``eager_weights``), where that holds."""
         return eager_weights.reading(module, inner, args, kwargs) if self.name == _PATTERN else Reading.OPS
 
-    def read(self, reading: Reading, module: Any, inner: Callable[..., Any], args: tuple,
-             kwargs: dict) -> tuple[Any, Any]:
+    def read(self, reading: Reading, module: Any, inner: Callable[..., Any], args: tuple, kwargs: dict,
+             shared: dict) -> tuple[Any, Any]:
         """The call run as eager attention: its output and its pattern (``eager_weights``)."""
-        return eager_weights.read(reading, module, inner, args, kwargs)
+        return eager_weights.read(reading, module, inner, args, kwargs, shared)
 
 
 def _eager(func: Callable[..., Any], args: tuple, kwargs: dict, at: At) -> Any:

@@ -99,8 +99,30 @@ def reading(module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: d
     return Reading.TWIN
 
 
-def _eager_mask(module: nn.Module, mask: torch.Tensor | None, hidden: torch.Tensor,
-                kwargs: dict) -> torch.Tensor | None:
+class _Causal:
+    """The additive causal mask a run's calls share (every layer of a forward asks for the
+    same one): the last one made, for one length, dtype and device. Kept in the run's
+    ``shared`` dict, so it lives as long as the run and no longer."""
+
+    __slots__ = ("key", "mask")
+
+    def __init__(self, key: tuple, mask: torch.Tensor) -> None:
+        self.key, self.mask = key, mask
+
+
+def _causal(n: int, dtype: torch.dtype, device: torch.device, shared: dict) -> torch.Tensor:
+    """The additive causal mask of `n` queries and keys, ``(1, 1, n, n)``: 0 on and below the
+    diagonal, the dtype's minimum above (what Hugging Face builds for an eager model)."""
+    key = (n, dtype, device)
+    last = shared.get(_Causal)
+    if last is None or last.key != key:
+        last = shared[_Causal] = _Causal(key, torch.full((1, 1, n, n), torch.finfo(dtype).min, dtype=dtype,
+                                                         device=device).triu_(1))
+    return last.mask
+
+
+def _eager_mask(module: nn.Module, mask: torch.Tensor | None, hidden: torch.Tensor, kwargs: dict,
+                shared: dict) -> torch.Tensor | None:
     """SDPA's mask in eager attention's form: additive, 0 where a query sees a key and the
     dtype's minimum where not (what Hugging Face builds for an eager model); ``None`` with a
     causal module and more than one query is SDPA's ``is_causal``."""
@@ -111,7 +133,7 @@ def _eager_mask(module: nn.Module, mask: torch.Tensor | None, hidden: torch.Tens
         n = hidden.size(-2)
         if not causal or n == 1:
             return None
-        return torch.full((1, 1, n, n), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu_(1)
+        return _causal(n, dtype, hidden.device, shared)
     if mask.dtype != torch.bool:
         return mask
     return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
@@ -139,15 +161,15 @@ def _weights(module: nn.Module, output: object) -> torch.Tensor:
     return weights
 
 
-def read(reading: Reading, module: nn.Module, inner: Callable[..., Any], args: tuple,
-         kwargs: dict) -> tuple[object, torch.Tensor]:
+def read(reading: Reading, module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: dict,
+         shared: dict) -> tuple[object, torch.Tensor]:
     """The call run as eager attention, the way `reading` (``OUTPUT`` or ``TWIN``) says: its
-    output, and its pattern."""
+    output, and its pattern. `shared`: what the run's calls share (the causal mask)."""
     if reading is Reading.OUTPUT:
         output = inner(*args, **kwargs)
         return output, _weights(module, output)
     mask = kwargs.get(_MASK)
     hidden = args[0] if args else kwargs[_HIDDEN]
-    kwargs = {**kwargs, _MASK: _eager_mask(module, mask, hidden, kwargs)}
+    kwargs = {**kwargs, _MASK: _eager_mask(module, mask, hidden, kwargs, shared)}
     output = type(module).forward(_twin(module), *args, **kwargs)
     return output, _weights(module, output)

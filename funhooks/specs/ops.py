@@ -161,9 +161,11 @@ class Derived(Op):
         where :meth:`in_output` said it may, and only for runs that record the value alone."""
         return Reading.OPS
 
-    def read(self, reading: Reading, module: Any, inner: Callable[..., Any], args: tuple,
-             kwargs: dict) -> tuple[Any, Any]:
-        """The call's output and this value, read the way `reading` (not ``OPS``) says."""
+    def read(self, reading: Reading, module: Any, inner: Callable[..., Any], args: tuple, kwargs: dict,
+             shared: dict) -> tuple[Any, Any]:
+        """The call's output and this value, read the way `reading` (not ``OPS``) says.
+        `shared`: a dict the calls of one run share (what one call made that the next may
+        reuse), alive as long as the run."""
         raise NotImplementedError
 
 

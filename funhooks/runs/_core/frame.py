@@ -46,7 +46,7 @@ class Frame:
     """One run's mutable state: what its entries stored, and the hooks they registered."""
 
     __slots__ = ("buffer", "caller", "calling", "counts", "grad_hooks", "late", "level", "missed", "open", "plan",
-                 "took", "values", "watches")
+                 "shared", "took", "values", "watches")
 
     def __init__(self, plan: Layout, caller: str, level: int | None = None,
                  values: dict[str, object] | None = None) -> None:
@@ -55,6 +55,7 @@ class Frame:
         self.counts: dict[object, int] = {}  # intervention entry -> how often it applied in this frame
         self.took: set[object] = set()  # the op entries that took an op in some call
         self.missed: dict[object, Miss] = {}  # op entry -> why it took none in the first call that took none
+        self.shared: dict[object, object] = {}  # what a derived op's calls in this run share (``Derived.read``)
         self.caller = caller
         self.buffer: list[Stored] = []
         self.grad_hooks: list[Handle] = []

@@ -278,7 +278,7 @@ def read(derived: Derived, reading: Reading, module: nn.Module, inner: UserCall,
     """A call whose only op entries record `derived`, read off the call's output with no op
     mode (``Derived.read``: the attention pattern of a Hugging Face attention module, run as
     eager attention); each entry took its one value."""
-    output, value = derived.read(reading, module, inner, args, kwargs)
+    output, value = derived.read(reading, module, inner, args, kwargs, users[0][0].shared)
     for frame, hooked in users:
         for entry in hooked.op_entries:
             if not replay:
