@@ -9,6 +9,8 @@ Griffe's static analysis does not know.
 - Value classes are ``attrs`` classes, whose ``__init__`` attrs writes at import: rebuilt here
   from the fields (order, ``kw_only``, ``init=False``, defaults, ``alias``, a private field's
   public name) so the site shows their signatures and checks their ``Args:`` against them.
+- Many public classes derive from private ones (``_frozen.Frozen``): those bases are left
+  out of the "Bases:" line, which would name what a reader cannot look up.
 
 Griffe calls the hooks by name and Griffe is imported inside them, so pytest can collect this
 file where Griffe is not installed.
@@ -127,9 +129,25 @@ def _walk(obj: Any, seen: set[str]) -> None:
         _walk(member, seen)
 
 
+def _public_bases(obj: Any, seen: set[str]) -> None:
+    """Leave out of each class's "Bases:" line the private ones (``funhooks._frozen.Frozen``,
+    ``_AttentionOp``): a reader cannot look them up, and the public API does not name them.
+    Run after every ``__init__`` is written, which reads the full bases."""
+    if obj.is_alias or obj.path in seen:
+        return
+    seen.add(obj.path)
+    if obj.is_class:
+        obj.bases = [base for base in obj.bases if not any(
+            part.startswith("_") for part in str(getattr(base, "canonical_path", base)).split("."))]
+    for member in list(obj.members.values()):
+        _public_bases(member, seen)
+
+
 class FunhooksSources:
     """The hook Griffe runs once the whole package is loaded."""
 
     def on_package(self, *, pkg: Any, **kwargs: Any) -> None:
-        """Rename the example sections and write the attrs classes' ``__init__``."""
+        """Rename the example sections, write the attrs classes' ``__init__``, and leave the
+        private bases out."""
         _walk(pkg, set())
+        _public_bases(pkg, set())
