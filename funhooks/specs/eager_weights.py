@@ -30,7 +30,8 @@ comes by keyword, as Hugging Face's layers pass it, and every query sees some ke
 query sees none (a padding position of a left-padded batch), SDPA's output there is 0 and so
 is its pattern row, while eager's softmax spreads the row over the keys: such a call goes
 through the op mode, which keeps SDPA's zeros (``attention``); telling costs one reduction of
-the boolean mask and, on a GPU, a wait for it. Any other call, and every call that edits a
+the boolean mask and, on a GPU, a wait for it (inside a ``torch.func`` transform, where a
+value cannot be read, a boolean mask always takes the op mode). Any other call, and every call that edits a
 pattern or reads the scores, goes through the op mode as before.
 """
 
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from funhooks import _torch
 from funhooks.errors import SelectorError
 
 from .ops import Reading
@@ -94,8 +96,10 @@ def reading(module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: d
         return Reading.OPS
     if mask is None:
         return Reading.TWIN
-    if not isinstance(mask, torch.Tensor) or mask.dtype == torch.bool and not bool(mask.any(-1).all()):
-        return Reading.OPS  # a query that sees no key: its pattern row is 0, as SDPA's output there
+    if not isinstance(mask, torch.Tensor):
+        return Reading.OPS
+    if mask.dtype == torch.bool and (_torch.peek_transform() is not None or not bool(mask.any(-1).all())):
+        return Reading.OPS  # a query that sees no key (its pattern row is 0, as SDPA's output), or can't tell
     return Reading.TWIN
 
 

@@ -167,6 +167,28 @@ def test_calls_it_cannot_read_take_the_op_mode_as_before() -> None:
         assert _mode_count(model, [pattern, edit], TOKENS)[0] == [1, 0]
 
 
+def test_a_boolean_mask_under_vmap_takes_the_op_mode() -> None:
+    """Inside `torch.func.vmap` a boolean mask cannot be read to tell whether some query sees
+    no key: the call takes the op mode, and the per-example patterns equal the batch's."""
+    attn = gpt2("sdpa").transformer.h[0].attn
+    hidden = torch.randn(2, 6, 32)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[1, :, :, 0] = False  # example 1: its first key hidden from every query but the last
+    mask[1, :, 5, 0] = True
+    record = fh.capture(attn, fh.op_outputs("", fh.attention_pattern))
+
+    def one(h: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, fh.Record]:
+        out, rec = record(h[None], attention_mask=m[None])
+        return out[0], rec
+
+    with torch.no_grad():
+        _, per_example = torch.func.vmap(one)(hidden, mask)
+        _, batch = record(hidden, attention_mask=mask)
+    got = per_example[""]["attention_pattern"][:, 0]
+    torch.testing.assert_close(got, batch[""]["attention_pattern"])
+    assert torch.equal(got[1, :, :5, 0], torch.zeros(4, 5))
+
+
 def test_a_module_another_library_wrapped_takes_the_op_mode() -> None:
     """An instance `forward` set before the run (accelerate's hooks, a user's wrapper) is what
     the call goes through: it is not skipped, so the pattern comes through the op mode."""
