@@ -31,8 +31,10 @@ query sees none (a padding position of a left-padded batch), SDPA's output there
 is its pattern row, while eager's softmax spreads the row over the keys: such a call goes
 through the op mode, which keeps SDPA's zeros (``attention``); telling costs one reduction of
 the boolean mask and, on a GPU, a wait for it (inside a ``torch.func`` transform, where a
-value cannot be read, a boolean mask always takes the op mode). Any other call, and every call that edits a
-pattern or reads the scores, goes through the op mode as before.
+value cannot be read, a boolean mask always takes the op mode). Where autograd records, a call
+handed a cache and no mask takes the op mode too (see ``_cached``: a checkpointed block's
+recomputation must save what its first pass saved). Any other call, and every call that edits
+a pattern or reads the scores, goes through the op mode as before.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ __all__ = ["attention_class", "read", "reading"]
 
 _EAGER, _SDPA = "eager", "sdpa"
 _MASK, _HIDDEN = "attention_mask", "hidden_states"
+_CACHES = ("cache", "past_key_values", "past_key_value")
+"""The names Hugging Face's attention modules take their cache by (transformers 5.24, 5.x, 4.x)."""
 
 
 class _EagerConfig:
@@ -94,8 +98,8 @@ def reading(module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: d
     hidden = args[0] if len(args) == 1 else kwargs.get(_HIDDEN) if not args else None
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         return Reading.OPS
-    if mask is None:
-        return Reading.TWIN
+    if mask is None:  # SDPA's `is_causal` (keys = queries, says Hugging Face), unless a cache lies
+        return Reading.OPS if torch.is_grad_enabled() and hidden.size(-2) > 1 and _cached(kwargs) else Reading.TWIN
     if not isinstance(mask, torch.Tensor):
         return Reading.OPS
     if mask.dtype == torch.bool and (_torch.peek_transform() is not None or not bool(mask.any(-1).all())):
@@ -114,15 +118,38 @@ class _Causal:
         self.key, self.mask = key, mask
 
 
-def _causal(n: int, dtype: torch.dtype, device: torch.device, shared: dict) -> torch.Tensor:
-    """The additive causal mask of `n` queries and keys, ``(1, 1, n, n)``: 0 on and below the
-    diagonal, the dtype's minimum above (what Hugging Face builds for an eager model)."""
-    key = (n, dtype, device)
+def _causal(n: int, keys: int, dtype: torch.dtype, device: torch.device, shared: dict) -> torch.Tensor:
+    """The additive causal mask of `n` queries and `keys` keys, ``(1, 1, n, keys)``, as SDPA's
+    ``is_causal`` has it: 0 where query i sees key j <= i, the dtype's minimum elsewhere (what
+    Hugging Face builds for an eager model, where the keys are the queries)."""
+    key = (n, keys, dtype, device)
     last = shared.get(_Causal)
     if last is None or last.key != key:
-        last = shared[_Causal] = _Causal(key, torch.full((1, 1, n, n), torch.finfo(dtype).min, dtype=dtype,
+        last = shared[_Causal] = _Causal(key, torch.full((1, 1, n, keys), torch.finfo(dtype).min, dtype=dtype,
                                                          device=device).triu_(1))
     return last.mask
+
+
+def _cached(kwargs: dict) -> bool:
+    """Whether the call is handed a cache. Where autograd records, a call with a cache and no
+    mask goes through the op mode: a checkpointed block recomputed during backward with
+    ``use_cache=True`` finds the cache updated by its first pass, so its keys outnumber its
+    queries there (the eager model itself fails then); the op mode does what SDPA does with
+    them in both passes, so the pass and its recomputation save the same tensors."""
+    return any(kwargs.get(name) is not None for name in _CACHES)
+
+
+def _past(module: nn.Module, kwargs: dict) -> int:
+    """How many keys the call's cache holds before it (Hugging Face's ``Cache``; 0 without one).
+    Hugging Face asks SDPA for ``is_causal`` only where the keys are the queries, but a cache
+    updated twice (a checkpointed block recomputed with ``use_cache=True``) adds keys, and
+    SDPA's ``is_causal`` then lets query i see keys 0..i of them."""
+    for name in _CACHES:
+        cache = kwargs.get(name)
+        if cache is not None:
+            length = getattr(cache, "get_seq_length", None)
+            return 0 if length is None else int(length(getattr(module, "layer_idx", None) or 0))
+    return 0
 
 
 def _eager_mask(module: nn.Module, mask: torch.Tensor | None, hidden: torch.Tensor, kwargs: dict,
@@ -137,7 +164,7 @@ def _eager_mask(module: nn.Module, mask: torch.Tensor | None, hidden: torch.Tens
         n = hidden.size(-2)
         if not causal or n == 1:
             return None
-        return _causal(n, dtype, hidden.device, shared)
+        return _causal(n, n + _past(module, kwargs), dtype, hidden.device, shared)
     if mask.dtype != torch.bool:
         return mask
     return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

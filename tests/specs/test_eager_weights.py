@@ -9,6 +9,7 @@ scores, another library's wrapper) take the op mode and give what they gave befo
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 
@@ -18,6 +19,7 @@ from helpers import assert_clean
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import funhooks as fh
 
@@ -187,6 +189,26 @@ def test_a_boolean_mask_under_vmap_takes_the_op_mode() -> None:
     got = per_example[""]["attention_pattern"][:, 0]
     torch.testing.assert_close(got, batch[""]["attention_pattern"])
     assert torch.equal(got[1, :, :5, 0], torch.zeros(4, 5))
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_checkpointed_blocks_record_once_and_backpropagate(use_cache: bool) -> None:
+    """Blocks under activation checkpointing in eval mode, gradients on: each pattern is
+    recorded once (not again when the block is recomputed during backward) and the gradients
+    are the bare forward's. With `use_cache=True` the recomputed block finds the cache its
+    first pass filled (more keys than queries, where the eager model itself fails): a call
+    with a cache where autograd records takes the op mode in both passes, as before."""
+    model, bare = gpt2("sdpa"), gpt2("sdpa")
+    for m in (model, bare):
+        for block in m.transformer.h:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    with fh.with_hooks(model, fh.op_outputs("transformer.h.*.attn", fh.attention_pattern)) as run:
+        model(TOKENS, use_cache=use_cache).logits.sum().backward()
+    bare(TOKENS, use_cache=use_cache).logits.sum().backward()
+    assert len(run.record.calls("transformer.h.0.attn", "attention_pattern")) == 1
+    for got, want in zip(model.parameters(), bare.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-4)
+    assert_clean(model)
 
 
 def test_a_module_another_library_wrapped_takes_the_op_mode() -> None:
