@@ -223,6 +223,13 @@ peek_transform = torch._C._functorch.peek_interpreter_stack
 """The innermost active ``torch.func`` interpreter, or None outside transforms (a C call)."""
 graph_task_id = torch._C._current_graph_task_id
 """The id of the backward pass running in this thread, -1 outside one (a C call)."""
+_TOP_SAVING_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saving_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in force (a non-reentrant activation checkpoint's first
+    pass, ``save_on_cpu``); True on a torch that cannot tell (a C call)."""
+    return _TOP_SAVING_HOOKS is None or _TOP_SAVING_HOOKS(False) is not None
 jit_tracing = torch._C._get_tracing_state
 """The state of a ``torch.jit.trace`` running in this thread, None outside one (a C call)."""
 

@@ -31,9 +31,9 @@ query sees none (a padding position of a left-padded batch), SDPA's output there
 is its pattern row, while eager's softmax spreads the row over the keys: such a call goes
 through the op mode, which keeps SDPA's zeros (``attention``); telling costs one reduction of
 the boolean mask and, on a GPU, a wait for it (inside a ``torch.func`` transform, where a
-value cannot be read, a boolean mask always takes the op mode). Where autograd records, a call
-handed a cache and no mask takes the op mode too (see ``_cached``: a checkpointed block's
-recomputation must save what its first pass saved). Any other call, and every call that edits
+value cannot be read, a boolean mask always takes the op mode). A checkpointed block's call
+handed a cache and no mask takes the op mode too (see ``_checkpointed``: its recomputation
+must save what its first pass saved). Any other call, and every call that edits
 a pattern or reads the scores, goes through the op mode as before.
 """
 
@@ -99,7 +99,7 @@ def reading(module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: d
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         return Reading.OPS
     if mask is None:  # SDPA's `is_causal` (keys = queries, says Hugging Face), unless a cache lies
-        return Reading.OPS if torch.is_grad_enabled() and hidden.size(-2) > 1 and _cached(kwargs) else Reading.TWIN
+        return Reading.OPS if hidden.size(-2) > 1 and _cached(kwargs) and _checkpointed() else Reading.TWIN
     if not isinstance(mask, torch.Tensor):
         return Reading.OPS
     if mask.dtype == torch.bool and (_torch.peek_transform() is not None or not bool(mask.any(-1).all())):
@@ -131,12 +131,19 @@ def _causal(n: int, keys: int, dtype: torch.dtype, device: torch.device, shared:
 
 
 def _cached(kwargs: dict) -> bool:
-    """Whether the call is handed a cache. Where autograd records, a call with a cache and no
-    mask goes through the op mode: a checkpointed block recomputed during backward with
-    ``use_cache=True`` finds the cache updated by its first pass, so its keys outnumber its
-    queries there (the eager model itself fails then); the op mode does what SDPA does with
-    them in both passes, so the pass and its recomputation save the same tensors."""
+    """Whether the call is handed a cache (see :func:`_checkpointed`)."""
     return any(kwargs.get(name) is not None for name in _CACHES)
+
+
+def _checkpointed() -> bool:
+    """Whether the call may be a checkpointed block's: autograd records, and saved-tensor
+    hooks are in force (a non-reentrant checkpoint's first pass) or a backward pass runs (its
+    recomputation). Such a call with a cache and no mask goes through the op mode in both
+    passes: recomputed with ``use_cache=True``, the block finds the cache its first pass
+    filled, so its keys outnumber its queries (the eager model itself fails there); the op
+    mode does what SDPA does with them, and both passes save the same tensors, which
+    checkpoint checks. A plain forward with gradients (not checkpointed) reads off the twin."""
+    return torch.is_grad_enabled() and (_torch.saving_hooks_active() or _torch.graph_task_id() != -1)
 
 
 def _past(module: nn.Module, kwargs: dict) -> int:

@@ -191,20 +191,46 @@ def test_a_boolean_mask_under_vmap_takes_the_op_mode() -> None:
     assert torch.equal(got[1, :, :5, 0], torch.zeros(4, 5))
 
 
+def test_a_forward_with_gradients_and_a_cache_reads_off_the_twin() -> None:
+    """A plain forward with gradients on (a notebook without `no_grad`; Hugging Face's eval
+    default `use_cache=True` hands every attention a cache): no op mode, and the gradients
+    through the recorded calls are the eager model's."""
+    model, eager = gpt2("sdpa"), gpt2("eager")
+    looking = _Looking(model, "transformer.h.*.attn", "c_attn")
+    with fh.with_hooks(model, fh.op_outputs("transformer.h.*.attn", fh.attention_pattern)) as run:
+        model(TOKENS, use_cache=True).logits.sum().backward()
+    looking.remove()
+    eager(TOKENS, use_cache=True).logits.sum().backward()
+    assert looking.modes == [0, 0]
+    assert len(run.record) == 2
+    for got, want in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_checkpointed_blocks_record_once_and_backpropagate(use_cache: bool) -> None:
     """Blocks under activation checkpointing in eval mode, gradients on: each pattern is
     recorded once (not again when the block is recomputed during backward) and the gradients
     are the bare forward's. With `use_cache=True` the recomputed block finds the cache its
     first pass filled (more keys than queries, where the eager model itself fails): a call
-    with a cache where autograd records takes the op mode in both passes, as before."""
+    with a cache where autograd records takes the op mode in both passes, as before, and
+    does what the bare SDPA model does (under transformers 4.x checkpoint refuses that
+    recomputation for the bare model too, and for the run alike)."""
     model, bare = gpt2("sdpa"), gpt2("sdpa")
     for m in (model, bare):
         for block in m.transformer.h:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    try:
+        bare(TOKENS, use_cache=use_cache).logits.sum().backward()
+    except torch.utils.checkpoint.CheckpointError:
+        assert use_cache and not _TRANSFORMERS_5
+        with pytest.raises(torch.utils.checkpoint.CheckpointError), fh.with_hooks(
+                model, fh.op_outputs("transformer.h.*.attn", fh.attention_pattern)):
+            model(TOKENS, use_cache=use_cache).logits.sum().backward()
+        assert_clean(model)
+        return
     with fh.with_hooks(model, fh.op_outputs("transformer.h.*.attn", fh.attention_pattern)) as run:
         model(TOKENS, use_cache=use_cache).logits.sum().backward()
-    bare(TOKENS, use_cache=use_cache).logits.sum().backward()
     assert len(run.record.calls("transformer.h.0.attn", "attention_pattern")) == 1
     for got, want in zip(model.parameters(), bare.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-4)
