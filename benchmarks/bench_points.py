@@ -26,7 +26,10 @@ Hugging Face's default) forward: ``bare eager`` (a copy of the model switched to
 most the bare eager forward + 5% (``pattern_sdpa_to_bare_eager`` <= 1.05). The patterns are
 checked equal under both before timing, and the outputs: under eager equal to the bare eager
 forward's; under SDPA, where a recorded attention call runs as eager attention, equal to the
-bare eager forward's too (and to the bare SDPA one's to float rounding).
+bare eager forward's too (and to the bare SDPA one's to float rounding). The same pattern cases
+again on a longer sequence (``LONGER``: n_embd 256, 8 heads, 6 layers, batch 4 x 128, 15
+rounds; the smoke run keeps issue 28's model there), where the capture's fixed per-call cost
+matters less.
 
 Run: ``python benchmarks/bench_points.py`` (``--quick`` for a smoke run).
 """
@@ -60,6 +63,9 @@ PATTERN_SDPA = "fh.capture outputs(pts.pattern), SDPA"
 PATTERN_EAGER = "fh.capture outputs(pts.pattern), eager"
 PATTERN_GOAL = 1.05
 """Issue 36 item 23: every layer's pattern under SDPA costs at most this times the bare eager forward."""
+LONGER = {"layers": 6, "width": 256, "heads": 8, "vocab": 1000, "positions": 256, "batch": 4, "length": 128}
+"""A longer sequence for the pattern cases (not in the smoke run)."""
+LONGER_ROUNDS = 15
 
 
 def gpt2(size: dict[str, int]) -> torch.nn.Module:
@@ -165,18 +171,34 @@ def main() -> None:
         _common.check(all(checks.values()), f"Records differ: {checks}")
         timed = _common.time_cases(cases(model, x), baseline="bare", **timing)
         patterns = _common.time_cases(pattern_cases(model, eager, x), baseline="bare", **timing)
+        longer_size = size if args.quick else LONGER
+        longer = gpt2(longer_size)
+        longer_eager = copy.deepcopy(longer)
+        longer_eager.set_attn_implementation("eager")
+        lx = torch.randint(0, longer_size["vocab"], (longer_size["batch"], longer_size["length"]))
+        longer_checks = check_patterns(longer, longer_eager, lx, longer_size["layers"])
+        _common.check(all(longer_checks.values()), f"Records differ on the longer sequence: {longer_checks}")
+        longer_timing = {**timing, "rounds": args.rounds if args.quick else LONGER_ROUNDS}
+        longer_patterns = _common.time_cases(pattern_cases(longer, longer_eager, lx), baseline="bare", **longer_timing)
     per_pair = ratios(timed)
     to_eager = patterns[PATTERN_SDPA]["ratio"]["median"] / patterns[BARE_EAGER]["ratio"]["median"]
+    longer_to_eager = (longer_patterns[PATTERN_SDPA]["ratio"]["median"]
+                       / longer_patterns[BARE_EAGER]["ratio"]["median"])
     print(_common.format_table(f"issue 28's GPT-2, batch {tuple(x.shape)} (ratio: time / bare forward)", timed))
     print(f"points / paths, resid_post: {per_pair['resid_post']:.3f}x (target <= {TARGET})")
     print(f"points / paths, z (the point also reshapes to heads): {per_pair['z']:.3f}x")
     print(_common.format_table("attention patterns (ratio: time / bare SDPA forward)", patterns))
     print(f"pattern under SDPA / bare eager forward: {to_eager:.3f}x (goal <= {PATTERN_GOAL})")
+    print(_common.format_table(f"attention patterns, batch {tuple(lx.shape)}, {longer_size['layers']} layers "
+                               f"of width {longer_size['width']} (ratio: time / bare SDPA forward)", longer_patterns))
+    print(f"longer sequence, pattern under SDPA / bare eager forward: {longer_to_eager:.3f}x")
     path = _common.write(NAME, args.out, {
         "quick": args.quick, "conditions": conditions, "rounds": args.rounds, "warmup": args.warmup,
         "model": size, "correct": all(checks.values()), "checks": checks,
         "results": {"batch": list(x.shape), "cases": timed, "points_to_paths": per_pair, "target": TARGET,
-                    "patterns": patterns, "pattern_sdpa_to_bare_eager": to_eager, "pattern_goal": PATTERN_GOAL},
+                    "patterns": patterns, "pattern_sdpa_to_bare_eager": to_eager, "pattern_goal": PATTERN_GOAL,
+                    "longer": {"model": longer_size, "batch": list(lx.shape), "checks": longer_checks,
+                               "patterns": longer_patterns, "pattern_sdpa_to_bare_eager": longer_to_eager}},
     })
     print(f"wrote {path}")
 
