@@ -52,6 +52,7 @@ __all__ = [
     "weights_only_reads_complex",
     "peek_transform",
     "graph_task_id",
+    "saving_hooks_active",
     "jit_tracing",
     "transform_level",
     "MODULE_CALL_CODES",

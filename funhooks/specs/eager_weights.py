@@ -143,7 +143,7 @@ def _checkpointed() -> bool:
     filled, so its keys outnumber its queries (the eager model itself fails there); the op
     mode does what SDPA does with them, and both passes save the same tensors, which
     checkpoint checks. A plain forward with gradients (not checkpointed) reads off the twin."""
-    return torch.is_grad_enabled() and (_torch.saving_hooks_active() or _torch.graph_task_id() != -1)
+    return torch.is_grad_enabled() and (_torch.saving_hooks_active() or _torch.in_backward())
 
 
 def _past(module: nn.Module, kwargs: dict) -> int:
