@@ -112,7 +112,6 @@ class _AttentionOp(Derived):
             return _eager(func, args, kwargs, at)
         return _sdpa(func, args, kwargs, at)
 
-
     def in_output(self, cls: type) -> bool:
         """The pattern, for Hugging Face's attention modules, which return it (``eager_weights``)."""
         return self.name == _PATTERN and eager_weights.attention_class(cls)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -94,12 +94,12 @@ def reading(module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: d
         return Reading.OPS
     if implementation == _EAGER:
         return Reading.OUTPUT
-    mask = kwargs.get(_MASK)
-    hidden = args[0] if len(args) == 1 else kwargs.get(_HIDDEN) if not args else None
+    mask, hidden = kwargs.get(_MASK), _hidden(args, kwargs)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         return Reading.OPS
     if mask is None:  # SDPA's `is_causal` (keys = queries, says Hugging Face), unless a cache lies
-        return Reading.OPS if hidden.size(-2) > 1 and _cached(kwargs) and _checkpointed() else Reading.TWIN
+        return Reading.OPS if hidden.size(-2) > 1 and _cache(kwargs) is not None and _checkpointed() \
+            else Reading.TWIN
     if not isinstance(mask, torch.Tensor):
         return Reading.OPS
     if mask.dtype == torch.bool and (_torch.peek_transform() is not None or not bool(mask.any(-1).all())):
@@ -109,7 +109,7 @@ def reading(module: nn.Module, inner: Callable[..., Any], args: tuple, kwargs: d
 
 class _Causal:
     """The additive causal mask a run's calls share (every layer of a forward asks for the
-    same one): the last one made, for one length, dtype and device. Kept in the run's
+    same one): the last one made, for one shape, dtype and device. Kept in the run's
     ``shared`` dict, so it lives as long as the run and no longer."""
 
     __slots__ = ("key", "mask")
@@ -130,9 +130,18 @@ def _causal(n: int, keys: int, dtype: torch.dtype, device: torch.device, shared:
     return last.mask
 
 
-def _cached(kwargs: dict) -> bool:
-    """Whether the call is handed a cache (see :func:`_checkpointed`)."""
-    return any(kwargs.get(name) is not None for name in _CACHES)
+def _hidden(args: tuple, kwargs: dict) -> object:
+    """The hidden states a call is handed: its one positional argument, or by keyword."""
+    return args[0] if len(args) == 1 else kwargs.get(_HIDDEN) if not args else None
+
+
+def _cache(kwargs: dict) -> object:
+    """The cache a call is handed (Hugging Face's ``Cache``), None without one."""
+    for name in _CACHES:
+        cache = kwargs.get(name)
+        if cache is not None:
+            return cache
+    return None
 
 
 def _checkpointed() -> bool:
@@ -151,12 +160,8 @@ def _past(module: nn.Module, kwargs: dict) -> int:
     Hugging Face asks SDPA for ``is_causal`` only where the keys are the queries, but a cache
     updated twice (a checkpointed block recomputed with ``use_cache=True``) adds keys, and
     SDPA's ``is_causal`` then lets query i see keys 0..i of them."""
-    for name in _CACHES:
-        cache = kwargs.get(name)
-        if cache is not None:
-            length = getattr(cache, "get_seq_length", None)
-            return 0 if length is None else int(length(getattr(module, "layer_idx", None) or 0))
-    return 0
+    length = getattr(_cache(kwargs), "get_seq_length", None)
+    return 0 if length is None else int(length(getattr(module, "layer_idx", None) or 0))
 
 
 def _eager_mask(module: nn.Module, mask: torch.Tensor | None, hidden: torch.Tensor, kwargs: dict,
@@ -206,8 +211,7 @@ def read(reading: Reading, module: nn.Module, inner: Callable[..., Any], args: t
     if reading is Reading.OUTPUT:
         output = inner(*args, **kwargs)
         return output, _weights(module, output)
-    mask = kwargs.get(_MASK)
-    hidden = args[0] if args else kwargs[_HIDDEN]
-    kwargs = {**kwargs, _MASK: _eager_mask(module, mask, hidden, kwargs, shared)}
+    hidden = cast(torch.Tensor, _hidden(args, kwargs))
+    kwargs = {**kwargs, _MASK: _eager_mask(module, kwargs.get(_MASK), hidden, kwargs, shared)}
     output = type(module).forward(_twin(module), *args, **kwargs)
     return output, _weights(module, output)

@@ -53,7 +53,7 @@ from torch import nn
 
 from funhooks import _torch
 from funhooks.errors import TransformError
-from funhooks.specs.ops import Derived, Reading
+from funhooks.specs.ops import Reading
 from funhooks.specs.selector import path_label
 
 from . import op_mode, scope
@@ -402,7 +402,7 @@ class _Observing(_Slotted[_T]):
 class _Reading(_Slotted[_T]):
     """Its plan's one run alone, the slot's frame, whose entries on the module only record a
     value its output may give (``Hooked.reading``: the attention pattern): where the call
-    gives it (``Derived.reading``), the call and the value with no op mode
+    gives it (``op_mode.output_reading``), the call and the value with no op mode
     (``op_mode.read``); any other call takes the checked path of :func:`call`."""
 
     __slots__ = ()
@@ -412,12 +412,10 @@ class _Reading(_Slotted[_T]):
         inner, module = self.inner, self.module
         if frame in _active() and not frame.calling and inner is not None and _peek() is None \
                 and not _compiling():
-            hooked = cast(Hooked, self.own)
-            derived = cast(Derived, hooked.op_entries[0].derived)
-            reading = derived.reading(module, inner, args, kwargs)
+            users = ((frame, cast(Hooked, self.own)),)
+            reading = op_mode.output_reading(module, inner, users, args, kwargs)
             if reading is not _OPS:
-                return op_mode.read(derived, reading, module, inner, ((frame, hooked),), args, kwargs,
-                                    _graph_task() != -1)
+                return op_mode.read(reading, module, inner, users, args, kwargs, _graph_task() != -1)
         return self._outside(self.current_users(), args, kwargs)
 
 

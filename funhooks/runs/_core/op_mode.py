@@ -44,7 +44,7 @@ from .frame import Frame
 from .types import Key, Miss, UserCall
 from .values import preparer, snapshot, unchecked
 
-__all__ = ["OpEntry", "call", "op_entry", "read"]
+__all__ = ["OpEntry", "call", "op_entry", "output_reading", "read"]
 
 _named = OP_NAMES.get
 """A torch function's op name once seen (one builtin call per op in the hot loop), else None."""
@@ -249,7 +249,8 @@ def call(module: nn.Module, inner: UserCall, users: _OpUsers, path: str, args: t
     """``inner(*args, **kwargs)`` inside the mode of `users` (``(frame, hooked)`` pairs whose
     tables have op entries); then note which op specs matched (``Frame.check``). Where every
     user only records a value the call's output gives (``Hooked.reads_output``: the attention
-    pattern, read off a Hugging Face attention module run eagerly), no mode: :func:`read`."""
+    pattern, read off a Hugging Face attention module run eagerly), no mode: :func:`read`, where
+    :func:`output_reading` says the call gives it."""
     compiling = _torch.is_compiling()
     if compiling:
         for frame, hooked in users:
@@ -260,12 +261,10 @@ def call(module: nn.Module, inner: UserCall, users: _OpUsers, path: str, args: t
                         f"submodules' ops, as frames cannot be walked there, got {entry.spec!r} on module "
                         f"{path_label(path)}. Pass `fh.op({entry.name!r}, deep=True)`, or run it eagerly."
                     )
-    elif all(hooked.reads_output for _, hooked in users):
-        derived = cast(Derived, users[0][1].op_entries[0].derived)
-        if all(hooked.op_entries[0].name == derived.name for _, hooked in users):
-            reading = derived.reading(module, inner, args, kwargs)
-            if reading is not Reading.OPS:
-                return read(derived, reading, module, inner, users, args, kwargs, replay)
+    else:
+        reading = output_reading(module, inner, users, args, kwargs)
+        if reading is not Reading.OPS:
+            return read(reading, module, inner, users, args, kwargs, replay)
     mode = _Mode(module, users, None if compiling else sys._getframe(), replay)
     with mode:
         output = inner(*args, **kwargs)
@@ -273,12 +272,28 @@ def call(module: nn.Module, inner: UserCall, users: _OpUsers, path: str, args: t
     return output
 
 
-def read(derived: Derived, reading: Reading, module: nn.Module, inner: UserCall, users: _OpUsers, args: tuple,
-         kwargs: dict, replay: bool) -> object:
-    """A call whose only op entries record `derived`, read off the call's output with no op
-    mode (``Derived.read``: the attention pattern of a Hugging Face attention module, run as
-    eager attention); each entry took its one value."""
-    output, value = derived.read(reading, module, inner, args, kwargs, users[0][0].shared)
+def _derived(hooked: _OpTable) -> Derived:
+    """The derived value a table that only records one (``reads_output``) records."""
+    return cast(Derived, hooked.op_entries[0].derived)
+
+
+def output_reading(module: nn.Module, inner: UserCall, users: _OpUsers, args: tuple, kwargs: dict) -> Reading:
+    """How this call gives the one derived value every user only records, off its output
+    (``Derived.reading``); ``Reading.OPS`` where a user does more, or records another value,
+    or the call cannot give it."""
+    first = users[0][1].op_entries[0].name
+    if all(hooked.reads_output and hooked.op_entries[0].name == first for _, hooked in users):
+        return _derived(users[0][1]).reading(module, inner, args, kwargs)
+    return Reading.OPS
+
+
+def read(reading: Reading, module: nn.Module, inner: UserCall, users: _OpUsers, args: tuple, kwargs: dict,
+         replay: bool) -> object:
+    """A call whose users only record one derived value, read off the call's output the way
+    `reading` (from :func:`output_reading`) says, with no op mode (``Derived.read``: the
+    attention pattern of a Hugging Face attention module, run as eager attention); each entry
+    took its one value."""
+    output, value = _derived(users[0][1]).read(reading, module, inner, args, kwargs, users[0][0].shared)
     for frame, hooked in users:
         for entry in hooked.op_entries:
             if not replay:
